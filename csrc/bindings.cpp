@@ -1,0 +1,181 @@
+// The only file that knows pybind11: wraps engine::Engine and engine::RemoteView as
+// torch_p2p._C, and turns p2p::Error into the Python exception its kind names.
+#include <torch/extension.h>
+
+#include "common/error.h"
+#include "engine/engine.h"
+#include "fabric/info.h"
+
+namespace py = pybind11;
+using namespace p2p;
+using namespace p2p::engine;
+
+namespace {
+
+const char* exception_name(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::Peer: return "PeerError";
+    case ErrorKind::Timeout: return "TimeoutError";
+    case ErrorKind::Closed: return "ClosedError";
+    case ErrorKind::Cancelled: return "CancelledError";
+    case ErrorKind::Remote: return "RemoteError";
+    default: return "P2PError";
+  }
+}
+
+void raise(const Error& e) {
+  if (e.kind() == ErrorKind::Value) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } else if (e.kind() == ErrorKind::Index) {
+    PyErr_SetString(PyExc_IndexError, e.what());
+  } else {
+    py::object cls = py::module_::import("torch_p2p.errors").attr(exception_name(e.kind()));
+    PyErr_SetString(cls.ptr(), e.what());
+  }
+}
+
+WorkerConfig make_config(const py::dict& d) {
+  WorkerConfig c;
+  auto get = [&](const char* key, auto& field) {
+    if (d.contains(key) && !d[key].is_none()) field = d[key].cast<std::remove_reference_t<decltype(field)>>();
+  };
+  get("provider", c.provider);
+  get("domains", c.domains);
+  get("cpu", c.cpu);
+  get("cuda_device", c.cuda_device);
+  get("port", c.port);
+  std::string path = "auto";
+  get("data_path", path);
+  if (path == "direct") c.data_path = DataPath::Direct;
+  else if (path == "staged") c.data_path = DataPath::Staged;
+  else if (path != "auto") throw Error(ErrorKind::Value, "data_path must be None, 'direct' or 'staged', not '" + path + "'");
+  get("timeout", c.timeout_s);
+  get("peer_timeout", c.peer_timeout_s);
+  get("staging_bytes", c.staging_bytes);
+  get("staging_slot_bytes", c.slot_bytes);
+  get("max_chunk_bytes", c.max_chunk);
+  get("min_chunk_bytes", c.min_chunk);
+  get("mr_piece_bytes", c.piece_bytes);
+  get("tx_depth", c.tx_depth);
+  get("post_batch", c.batch);
+  get("spin_us", c.spin_us);
+  for (size_t v : {c.slot_bytes, c.max_chunk, c.min_chunk, c.piece_bytes, c.batch})
+    if (v == 0) throw Error(ErrorKind::Value, "sizes and batch must be positive");
+  if (c.timeout_s <= 0 || c.peer_timeout_s <= 0) throw Error(ErrorKind::Value, "timeouts must be positive");
+  return c;
+}
+
+py::tuple completion_tuple(Completion& c) {
+  py::object payload = py::none(), address = py::none();
+  if (!c.address.empty()) {
+    payload = py::bytes(c.payload);
+    address = py::bytes(c.address);
+  }
+  return py::make_tuple(c.id, static_cast<int>(c.status.kind), c.status.message, payload, address);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "torch_p2p native engine (see torch_p2p/__init__.py)";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      raise(e);
+    }
+  });
+
+#ifdef WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+
+  m.def("list_nics", [](const std::string& provider, bool want_hmem) {
+    fabric::Offer offer = fabric::query(provider, want_hmem);
+    py::list nics;
+    for (const auto& n : offer.nics()) {
+      py::dict d;
+      d["domain"] = n.domain;
+      d["fabric"] = n.fabric;
+      d["pci"] = n.pci.empty() ? py::object(py::none()) : py::object(py::str(n.pci));
+      d["speed_bps"] = n.speed_bps ? py::object(py::int_(n.speed_bps)) : py::object(py::none());
+      nics.append(d);
+    }
+    return py::make_tuple(offer.provider, offer.hmem, nics);
+  }, py::arg("provider"), py::arg("want_hmem"),
+     "Resolves a provider name and lists its NICs: (provider, hmem, [nic dicts]).");
+
+  py::class_<RemoteView, std::shared_ptr<RemoteView>>(m, "RemoteView")
+      .def_property_readonly("dtype", [](const RemoteView& v) { return v.dtype; })
+      .def_property_readonly("shape", [](const RemoteView& v) { return v.shape; })
+      .def_property_readonly("strides", [](const RemoteView& v) { return v.strides; })
+      .def_property_readonly("offset", [](const RemoteView& v) { return v.offset; })
+      .def_property_readonly("element_size", &RemoteView::elem)
+      .def_property_readonly("owner", [](const RemoteView& v) { return py::bytes(v.region->owner); })
+      .def_property_readonly("region_id", [](const RemoteView& v) { return v.region->id; })
+      .def_property_readonly("nbytes", [](const RemoteView& v) { return v.region->nbytes; })
+      .def_property_readonly("access", [](const RemoteView& v) { return v.region->access; })
+      .def_property_readonly("staged", [](const RemoteView& v) { return v.region->staged; })
+      .def_property_readonly("device", [](const RemoteView& v) {
+        return v.region->device_type == 1 ? "cuda:" + std::to_string(v.region->device_index) : std::string("cpu");
+      })
+      .def_property_readonly("keys", [](const RemoteView& v) { return v.region->key; })
+      .def_property_readonly("rails", [](const RemoteView& v) { return v.region->rails; })
+      .def("view", &RemoteView::view)
+      .def("to_bytes", [](const RemoteView& v) { return py::bytes(v.encode()); })
+      .def_static("from_bytes", [](const py::bytes& b) { return RemoteView::decode(std::string(b)); });
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](const py::dict& config) {
+        WorkerConfig c = make_config(config);
+        py::gil_scoped_release release;  // the worker opens its rails meanwhile
+        return std::make_unique<Engine>(std::move(c));
+      }))
+      .def_property_readonly("address", [](const Engine& e) { return py::bytes(e.address()); })
+      .def_property_readonly("provider", &Engine::provider)
+      .def_property_readonly("data_path", &Engine::data_path)
+      .def_property_readonly("delivery_complete", &Engine::delivery_complete)
+      .def_property_readonly("closed", &Engine::closed)
+      .def_property_readonly("rails", [](const Engine& e) {
+        py::list out;
+        for (const auto& r : e.rails()) {
+          py::dict d;
+          d["domain"] = r.domain;
+          d["fabric"] = r.fabric;
+          d["tx_depth"] = r.tx_depth;
+          d["wait_fd"] = r.wait_fd;
+          out.append(d);
+        }
+        return out;
+      })
+      .def("register", [](Engine& e, const at::Tensor& t, const std::string& access, double timeout) {
+        py::gil_scoped_release release;
+        return e.register_tensor(t, access, timeout);
+      })
+      .def("deregister", &Engine::deregister, py::call_guard<py::gil_scoped_release>())
+      .def("submit", &Engine::submit)
+      .def("connect", [](Engine& e, uint64_t id, const py::bytes& a) { e.connect(id, a); })
+      .def("disconnect", [](Engine& e, uint64_t id, const py::bytes& a) { e.disconnect(id, a); })
+      .def("send", [](Engine& e, uint64_t id, const py::bytes& a, const py::bytes& payload, double timeout) {
+        e.send(id, a, std::string(payload), timeout);
+      })
+      .def("recv", &Engine::recv)
+      .def("notification", &Engine::notification)
+      .def("cancel", &Engine::cancel)
+      .def("poll", [](Engine& e, int timeout_ms) {
+        std::vector<Completion> batch;
+        {
+          py::gil_scoped_release release;
+          batch = e.poll(timeout_ms);
+        }
+        py::list out;
+        for (auto& c : batch) out.append(completion_tuple(c));
+        return out;
+      })
+      .def("drained", &Engine::drained)
+      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
+      .def("stream_wait", [](Engine& e, uint64_t stream) { return e.stream_wait(reinterpret_cast<void*>(stream)); })
+      .def("stream_release", &Engine::stream_release);
+}

@@ -1,0 +1,77 @@
+// Errors in three tiers (see STYLE.md):
+//  - p2p::Error is thrown on API and setup paths; bindings.cpp turns it into the Python
+//    exception its kind names (torch_p2p/errors.py).
+//  - p2p::Status travels inside a completion on worker paths and becomes a Future's exception.
+//  - P2P_ASSERT guards invariants; a failure is a bug in this library, never bad input.
+#pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace p2p {
+
+// The Python exception an error becomes. Values are part of the contract with errors.py.
+enum class ErrorKind : uint8_t {
+  None = 0,
+  Generic = 1,    // P2PError
+  Value = 2,      // ValueError: bad argument
+  Index = 3,      // IndexError
+  Peer = 4,       // PeerError: the peer is dead, left, restarted or unreachable
+  Timeout = 5,    // TimeoutError (P2PError subclass)
+  Closed = 6,     // ClosedError: engine or region closed
+  Cancelled = 7,  // CancelledError
+  Remote = 8,     // RemoteError: the peer refused the operation (bounds, access, key)
+};
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorKind kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
+  ErrorKind kind() const { return kind_; }
+
+ private:
+  ErrorKind kind_;
+};
+
+struct Status {
+  ErrorKind kind = ErrorKind::None;
+  std::string message;
+
+  bool ok() const { return kind == ErrorKind::None; }
+  static Status error(ErrorKind kind, std::string message) { return {kind, std::move(message)}; }
+};
+
+// cat("a", 1, "b") -> "a1b": builds messages without iostream boilerplate at call sites.
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::ostringstream out;
+  (out << ... << args);
+  return out.str();
+}
+
+// "FI_ECONNREFUSED (Connection refused)" for a positive libfabric error number.
+std::string fi_error_name(int err);
+
+[[noreturn]] void throw_error(ErrorKind kind, const std::string& message, const char* file, int line);
+
+}  // namespace p2p
+
+#define P2P_THROW(kind, ...) ::p2p::throw_error(kind, ::p2p::cat(__VA_ARGS__), __FILE__, __LINE__)
+#define P2P_CHECK(cond, kind, ...) \
+  do {                             \
+    if (!(cond)) P2P_THROW(kind, __VA_ARGS__); \
+  } while (0)
+// For libfabric calls that return 0 or a negative error number on setup paths.
+#define FI_CHECK(call, ...)                                                                      \
+  do {                                                                                           \
+    const int fi_rc_ = static_cast<int>(call);                                                   \
+    if (fi_rc_ < 0)                                                                              \
+      P2P_THROW(::p2p::ErrorKind::Generic, __VA_ARGS__, ": ", ::p2p::fi_error_name(-fi_rc_)); \
+  } while (0)
+#define P2P_ASSERT(cond)                                                                       \
+  do {                                                                                         \
+    if (!(cond)) ::p2p::throw_error(::p2p::ErrorKind::Generic, "internal error: " #cond,      \
+                                    __FILE__, __LINE__);                                       \
+  } while (0)

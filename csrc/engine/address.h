@@ -1,0 +1,47 @@
+// Engine addresses and remote-region descriptors: the bytes that travel between processes.
+// Both are versioned, checksummed and validated on parse, since they come from other
+// processes and users: bad bytes raise a ValueError, never crash.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace p2p::engine {
+
+// What engine.address encodes: enough for a peer to reach every rail of this engine and to
+// tell this incarnation from a later process on the same network address.
+struct EngineAddress {
+  std::string provider;
+  uint64_t incarnation = 0;
+  std::vector<std::string> rails;  // raw libfabric endpoint names, one per rail
+
+  std::string encode() const;
+  static EngineAddress decode(std::string_view bytes);
+};
+
+enum Access : uint8_t { kRemoteRead = 1, kRemoteWrite = 2 };
+
+// The remote side of a registered storage, shared by every RemoteTensor view of it.
+struct RemoteRegion {
+  std::string owner;          // the owner's EngineAddress bytes
+  uint64_t incarnation = 0;   // decoded from owner
+  uint64_t id = 0;
+  uint64_t nbytes = 0;
+  uint8_t access = 0;         // Access bits
+  bool staged = false;        // memory the owner's NICs cannot reach: the owner copies
+  int8_t device_type = 0;     // 0 = cpu, 1 = cuda (informational)
+  int16_t device_index = -1;
+  uint64_t piece_bytes = 0;   // registrations are split into pieces of this size
+  uint16_t rails = 0;         // the owner's rail count
+  std::vector<uint64_t> base; // [piece * rails + rail]: remote address of the piece's byte 0
+  std::vector<uint64_t> key;  // [piece * rails + rail]
+
+  size_t pieces() const { return staged ? 0 : (nbytes + piece_bytes - 1) / piece_bytes; }
+  void encode(std::string& out) const;
+  static std::shared_ptr<RemoteRegion> decode(std::string_view bytes);
+};
+
+}  // namespace p2p::engine

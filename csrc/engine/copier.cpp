@@ -1,0 +1,46 @@
+#include "engine/copier.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "common/error.h"
+
+namespace p2p::engine {
+
+#ifdef WITH_CUDA
+std::unique_ptr<Copier> make_cuda_copier(int cuda_device);  // csrc/cuda/copier.cpp
+#endif
+
+namespace {
+
+class HostCopier final : public Copier {
+ public:
+  uint64_t copy(const CopySpan*, size_t, void*) override {
+    P2P_THROW(ErrorKind::Generic, "a host engine was asked to copy GPU memory");
+  }
+  bool done(uint64_t) override { return true; }
+  std::string error() const override { return {}; }
+  bool event_done(void*) override { return true; }
+  void destroy_event(void*) override {}
+  void* alloc_pinned(size_t bytes) override {
+    void* p = nullptr;
+    P2P_CHECK(posix_memalign(&p, 4096, bytes) == 0, ErrorKind::Generic, "cannot allocate ",
+              bytes, " bytes of staging memory");
+    return p;
+  }
+  void free_pinned(void* ptr) override { std::free(ptr); }
+};
+
+}  // namespace
+
+std::unique_ptr<Copier> make_copier(int cuda_device) {
+  if (cuda_device < 0) return std::make_unique<HostCopier>();
+#ifdef WITH_CUDA
+  return make_cuda_copier(cuda_device);
+#else
+  P2P_THROW(ErrorKind::Value, "torch_p2p was built without CUDA; rebuild with CUDA to use cuda:",
+            cuda_device);
+#endif
+}
+
+}  // namespace p2p::engine

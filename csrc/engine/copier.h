@@ -1,0 +1,43 @@
+// Copier: moves bytes between registered memory and the staging slots for the staged path,
+// and owns what the worker needs of CUDA (device, events, pinned memory). The host copier
+// copies synchronously; the CUDA one (csrc/cuda/copier.cpp) queues copies on its own
+// stream and reports completion through events, so the worker never blocks on the GPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace p2p::engine {
+
+struct CopySpan {
+  void* dst;
+  const void* src;
+  uint64_t len;
+};
+
+class Copier {
+ public:
+  virtual ~Copier() = default;
+  // Queues copies of GPU memory to or from pinned slot memory, after the work behind `after`
+  // (a cudaEvent_t of the caller's stream, or null). `spans` lies in pinned memory, where
+  // the gather kernel reads it. Returns a ticket for done(). Host copies never come here:
+  // the worker memcpy's them itself.
+  virtual uint64_t copy(const CopySpan* spans, size_t n, void* after) = 0;
+  virtual bool done(uint64_t ticket) = 0;
+  // The first CUDA error seen, empty if none: copies after it cannot be trusted.
+  virtual std::string error() const = 0;
+  // The caller's event, recorded at submit time: has its work finished? Frees nothing.
+  virtual bool event_done(void* event) = 0;
+  virtual void destroy_event(void* event) = 0;
+  // Page-aligned memory that NICs and (for CUDA) DMA engines can use.
+  virtual void* alloc_pinned(size_t bytes) = 0;
+  virtual void free_pinned(void* ptr) = 0;
+};
+
+// The host copier for cuda_device < 0, else the CUDA one (which makes cuda_device current on
+// the calling thread). Throws if CUDA is requested in a build without it.
+std::unique_ptr<Copier> make_copier(int cuda_device);
+
+}  // namespace p2p::engine

@@ -1,0 +1,330 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+
+#include "common/log.h"
+
+#ifdef WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/device.h"
+#endif
+
+namespace p2p::engine {
+namespace {
+
+constexpr uint64_t kMaxMessage = uint64_t{1} << 30;
+
+std::string dims(at::IntArrayRef v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+uint8_t parse_access(const std::string& access) {
+  if (access == "rw" || access == "wr") return kRemoteRead | kRemoteWrite;
+  if (access == "r") return kRemoteRead;
+  if (access == "w") return kRemoteWrite;
+  P2P_THROW(ErrorKind::Value, "access must be 'rw', 'r' or 'w', not '", access, "'");
+}
+
+}  // namespace
+
+Engine::Engine(WorkerConfig config) : cuda_device_(config.cuda_device) {
+  worker_ = std::make_unique<Worker>(std::move(config), &completions_);
+}
+
+Engine::~Engine() { close(); }
+
+std::string Engine::data_path() const {
+  const bool cuda = cuda_device_ >= 0;
+  return worker_->region_staged(cuda) ? "staged" : "direct";
+}
+
+void Engine::close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+  }
+  worker_->stop();
+  completions_.close();
+  std::lock_guard<std::mutex> lock(mu_);
+  regions_.clear();
+#ifdef WITH_CUDA
+  flags_.reset();
+#endif
+}
+
+void Engine::post(std::function<void(Worker&)> fn, uint64_t id) {
+  P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
+  worker_->post([fn = std::move(fn), id](Worker& w, bool closed) {
+    if (closed) return w.report(id, Status::error(ErrorKind::Closed, "the engine was closed"));
+    fn(w);
+  });
+}
+
+void Engine::check_device(const at::Tensor& t, const char* what) const {
+  P2P_CHECK(t.defined(), ErrorKind::Value, what, " is an undefined tensor");
+  P2P_CHECK(t.layout() == at::kStrided, ErrorKind::Value, what, " must be a strided (dense) tensor");
+  if (t.is_cuda()) {
+    P2P_CHECK(t.get_device() == cuda_device_, ErrorKind::Value, what, " is on cuda:", t.get_device(),
+              " but this engine serves ",
+              cuda_device_ >= 0 ? "cuda:" + std::to_string(cuda_device_) : std::string("the host only"));
+  } else {
+    P2P_CHECK(t.is_cpu(), ErrorKind::Value, what, " must be a CPU or CUDA tensor, not ", t.device().str());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+std::pair<uint64_t, std::shared_ptr<RemoteView>> Engine::register_tensor(const at::Tensor& tensor,
+                                                                          const std::string& access,
+                                                                          double timeout_s) {
+  check_device(tensor, "the tensor to register");
+  const uint8_t bits = parse_access(access);
+  const at::Storage& storage = tensor.storage();
+  auto* ptr = static_cast<uint8_t*>(storage.mutable_data());
+  const uint64_t nbytes = storage.nbytes();
+  P2P_CHECK(ptr && nbytes > 0, ErrorKind::Value, "cannot register a tensor with an empty storage");
+  const uintptr_t start = reinterpret_cast<uintptr_t>(ptr), end = start + nbytes;
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
+    auto next = regions_.lower_bound(start);
+    const bool overlaps_next = next != regions_.end() && next->first < end;
+    const bool overlaps_prev = next != regions_.begin() && std::prev(next)->second.end > start;
+    if (overlaps_next || overlaps_prev) {
+      const LocalRegion& other = overlaps_next ? next->second : std::prev(next)->second;
+      P2P_THROW(ErrorKind::Value, "this tensor's storage overlaps region ", other.id,
+                ", registered already; use views of that region's RemoteTensor instead");
+    }
+    id = next_region_++;
+  }
+  const int device = tensor.is_cuda() ? tensor.get_device() : -1;
+  Worker::RegionSpec spec{id, ptr, nbytes, device, bits};
+  std::shared_ptr<RemoteRegion> region;
+  try {
+    region = worker_->call<std::shared_ptr<RemoteRegion>>([spec](Worker& w) { return w.register_region(spec); },
+                                                          timeout_s);
+  } catch (const Error& e) {
+#ifdef WITH_CUDA
+    if (device >= 0 && cuda::is_vmm_memory(ptr))
+      P2P_THROW(ErrorKind::Value, e.what(), ". This tensor lives in CUDA VMM memory (PyTorch's "
+                "expandable segments), which provider ", provider(), " cannot register here: set "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, allocate the tensor before "
+                "turning expandable segments on, or create the engine with data_path='staged'");
+#endif
+    throw;
+  }
+  auto view = std::make_shared<RemoteView>();
+  view->region = std::move(region);
+  view->dtype = tensor.scalar_type();
+  view->shape = tensor.sizes().vec();
+  view->strides = tensor.strides().vec();
+  view->offset = tensor.storage_offset();
+  std::lock_guard<std::mutex> lock(mu_);
+  regions_.emplace(start, LocalRegion{id, start, end, tensor});
+  return {id, view};
+}
+
+void Engine::deregister(uint64_t id, double timeout_s) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find_if(regions_.begin(), regions_.end(), [&](auto& kv) { return kv.second.id == id; });
+    if (it == regions_.end() || closed_) return;  // already gone
+    it->second.closed = true;
+  }
+  auto done = std::make_shared<std::promise<void>>();
+  auto finished = done->get_future();
+  worker_->call<void>([id, done](Worker& w) { w.deregister_region(id, done); }, timeout_s);
+  if (finished.wait_for(std::chrono::duration<double>(timeout_s)) != std::future_status::ready)
+    P2P_THROW(ErrorKind::Timeout, "region ", id, " is still used by operations in flight after ",
+              timeout_s, " s; it stays closed to new operations");
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = regions_.begin(); it != regions_.end(); ++it) {
+    if (it->second.id != id) continue;
+    regions_.erase(it);
+    break;
+  }
+}
+
+const Engine::LocalRegion& Engine::region_of(const at::Tensor& view, uint64_t extent, const char* what,
+                                             size_t index) {
+  const uintptr_t start = reinterpret_cast<uintptr_t>(view.data_ptr());
+  auto it = regions_.upper_bound(start);
+  if (it != regions_.begin()) {
+    const LocalRegion& r = (--it)->second;
+    if (start >= r.start && start + extent <= r.end) {
+      P2P_CHECK(!r.closed, ErrorKind::Closed, what, " ", index, " lies in region ", r.id,
+                ", which is being deregistered");
+      return r;
+    }
+  }
+  P2P_THROW(ErrorKind::Value, what, " ", index, " is not inside a tensor registered with this engine "
+            "(register the tensor, or a tensor whose storage holds it, first)");
+}
+
+void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& local,
+                    const std::vector<std::shared_ptr<RemoteView>>& remote, bool mirror, int64_t notify,
+                    double timeout_s) {
+  const char* what = write ? "source view" : "destination view";
+  P2P_CHECK(!remote.empty() && remote[0], ErrorKind::Value, "no RemoteTensor given");
+  P2P_CHECK(mirror ? remote.size() == 1 : remote.size() == local.size(), ErrorKind::Value,
+            "expected one RemoteTensor per local view (", local.size(), " local views, ", remote.size(),
+            " RemoteTensors)");
+  const std::string& owner = remote[0]->region->owner;
+
+  auto t = std::make_unique<Transfer>();
+  t->id = id;
+  t->kind = write ? TransferKind::Write : TransferKind::Read;
+  t->peer_address = owner;
+  t->notify = notify >= 0;
+  t->tag = static_cast<uint32_t>(std::max<int64_t>(notify, 0));
+  t->timeout_s = timeout_s;
+  bool cuda = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
+    for (size_t i = 0; i < local.size(); ++i) {
+      const at::Tensor& v = local[i];
+      check_device(v, what);
+      const RemoteView& rv = *remote[mirror ? 0 : i];
+      const RemoteRegion& rr = *rv.region;
+      P2P_CHECK(rr.owner == owner, ErrorKind::Value, "all RemoteTensors of one call must belong to one "
+                "peer; RemoteTensor ", i, " belongs to another");
+      const int64_t elem = v.element_size();
+      const uint64_t extent = extent_bytes(v.sizes().vec(), v.strides().data(), elem);
+      const LocalRegion& lr = region_of(v, extent, what, i);
+
+      // Where the view lands remotely: the same element positions (mirror), or the given view.
+      int64_t rbase;
+      std::vector<int64_t> rstrides;
+      if (mirror) {
+        const at::Tensor& reg = lr.tensor;
+        P2P_CHECK(rv.dtype == reg.scalar_type() && rv.shape == reg.sizes().vec() &&
+                      rv.strides == reg.strides().vec(),
+                  ErrorKind::Value, "mirror mode needs the RemoteTensor laid out like the registered local "
+                  "tensor: remote ", dims(rv.shape), " strides ", dims(rv.strides), " ",
+                  c10::toString(rv.dtype), ", local ", dims(reg.sizes()), " strides ", dims(reg.strides()),
+                  " ", c10::toString(reg.scalar_type()));
+        rbase = rv.offset * rv.elem() +
+                (static_cast<int64_t>(reinterpret_cast<uintptr_t>(v.data_ptr())) -
+                 static_cast<int64_t>(reinterpret_cast<uintptr_t>(reg.data_ptr())));
+        rstrides = v.strides().vec();
+      } else {
+        P2P_CHECK(rv.shape == v.sizes().vec(), ErrorKind::Value, what, " ", i, " has shape ", dims(v.sizes()),
+                  " but its RemoteTensor has shape ", dims(rv.shape));
+        P2P_CHECK(rv.dtype == v.scalar_type(), ErrorKind::Value, what, " ", i, " is ",
+                  c10::toString(v.scalar_type()), " but its RemoteTensor is ", c10::toString(rv.dtype));
+        rbase = rv.offset * elem;
+        rstrides = rv.strides;
+      }
+      P2P_CHECK(rbase >= 0 && static_cast<uint64_t>(rbase) + extent <= rr.nbytes, ErrorKind::Value,
+                what, " ", i, " would reach bytes ", rbase, "..", rbase + static_cast<int64_t>(extent),
+                " of a remote region of ", rr.nbytes, " bytes");
+      P2P_CHECK(rr.access & (write ? kRemoteWrite : kRemoteRead), ErrorKind::Value, "region ", rr.id,
+                " of the peer does not accept remote ", write ? "writes (registered with access='r')"
+                                                              : "reads (registered with access='w')");
+      // Two elements landing on one address would make the result depend on arrival order.
+      const int64_t* dst_strides = write ? rstrides.data() : v.strides().data();
+      P2P_CHECK(!self_overlapping(v.sizes().vec(), dst_strides), ErrorKind::Value, what, " ", i,
+                ": the destination has overlapping elements (a stride of 0?)");
+
+      auto lidx = std::find(t->local_ids.begin(), t->local_ids.end(), lr.id) - t->local_ids.begin();
+      if (static_cast<size_t>(lidx) == t->local_ids.size()) t->local_ids.push_back(lr.id);
+      auto ridx = std::find(t->remote.begin(), t->remote.end(), rv.region) - t->remote.begin();
+      if (static_cast<size_t>(ridx) == t->remote.size()) t->remote.push_back(rv.region);
+      append_runs(v.sizes().vec(), Strided{reinterpret_cast<uint64_t>(v.data_ptr()), v.strides().data()},
+                  Strided{static_cast<uint64_t>(rbase), rstrides.data()}, elem, static_cast<uint32_t>(lidx),
+                  static_cast<uint32_t>(ridx), t->runs);
+      cuda |= v.is_cuda();
+    }
+  }
+#ifdef WITH_CUDA
+  if (cuda) {
+    // The transfer follows the work queued so far on the caller's current stream.
+    void* stream = c10::cuda::getCurrentCUDAStream(cuda_device_).stream();
+    t->cuda_event = cuda::record_event(cuda_device_, stream);
+  }
+#endif
+  enqueue(std::move(t));
+}
+
+void Engine::enqueue(std::unique_ptr<Transfer> t) {
+  P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
+  Transfer* raw = t.release();
+  try {
+    worker_->post([raw](Worker& w, bool closed) {
+      if (!closed) return w.start(raw);  // the worker owns it from here
+      w.report(raw->id, Status::error(ErrorKind::Closed, "the engine was closed"));
+      delete raw;
+    });
+  } catch (...) {
+    delete raw;
+    throw;
+  }
+}
+
+void Engine::connect(uint64_t id, const std::string& address) {
+  EngineAddress::decode(address);  // bad bytes raise here, not in a future
+  post([id, address](Worker& w) { w.connect(id, address); }, id);
+}
+
+void Engine::disconnect(uint64_t id, const std::string& address) {
+  EngineAddress::decode(address);
+  post([id, address](Worker& w) { w.disconnect(id, address); }, id);
+}
+
+void Engine::send(uint64_t id, const std::string& address, std::string payload, double timeout_s) {
+  EngineAddress::decode(address);
+  P2P_CHECK(payload.size() <= kMaxMessage, ErrorKind::Value, "a message may hold at most ", kMaxMessage,
+            " bytes, not ", payload.size());
+  auto t = std::make_unique<Transfer>();
+  t->id = id;
+  t->kind = TransferKind::Message;
+  t->peer_address = address;
+  t->payload = std::move(payload);
+  t->timeout_s = timeout_s;
+  enqueue(std::move(t));
+}
+
+void Engine::recv(uint64_t id, double timeout_s) {
+  post([id, timeout_s](Worker& w) { w.recv(id, timeout_s); }, id);
+}
+
+void Engine::notification(uint64_t id, uint32_t tag, double timeout_s) {
+  post([id, tag, timeout_s](Worker& w) { w.notification(id, tag, timeout_s); }, id);
+}
+
+void Engine::cancel(uint64_t id) {
+  if (closed_) return;
+  worker_->post([id](Worker& w, bool closed) {
+    if (!closed) w.cancel(id);
+  });
+}
+
+uint64_t Engine::stream_wait(void* stream) {
+#ifdef WITH_CUDA
+  P2P_CHECK(cuda_device_ >= 0, ErrorKind::Value, "stream waits need a CUDA engine");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!flags_) flags_ = std::make_unique<cuda::StreamFlags>(cuda_device_);
+  }
+  return flags_->wait(stream);
+#else
+  (void)stream;
+  P2P_THROW(ErrorKind::Value, "torch_p2p was built without CUDA");
+#endif
+}
+
+void Engine::stream_release(uint64_t token) {
+#ifdef WITH_CUDA
+  if (flags_) flags_->release(token);
+#else
+  (void)token;
+#endif
+}
+
+}  // namespace p2p::engine

@@ -1,0 +1,90 @@
+// Engine: the torch-facing front of one Worker. Python threads call it; it validates tensors
+// and views, decomposes them into byte runs and hands the work to the worker thread, so that
+// bad input raises before anything is queued. It records the caller's CUDA stream position
+// for transfers of GPU memory. bindings.cpp wraps it for Python; torch_p2p/engine.py adds
+// futures, the dispatcher thread and the friendly signature.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/completions.h"
+#include "engine/remote_view.h"
+#include "engine/worker.h"
+
+namespace p2p::cuda {
+class StreamFlags;
+}
+
+namespace p2p::engine {
+
+class Engine {
+ public:
+  explicit Engine(WorkerConfig config);
+  ~Engine();
+
+  const std::string& address() const { return worker_->address(); }
+  const std::string& provider() const { return worker_->provider(); }
+  std::string data_path() const;
+  const std::vector<RailFacts>& rails() const { return worker_->rail_facts(); }
+  bool delivery_complete() const { return worker_->delivery_complete(); }
+  bool closed() const { return closed_; }
+
+  // Registers the tensor's whole storage; returns the region id and a view of the tensor.
+  std::pair<uint64_t, std::shared_ptr<RemoteView>> register_tensor(const at::Tensor& tensor,
+                                                                    const std::string& access,
+                                                                    double timeout_s);
+  // Waits for operations using the region to finish, then deregisters it. No GIL needed.
+  void deregister(uint64_t id, double timeout_s);
+
+  // write_slices (write=true) / read_slices. `remote` holds one view per local view, or one
+  // view in mirror mode. `id` names the completion. notify < 0: none.
+  void submit(uint64_t id, bool write, const std::vector<at::Tensor>& local,
+              const std::vector<std::shared_ptr<RemoteView>>& remote, bool mirror, int64_t notify,
+              double timeout_s);
+  void connect(uint64_t id, const std::string& address);
+  void disconnect(uint64_t id, const std::string& address);
+  void send(uint64_t id, const std::string& address, std::string payload, double timeout_s);
+  void recv(uint64_t id, double timeout_s);
+  void notification(uint64_t id, uint32_t tag, double timeout_s);
+  void cancel(uint64_t id);
+
+  std::vector<Completion> poll(int timeout_ms) { return completions_.pop(timeout_ms); }
+  bool drained() { return completions_.closed(); }
+  void close();
+
+  // Makes `stream` wait (on the GPU) until release(token) is called.
+  uint64_t stream_wait(void* stream);
+  void stream_release(uint64_t token);
+
+ private:
+  struct LocalRegion {
+    uint64_t id;
+    uintptr_t start, end;
+    at::Tensor tensor;  // keeps the storage alive while registered
+    bool closed = false;
+  };
+  const LocalRegion& region_of(const at::Tensor& view, uint64_t extent, const char* what, size_t index);
+  void check_device(const at::Tensor& t, const char* what) const;
+  void post(std::function<void(Worker&)> fn, uint64_t id);
+  void enqueue(std::unique_ptr<Transfer> t);
+
+  CompletionQueue completions_;
+  std::unique_ptr<Worker> worker_;
+  int cuda_device_;
+  std::mutex mu_;
+  std::map<uintptr_t, LocalRegion> regions_;  // by start address
+  uint64_t next_region_ = 1;
+  bool closed_ = false;
+#ifdef WITH_CUDA
+  std::unique_ptr<cuda::StreamFlags> flags_;
+#endif
+};
+
+}  // namespace p2p::engine

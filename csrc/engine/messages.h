@@ -1,0 +1,61 @@
+// Control messages between engines: one provider message each (at most kMessageBytes), sent
+// on rail 0 to the peer's rail 0, relying on send-after-send order per peer.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "common/wire.h"
+
+namespace p2p::engine {
+
+constexpr size_t kMessageBytes = 8192;
+
+enum class MsgType : uint8_t {
+  Hello = 1,     // body: sender address. Introduces the sender (target AV insert) first.
+  HelloAck = 2,  // body: responder address, echoed expected incarnation
+  Bye = 3,       // the sender leaves; nothing follows
+  Ping = 4,
+  Pong = 5,
+  User = 6,      // body: message id, total length, offset, fragment bytes
+  Notify = 7,    // body: tag, status kind, status message
+  StageReq = 8,  // body: see staging.cpp
+  StageAck = 9,  // body: request id, status kind, status message
+};
+
+// Every message starts with the sender's incarnation and the incarnation it is meant for, so a
+// restarted process drops traffic meant for its predecessor.
+struct MsgHeader {
+  MsgType type;
+  uint64_t from;
+  uint64_t to;
+};
+
+constexpr uint32_t kMessageMagic = 0x4D503250;  // "P2PM"
+constexpr uint8_t kMessageVersion = 1;
+
+inline ByteWriter begin_message(MsgType type, uint64_t from, uint64_t to) {
+  ByteWriter w;
+  w.put(kMessageMagic);
+  w.put(kMessageVersion);
+  w.put(type);
+  w.put(from);
+  w.put(to);
+  return w;
+}
+
+inline MsgHeader read_header(ByteReader& r) {
+  if (r.get<uint32_t>() != kMessageMagic) r.fail("bad magic");
+  if (r.get<uint8_t>() != kMessageVersion) r.fail("unsupported version");
+  MsgHeader h;
+  h.type = r.get<MsgType>();
+  h.from = r.get<uint64_t>();
+  h.to = r.get<uint64_t>();
+  return h;
+}
+
+constexpr size_t kHeaderBytes = 4 + 1 + 1 + 8 + 8;
+constexpr size_t kUserFragmentBytes = kMessageBytes - kHeaderBytes - 4 - 8 - 8 - 4;
+
+}  // namespace p2p::engine

@@ -1,0 +1,120 @@
+// Plain-data operations and the fixed-capacity containers the worker keeps them in.
+// The worker allocates nothing per op in steady state: ops come from a pool sized at
+// start-up, and queues are rings that only grow when a burst exceeds everything seen before.
+#pragma once
+
+#include <rdma/fabric.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/error.h"
+
+namespace p2p::engine {
+
+struct Op;
+class Worker;
+struct Peer;
+
+// Whoever posted an op hears how it ended. Implemented by Transfer, SlotJob and Message.
+struct OpOwner {
+  virtual ~OpOwner() = default;
+  virtual void op_done(Worker& worker, Op& op, const Status& status) = 0;
+  // An abandoned owner (failed, timed out) wants its queued ops dropped, not posted.
+  virtual bool abandoned() const = 0;
+};
+
+enum class OpKind : uint8_t { Write, Read, Send, Recv };
+
+struct Op {
+  fi_context2 ctx;  // first member: a completion's op_context is the Op itself
+  OpKind kind = OpKind::Write;
+  uint16_t rail = 0;         // local rail it is posted on
+  bool posted = false;
+  bool orphaned = false;     // its peer was declared dead while it was posted
+  OpOwner* owner = nullptr;
+  Peer* peer = nullptr;
+  void* local = nullptr;
+  uint64_t len = 0;
+  void* desc = nullptr;
+  fi_addr_t dest = FI_ADDR_UNSPEC;
+  uint64_t remote_addr = 0;
+  uint64_t key = 0;
+  int32_t buffer = -1;       // control-message buffer (Send, Recv)
+};
+
+// FIFO with push_front for the lazy-posting requeue on -FI_EAGAIN.
+template <typename T>
+class Ring {
+ public:
+  explicit Ring(size_t capacity = 64) : items_(round_up(capacity)) {}
+  bool empty() const { return size_ == 0; }
+  size_t size() const { return size_; }
+  T& front() { return items_[head_]; }
+  void pop_front() {
+    head_ = (head_ + 1) & (items_.size() - 1);
+    --size_;
+  }
+  void push_back(T value) {
+    if (size_ == items_.size()) grow();
+    items_[(head_ + size_) & (items_.size() - 1)] = value;
+    ++size_;
+  }
+  void push_front(T value) {
+    if (size_ == items_.size()) grow();
+    head_ = (head_ + items_.size() - 1) & (items_.size() - 1);
+    items_[head_] = value;
+    ++size_;
+  }
+  T& operator[](size_t i) { return items_[(head_ + i) & (items_.size() - 1)]; }
+
+ private:
+  static size_t round_up(size_t n) {
+    size_t c = 1;
+    while (c < n) c <<= 1;
+    return c;
+  }
+  void grow() {
+    std::vector<T> bigger(items_.size() * 2);
+    for (size_t i = 0; i < size_; ++i) bigger[i] = (*this)[i];
+    items_.swap(bigger);
+    head_ = 0;
+  }
+  std::vector<T> items_;
+  size_t head_ = 0;
+  size_t size_ = 0;
+};
+
+// Ops are allocated once; acquire() returns nullptr when all are in use, which is the
+// worker's back-pressure: it stops generating until completions return some.
+class OpPool {
+ public:
+  explicit OpPool(size_t capacity) : ops_(new Op[capacity]), capacity_(capacity) {
+    free_.reserve(capacity);
+    for (size_t i = capacity; i-- > 0;) free_.push_back(&ops_[i]);
+  }
+  Op* acquire() {
+    if (free_.empty()) return nullptr;
+    Op* op = free_.back();
+    free_.pop_back();
+    *op = Op{};
+    return op;
+  }
+  void release(Op* op) { free_.push_back(op); }
+  size_t in_use() const { return capacity_ - free_.size(); }
+  template <typename F>
+  void for_each_in_use(F&& f) {  // slow path only (peer failure)
+    std::vector<bool> is_free(capacity_);
+    for (Op* op : free_) is_free[op - ops_.get()] = true;
+    for (size_t i = 0; i < capacity_; ++i)
+      if (!is_free[i]) f(ops_[i]);
+  }
+
+ private:
+  std::unique_ptr<Op[]> ops_;
+  size_t capacity_;
+  std::vector<Op*> free_;
+};
+
+}  // namespace p2p::engine

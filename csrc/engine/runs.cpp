@@ -1,0 +1,101 @@
+#include "engine/runs.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace p2p::engine {
+namespace {
+
+struct Dim {
+  int64_t size, local, remote;  // strides in elements
+};
+
+// Drops size-1 dimensions and merges a dimension into its inner neighbour where both sides
+// step over it as if it were contiguous with it.
+std::vector<Dim> coalesce(const std::vector<int64_t>& shape, const int64_t* ls, const int64_t* rs) {
+  std::vector<Dim> dims;
+  for (size_t i = 0; i < shape.size(); ++i)
+    if (shape[i] != 1) dims.push_back({shape[i], ls[i], rs[i]});
+  std::vector<Dim> out;
+  for (const Dim& d : dims) {
+    if (!out.empty()) {
+      Dim& outer = out.back();
+      if (outer.local == d.local * d.size && outer.remote == d.remote * d.size) {
+        outer = {outer.size * d.size, d.local, d.remote};
+        continue;
+      }
+    }
+    out.push_back(d);
+  }
+  return out;
+}
+
+}  // namespace
+
+void append_runs(const std::vector<int64_t>& shape, Strided local, Strided remote, int64_t elem,
+                 uint32_t lreg, uint32_t rreg, std::vector<Run>& out) {
+  for (int64_t s : shape)
+    if (s == 0) return;
+  std::vector<Dim> dims = coalesce(shape, local.strides, remote.strides);
+  // The innermost dimension is one run when both sides are dense along it.
+  uint64_t run_len = elem;
+  if (!dims.empty() && dims.back().local == 1 && dims.back().remote == 1) {
+    run_len = dims.back().size * elem;
+    dims.pop_back();
+  }
+  std::vector<int64_t> index(dims.size(), 0);
+  uint64_t loff = 0, roff = 0;  // byte offsets of the current run
+  while (true) {
+    const uint64_t l = local.base + loff, r = remote.base + roff;
+    Run* last = out.empty() ? nullptr : &out.back();
+    if (last && last->lreg == lreg && last->rreg == rreg && last->local + last->len == l &&
+        last->remote + last->len == r)
+      last->len += run_len;
+    else
+      out.push_back({l, r, run_len, lreg, rreg});
+    // Odometer over the outer dimensions, innermost fastest.
+    size_t d = dims.size();
+    while (d > 0) {
+      --d;
+      Dim& dim = dims[d];
+      if (++index[d] < dim.size) {
+        loff += dim.local * elem;
+        roff += dim.remote * elem;
+        break;
+      }
+      loff -= (dim.size - 1) * dim.local * elem;
+      roff -= (dim.size - 1) * dim.remote * elem;
+      index[d] = 0;
+      if (d == 0) return;
+    }
+    if (dims.empty()) return;
+  }
+}
+
+uint64_t extent_bytes(const std::vector<int64_t>& shape, const int64_t* strides, int64_t elem) {
+  uint64_t last = 0;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == 0) return 0;
+    last += static_cast<uint64_t>(shape[i] - 1) * static_cast<uint64_t>(strides[i]);
+  }
+  return (last + 1) * static_cast<uint64_t>(elem);
+}
+
+bool self_overlapping(const std::vector<int64_t>& shape, const int64_t* strides) {
+  // Sorted by stride, a view has distinct addresses when each stride clears the span of
+  // every smaller one: the usual non-overlap test for strided layouts.
+  std::vector<size_t> order;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == 0) return false;
+    if (shape[i] > 1) order.push_back(i);
+  }
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return strides[a] < strides[b]; });
+  int64_t span = 1;  // elements covered by the dimensions so far
+  for (size_t i : order) {
+    if (strides[i] < span) return true;
+    span += strides[i] * (shape[i] - 1);
+  }
+  return false;
+}
+
+}  // namespace p2p::engine

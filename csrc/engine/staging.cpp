@@ -1,0 +1,466 @@
+#include "engine/staging.h"
+
+#include <rdma/fi_domain.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/log.h"
+#include "engine/worker.h"
+
+namespace p2p::engine {
+namespace {
+
+constexpr uint64_t kSlotAccess = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
+
+uint64_t round_page(uint64_t n) { return (n + 4095) & ~uint64_t{4095}; }
+
+// StageReq direction: who moves the bytes between the two slots.
+enum : uint8_t { kOwnerPulls = 0, kOwnerPushes = 1 };
+
+}  // namespace
+
+void SlotJob::op_done(Worker& worker, Op&, const Status& status) { worker.job_op_done(*this, status); }
+
+void Worker::ensure_slots() {
+  if (!slots_.empty()) return;
+  const uint64_t slot_bytes = round_page(std::max<uint64_t>(config_.slot_bytes, 4096));
+  const size_t n = std::max<size_t>(2, config_.staging_bytes / slot_bytes);
+  const uint64_t span_bytes = round_page(kMaxJobRuns * sizeof(CopySpan));
+  auto* base = static_cast<uint8_t*>(copier_->alloc_pinned(n * (slot_bytes + span_bytes)));
+  slot_memory_ = base;
+  for (size_t i = 0; i < n; ++i) {
+    auto slot = std::make_unique<Slot>();
+    slot->ptr = base + i * slot_bytes;
+    slot->bytes = slot_bytes;
+    slot->spans = reinterpret_cast<CopySpan*>(base + n * slot_bytes + i * span_bytes);
+    slot->serve = i >= n / 2;
+    for (auto& rs : rails_) slot->mrs.push_back(rs.rail->register_memory(slot->ptr, slot_bytes, kSlotAccess, -1));
+    free_slots_[slot->serve].push_back(slot.get());
+    slots_.push_back(std::move(slot));
+  }
+  P2P_LOG(Info, "staging: ", n, " slots of ", slot_bytes, " bytes (", n - n / 2, " for serving peers)");
+}
+
+Slot* Worker::take_slot(bool serve) {
+  auto& free = free_slots_[serve];
+  if (free.empty()) return nullptr;
+  Slot* slot = free.back();
+  free.pop_back();
+  return slot;
+}
+
+void Worker::give_slot(Slot* slot) {
+  free_slots_[slot->serve].push_back(slot);
+  if (slot->serve) {
+    while (!serve_queue_.empty() && !free_slots_[1].empty()) {
+      auto it = jobs_.find(serve_queue_.front());
+      serve_queue_.pop_front();
+      if (it == jobs_.end()) continue;  // its peer failed while it waited
+      it->second->slot = take_slot(true);
+      start_job(*it->second);
+    }
+    return;
+  }
+  // A transfer parked for want of a slot resumes ahead of newer ones.
+  if (!slot_waiters_.empty()) {
+    gen_queue_.push_front(slot_waiters_.front());
+    slot_waiters_.pop_front();
+  }
+}
+
+// A slot whose job failed with its peer unreachable may still be named in a peer's posted
+// RMA; a new key makes the provider refuse it.
+void Worker::rekey(Slot& slot) {
+  for (size_t r = 0; r < rails_.size(); ++r) {
+    rails_[r].rail->deregister(slot.mrs[r]);
+    slot.mrs[r] = rails_[r].rail->register_memory(slot.ptr, slot.bytes, kSlotAccess, -1);
+  }
+}
+
+size_t Worker::request_run_limit(const Peer&) const {
+  // Header, fixed fields, one (base, key) per local rail, then 12 bytes a run.
+  const size_t fixed = kHeaderBytes + 8 + 1 + 8 + 8 + 2 + 16 * rails_.size() + 2;
+  return std::min(kMaxJobRuns, (kMessageBytes - fixed) / 12);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Initiator side.
+
+Gen Worker::generate_staged(Transfer& t) {
+  ensure_slots();
+  const bool write = t.kind == TransferKind::Write;
+  while (t.next_run < t.runs.size()) {
+    Slot* slot = take_slot(false);
+    if (!slot) {
+      slot_waiters_.push_back(&t);
+      return Gen::Parked;
+    }
+    auto owned = std::make_unique<SlotJob>();
+    SlotJob& job = *owned;
+    job.id = next_request_++;
+    job.transfer = &t;
+    job.peer = t.peer;
+    job.slot = slot;
+    // A job names one remote region: a StageReq addresses one region of its owner.
+    const uint32_t rreg = t.runs[t.next_run].rreg;
+    const bool remote_staged = t.remote[rreg]->staged;
+    const size_t max_runs = remote_staged ? request_run_limit(*t.peer) : kMaxJobRuns;
+    while (t.next_run < t.runs.size() && job.runs.size() < max_runs && job.bytes < slot->bytes) {
+      const Run& run = t.runs[t.next_run];
+      if (run.rreg != rreg) break;
+      const uint64_t len = std::min(run.len - t.run_pos, slot->bytes - job.bytes);
+      job.runs.push_back({run.local + t.run_pos, run.remote + t.run_pos, len, run.lreg, run.rreg});
+      job.bytes += len;
+      t.run_pos += len;
+      if (t.run_pos == run.len) {
+        ++t.next_run;
+        t.run_pos = 0;
+      }
+    }
+    if (remote_staged) {
+      job.steps[0] = write ? Step::Pack : Step::Request;
+      job.steps[1] = write ? Step::Request : Step::Unpack;
+    } else {
+      job.write_out = write;
+      job.steps[0] = write ? Step::Pack : Step::RmaRuns;
+      job.steps[1] = write ? Step::RmaRuns : Step::Unpack;
+    }
+    ++t.pending;
+    jobs_.emplace(job.id, std::move(owned));
+    start_job(job);
+  }
+  return Gen::Done;
+}
+
+void Worker::send_request(SlotJob& job) {
+  Transfer& t = *job.transfer;
+  ByteWriter w = message(MsgType::StageReq, *job.peer);
+  w.put(job.id);
+  w.put<uint8_t>(t.kind == TransferKind::Write ? kOwnerPulls : kOwnerPushes);
+  w.put(t.remote[job.runs[0].rreg]->id);
+  w.put(job.bytes);
+  w.put(static_cast<uint16_t>(rails_.size()));
+  for (const auto& mr : job.slot->mrs) {
+    w.put(mr.base);
+    w.put(mr.key);
+  }
+  w.put(static_cast<uint16_t>(job.runs.size()));
+  for (const Run& run : job.runs) {
+    w.put(run.remote);
+    w.put(static_cast<uint32_t>(run.len));
+  }
+  send_control(*job.peer, std::move(w));
+}
+
+void Worker::on_stage_ack(ByteReader& r) {
+  const uint64_t id = r.get<uint64_t>();
+  const uint8_t kind = r.get<uint8_t>();
+  const std::string_view text = r.get_bytes(kMessageBytes);
+  if (kind > static_cast<uint8_t>(ErrorKind::Remote)) r.fail("bad status");
+  auto it = jobs_.find(id);
+  if (it == jobs_.end() || !it->second->transfer || it->second->step() != Step::Request) return;
+  SlotJob& job = *it->second;
+  if (kind != 0 && job.status.ok())
+    job.status = Status::error(ErrorKind::Remote, cat("the owner refused: ", text));
+  ++job.cur;
+  job.started = false;
+  advance(job);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Serving side.
+
+void Worker::send_ack(Peer& p, uint64_t request, const Status& status) {
+  if (p.state != PeerState::Ready) return;
+  ByteWriter w = message(MsgType::StageAck, p);
+  w.put(request);
+  w.put(static_cast<uint8_t>(status.kind));
+  w.put_bytes(status.message.substr(0, 1024));
+  send_control(p, std::move(w));
+}
+
+void Worker::on_stage_request(Peer& p, ByteReader& r) {
+  const uint64_t request = r.get<uint64_t>();
+  const uint8_t dir = r.get<uint8_t>();
+  const uint64_t region_id = r.get<uint64_t>();
+  const uint64_t bytes = r.get<uint64_t>();
+  const uint16_t rails = r.get<uint16_t>();
+  if (dir > kOwnerPushes || rails != p.remote_rails()) r.fail("bad stage request");
+  std::vector<uint64_t> base(rails), key(rails);
+  for (uint16_t i = 0; i < rails; ++i) {
+    base[i] = r.get<uint64_t>();
+    key[i] = r.get<uint64_t>();
+  }
+  const uint16_t nruns = r.get<uint16_t>();
+  std::vector<Run> runs(nruns);
+  for (auto& run : runs) {
+    run.remote = r.get<uint64_t>();
+    run.len = r.get<uint32_t>();
+  }
+
+  // The owner checks what its provider would check for direct RMA: region, access, bounds.
+  auto refuse = [&](const std::string& why) { send_ack(p, request, Status::error(ErrorKind::Remote, why)); };
+  auto it = regions_.find(region_id);
+  if (it == regions_.end() || it->second->closing) return refuse(cat("region ", region_id, " is not registered (deregistered?)"));
+  std::shared_ptr<Region> region = it->second;
+  if (!region->staged) return refuse(cat("region ", region_id, " is registered for direct RMA"));
+  if (dir == kOwnerPulls && !(region->access & kRemoteWrite))
+    return refuse(cat("region ", region_id, " does not accept remote writes (registered with access='r')"));
+  if (dir == kOwnerPushes && !(region->access & kRemoteRead))
+    return refuse(cat("region ", region_id, " does not accept remote reads (registered with access='w')"));
+  uint64_t sum = 0;
+  for (auto& run : runs) {
+    if (run.len == 0 || run.remote > region->nbytes || run.len > region->nbytes - run.remote)
+      return refuse(cat("a run lies outside region ", region_id));
+    run.local = reinterpret_cast<uint64_t>(region->ptr) + run.remote;
+    sum += run.len;
+  }
+  const uint64_t slot_bytes = round_page(std::max<uint64_t>(config_.slot_bytes, 4096));
+  if (sum != bytes || bytes == 0 || bytes > slot_bytes) return refuse("malformed stage request");
+
+  auto owned = std::make_unique<SlotJob>();
+  SlotJob& job = *owned;
+  job.id = next_request_++;
+  job.request = request;
+  job.peer = &p;
+  job.region = std::move(region);
+  job.runs = std::move(runs);
+  job.bytes = bytes;
+  job.peer_base = std::move(base);
+  job.peer_key = std::move(key);
+  if (dir == kOwnerPulls) {
+    job.write_out = false;
+    job.steps[0] = Step::RmaSlot;
+    job.steps[1] = Step::Unpack;
+  } else {
+    job.write_out = true;
+    job.steps[0] = Step::Pack;
+    job.steps[1] = Step::RmaSlot;
+  }
+  job.steps[2] = Step::Ack;
+  ++p.busy;
+  jobs_.emplace(job.id, std::move(owned));
+  ensure_slots();
+  job.slot = take_slot(true);
+  if (!job.slot) {
+    serve_queue_.push_back(job.id);
+    return;
+  }
+  start_job(job);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Both sides: the step machine.
+
+void Worker::start_job(SlotJob& job) {
+  job.cur = 0;
+  job.started = false;
+  advance(job);
+}
+
+// Host runs are copied here and now; GPU runs go to the copier's stream. Returns its ticket,
+// or 0 (always done) when there was nothing for the GPU.
+uint64_t Worker::start_copy(SlotJob& job, bool pack) {
+  Slot& slot = *job.slot;
+  size_t n = 0;
+  uint64_t offset = 0;
+  for (const Run& run : job.runs) {
+    const Region& region = job.transfer ? *job.transfer->local[run.lreg] : *job.region;
+    auto* mem = reinterpret_cast<uint8_t*>(run.local);
+    uint8_t* in_slot = slot.ptr + offset;
+    offset += run.len;
+    if (region.cuda_device < 0) {
+      std::memcpy(pack ? in_slot : mem, pack ? mem : in_slot, run.len);
+      continue;
+    }
+    slot.spans[n++] = pack ? CopySpan{in_slot, mem, run.len} : CopySpan{mem, in_slot, run.len};
+  }
+  if (n == 0) return 0;
+  return copier_->copy(slot.spans, n, job.transfer ? job.transfer->cuda_event : nullptr);
+}
+
+void Worker::advance(SlotJob& job) {
+  while (true) {
+    if (job.status.ok() && job.transfer && job.transfer->reported)
+      job.status = Status::error(ErrorKind::Cancelled, "the transfer ended");
+    const Step step = job.step();
+    const bool copy_step = step == Step::Pack || step == Step::Unpack;
+    const bool rma_step = step == Step::RmaRuns || step == Step::RmaSlot;
+    if (!job.status.ok()) {
+      // Give up only once nothing in flight still uses the slot.
+      if (job.waiting_copy) return;
+      if (copy_step && job.started && !copier_->done(job.ticket)) {
+        job.waiting_copy = true;
+        copying_.push_back(&job);
+        return;
+      }
+      if (rma_step && job.started && (!job.ops_generated || job.ops_left > 0)) return;
+      return finish_job(job);
+    }
+    switch (step) {
+      case Step::Pack:
+      case Step::Unpack:
+        if (!job.started) {
+          job.started = true;
+          job.ticket = start_copy(job, step == Step::Pack);
+        }
+        if (!copier_->done(job.ticket)) {
+          if (!job.waiting_copy) {
+            job.waiting_copy = true;
+            copying_.push_back(&job);
+          }
+          return;
+        }
+        if (const std::string err = copier_->error(); !err.empty()) {
+          job.status = Status::error(ErrorKind::Generic, cat("staging copy failed: ", err));
+          continue;
+        }
+        break;
+      case Step::RmaRuns:
+      case Step::RmaSlot:
+        if (!job.started) {
+          job.started = true;
+          job.ops_generated = false;
+          job.gen_run = job.gen_pos = job.gen_slot = 0;
+          job_gen_queue_.push_back(&job);
+          return;
+        }
+        if (!job.ops_generated || job.ops_left > 0) return;
+        break;
+      case Step::Request:
+        if (!job.started) {
+          job.started = true;
+          send_request(job);
+        }
+        return;  // on_stage_ack moves on
+      case Step::Ack:
+        send_ack(*job.peer, job.request, Status{});
+        break;
+      case Step::Done:
+        return finish_job(job);
+    }
+    ++job.cur;
+    job.started = false;
+  }
+}
+
+bool Worker::generate_job_ops(SlotJob& job) {
+  if (!job.status.ok()) {
+    job.ops_generated = true;
+    return true;
+  }
+  Peer& p = *job.peer;
+  const size_t L = rails_.size(), R = p.remote_rails(), P = pairs(p);
+  const uint64_t chunk = std::clamp<uint64_t>((job.bytes + P - 1) / P, config_.min_chunk, config_.max_chunk);
+  const OpKind kind = job.write_out ? OpKind::Write : OpKind::Read;
+  const bool to_slot = job.step() == Step::RmaSlot;
+  while (to_slot ? job.gen_slot < job.bytes : job.gen_run < job.runs.size()) {
+    const size_t pair = rr_cursor_ % P;
+    const uint16_t lrail = static_cast<uint16_t>(pair % L), rrail = static_cast<uint16_t>(pair % R);
+    uint64_t len, remote_addr, key;
+    if (to_slot) {
+      len = std::min(chunk, job.bytes - job.gen_slot);
+      remote_addr = job.peer_base[rrail] + job.gen_slot;
+      key = job.peer_key[rrail];
+    } else {
+      const Run& run = job.runs[job.gen_run];
+      const RemoteRegion& rr = *job.transfer->remote[run.rreg];
+      const uint64_t roff = run.remote + job.gen_pos;
+      const uint64_t rpiece = roff / rr.piece_bytes;
+      len = std::min({chunk, run.len - job.gen_pos, (rpiece + 1) * rr.piece_bytes - roff});
+      remote_addr = rr.base[rpiece * R + rrail] + (roff - rpiece * rr.piece_bytes);
+      key = rr.key[rpiece * R + rrail];
+    }
+    RailState& rs = rails_[lrail];
+    if (rs.pending.size() >= 2 * rs.depth) return false;
+    Op* op = new_op(kind, lrail, &job, &p);
+    if (!op) return false;
+    op->local = job.slot->ptr + job.gen_slot;
+    op->len = len;
+    op->desc = job.slot->mrs[lrail].desc;
+    op->dest = p.fi[lrail * R + rrail];
+    op->remote_addr = remote_addr;
+    op->key = key;
+    rs.pending.push_back(op);
+    ++job.ops_left;
+    ++rr_cursor_;
+    job.gen_slot += len;
+    if (!to_slot && (job.gen_pos += len) == job.runs[job.gen_run].len) {
+      ++job.gen_run;
+      job.gen_pos = 0;
+    }
+  }
+  job.ops_generated = true;
+  return true;
+}
+
+void Worker::job_op_done(SlotJob& job, const Status& status) {
+  P2P_ASSERT(job.ops_left > 0);
+  --job.ops_left;
+  if (!status.ok() && job.status.ok()) job.status = status;
+  if (job.ops_generated && job.ops_left == 0) advance(job);
+}
+
+void Worker::poll_copies() {
+  for (size_t i = 0; i < copying_.size();) {
+    SlotJob* job = copying_[i];
+    if (!copier_->done(job->ticket)) {
+      ++i;
+      continue;
+    }
+    copying_[i] = copying_.back();
+    copying_.pop_back();
+    job->waiting_copy = false;
+    advance(*job);
+  }
+}
+
+void Worker::finish_job(SlotJob& job) {
+  const uint64_t id = job.id;
+  Slot* slot = job.slot;
+  const ErrorKind kind = job.status.kind;
+  if (job.transfer) {
+    Transfer& t = *job.transfer;
+    transfer_op_done(t, job.status);  // a job is one pending unit of its transfer
+  } else {
+    if (!job.status.ok()) send_ack(*job.peer, job.request, job.status);
+    Peer& p = *job.peer;
+    if (--p.busy == 0 && p.disconnect_id) finish_disconnect(p);
+  }
+  jobs_.erase(id);
+  if (slot) {
+    if (kind == ErrorKind::Peer || kind == ErrorKind::Timeout || kind == ErrorKind::Cancelled) rekey(*slot);
+    give_slot(slot);
+  }
+}
+
+void Worker::fail_jobs_of(Peer& p, const Status& why) {
+  std::vector<uint64_t> ids;
+  for (auto& [id, job] : jobs_)
+    if (job->peer == &p) ids.push_back(id);
+  for (uint64_t id : ids) {
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) continue;
+    SlotJob& job = *it->second;
+    if (job.status.ok()) job.status = why;
+    if (!job.slot) {
+      finish_job(job);  // a request still waiting for a serve slot
+      continue;
+    }
+    advance(job);
+  }
+}
+
+// A job waiting for the owner's answer learns of its transfer's end (timeout, cancel) here.
+void Worker::poke_abandoned_jobs() {
+  std::vector<uint64_t> ids;
+  for (auto& [id, job] : jobs_)
+    if (job->transfer && job->transfer->reported && job->step() == Step::Request) ids.push_back(id);
+  for (uint64_t id : ids) {
+    auto it = jobs_.find(id);
+    if (it != jobs_.end()) advance(*it->second);
+  }
+}
+
+}  // namespace p2p::engine

@@ -1,0 +1,83 @@
+// The staged path: for memory the NICs cannot reach (CUDA memory without FI_HMEM, or any
+// memory with data_path="staged"), bytes move through a bounded pool of pinned host slots.
+//
+//  - The pool is split in two halves: slots for transfers this engine starts, and slots for
+//    serving peers' requests. Serving never waits on anything but its own RMA and copies,
+//    so two staged engines writing to each other cannot deadlock on slots.
+//  - The side with staged memory drives the RMA. A write to a staged remote region: the
+//    initiator packs its data into a slot and sends a StageReq; the owner pulls it into one
+//    of its slots (RMA read), copies it into place and answers StageAck. A read: the owner
+//    packs into its slot and pushes it (RMA write) into the initiator's slot.
+//  - Back-pressure instead of growth: a transfer waits for a slot, a request for a serve slot.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "engine/copier.h"
+#include "engine/ops.h"
+#include "engine/runs.h"
+#include "fabric/rail.h"
+
+namespace p2p::engine {
+
+struct Region;
+struct Transfer;
+struct Peer;
+class Worker;
+
+// Runs per slot job: bounded by what a StageReq carries and by the copy kernel's span list.
+constexpr size_t kMaxJobRuns = 512;
+
+struct Slot {
+  uint8_t* ptr = nullptr;
+  uint64_t bytes = 0;
+  bool serve = false;
+  std::vector<fabric::MrHandle> mrs;  // one per rail
+  CopySpan* spans = nullptr;          // pinned room for kMaxJobRuns spans
+};
+
+enum class Step : uint8_t {
+  Pack,     // memory -> slot
+  Unpack,   // slot -> memory
+  RmaRuns,  // slot <-> remote runs of a directly registered remote region
+  RmaSlot,  // slot <-> the requesting peer's slot (serving)
+  Request,  // send StageReq, wait for StageAck
+  Ack,      // send StageAck
+  Done,
+};
+
+// One slot's worth of a staged transfer, on the initiator or on the serving side.
+struct SlotJob final : OpOwner {
+  uint64_t id = 0;  // also the request id on the wire
+  Step steps[4] = {Step::Done, Step::Done, Step::Done, Step::Done};
+  uint8_t cur = 0;
+  bool started = false;    // the current step has begun
+  bool write_out = false;  // Rma steps write from the slot (else read into it)
+  Slot* slot = nullptr;
+  std::vector<Run> runs;   // local address <-> remote offset; slot offsets follow run order
+  uint64_t bytes = 0;
+  Peer* peer = nullptr;
+  Transfer* transfer = nullptr;  // initiator side
+
+  // Serving side: the request.
+  uint64_t request = 0;
+  std::shared_ptr<Region> region;
+  std::vector<uint64_t> peer_base, peer_key;  // the initiator's slot, per initiator rail
+
+  // Progress.
+  size_t ops_left = 0;
+  bool ops_generated = false;
+  size_t gen_run = 0;
+  uint64_t gen_pos = 0, gen_slot = 0;
+  uint64_t ticket = 0;
+  bool waiting_copy = false;  // in the worker's list of jobs with a copy in flight
+  Status status;
+
+  Step step() const { return steps[cur]; }
+  void op_done(Worker& worker, Op& op, const Status& status) override;
+  bool abandoned() const override { return !status.ok(); }
+};
+
+}  // namespace p2p::engine

@@ -1,0 +1,215 @@
+// Transfers: a write_slices / read_slices / send call from the moment the worker owns it.
+// Direct transfers become RMA ops here; staged ones become slot jobs (staging.cpp).
+#include <algorithm>
+
+#include "common/log.h"
+#include "engine/staging.h"
+#include "engine/worker.h"
+
+namespace p2p::engine {
+
+void Transfer::op_done(Worker& worker, Op&, const Status& status) {
+  worker.transfer_op_done(*this, status);
+}
+
+size_t Worker::pairs(const Peer& p) const { return std::max<size_t>(rails_.size(), p.remote_rails()); }
+
+void Worker::start(Transfer* raw) {
+  Transfer& t = *raw;
+  transfers_[t.id].reset(raw);
+  if (t.timeout_s <= 0) t.timeout_s = config_.timeout_s;
+  t.deadline = now() + t.timeout_s;
+  for (uint64_t id : t.local_ids) {
+    auto it = regions_.find(id);
+    if (it == regions_.end() || it->second->closing)
+      return fail(t, Status::error(ErrorKind::Closed, cat("region ", id, " was deregistered")));
+    t.local.push_back(it->second);
+    t.staged |= it->second->staged;
+  }
+  for (const auto& r : t.remote) t.staged |= r->staged;
+  try {
+    t.peer = peer_for(t.peer_address, false);
+  } catch (const Error& e) {
+    return fail(t, Status::error(e.kind(), e.what()));
+  }
+  Peer& p = *t.peer;
+  ++p.busy;
+  if (p.failed()) return fail(t, p.failure);
+  for (const auto& r : t.remote)
+    if (r->rails != p.remote_rails())
+      return fail(t, Status::error(ErrorKind::Value, "a RemoteTensor's key table does not match its owner's rails"));
+  if (p.state == PeerState::Connecting) {
+    p.waiting.push_back(&t);
+    return;
+  }
+  ready_to_generate(t);
+}
+
+void Worker::ready_to_generate(Transfer& t) {
+  uint64_t total = 0;
+  for (const Run& r : t.runs) total += r.len;
+  // Large runs are cut so that every rail pair carries a share; small runs stay whole and
+  // spread round-robin.
+  const uint64_t share = (total + pairs(*t.peer) - 1) / pairs(*t.peer);
+  t.chunk = std::clamp<uint64_t>(share, config_.min_chunk, config_.max_chunk);
+  t.queued = true;
+  gen_queue_.push_back(&t);
+}
+
+bool Worker::generate() {
+  bool any = false;
+  // Jobs first: they hold slots, and finishing them frees slots for the transfers behind.
+  while (!job_gen_queue_.empty()) {
+    SlotJob& job = *job_gen_queue_.front();
+    if (!generate_job_ops(job)) break;
+    job_gen_queue_.pop_front();
+    any = true;
+    if (job.ops_left == 0) advance(job);
+  }
+  while (!gen_queue_.empty()) {
+    Transfer& t = *gen_queue_.front();
+    if (t.reported) {
+      gen_queue_.pop_front();
+      t.queued = false;
+      maybe_free(t);
+      continue;
+    }
+    // The direct path must not read memory before the caller's stream has written it.
+    if (t.cuda_event && !t.staged && !copier_->event_done(t.cuda_event)) break;
+    Gen g;
+    if (t.kind == TransferKind::Message) {
+      g = generate_message(t);
+    } else if (t.staged) {
+      g = generate_staged(t);
+    } else {
+      g = generate_direct(t) ? Gen::Done : Gen::Blocked;
+    }
+    any = true;
+    if (g == Gen::Blocked) break;
+    gen_queue_.pop_front();
+    if (g == Gen::Parked) continue;  // moved to the slot waiters, still queued
+    t.queued = false;
+    t.generated = true;
+    if (t.pending == 0) finish(t, t.status);
+    maybe_free(t);
+  }
+  return any;
+}
+
+bool Worker::generate_direct(Transfer& t) {
+  Peer& p = *t.peer;
+  const size_t L = rails_.size(), R = p.remote_rails(), P = pairs(p);
+  const OpKind kind = t.kind == TransferKind::Write ? OpKind::Write : OpKind::Read;
+  while (t.next_run < t.runs.size()) {
+    const Run& run = t.runs[t.next_run];
+    const Region& lr = *t.local[run.lreg];
+    const RemoteRegion& rr = *t.remote[run.rreg];
+    uint8_t* local = reinterpret_cast<uint8_t*>(run.local) + t.run_pos;
+    const uint64_t roff = run.remote + t.run_pos;
+    const size_t lpiece = lr.piece_of(local);
+    const uint64_t rpiece = roff / rr.piece_bytes;
+    // One op never crosses a registration piece on either side.
+    uint64_t len = std::min<uint64_t>(run.len - t.run_pos, t.chunk);
+    len = std::min<uint64_t>(len, lr.ptr + (lpiece + 1) * lr.piece_bytes - local);
+    len = std::min<uint64_t>(len, (rpiece + 1) * rr.piece_bytes - roff);
+
+    const size_t pair = rr_cursor_ % P;
+    const uint16_t lrail = static_cast<uint16_t>(pair % L), rrail = static_cast<uint16_t>(pair % R);
+    RailState& rs = rails_[lrail];
+    if (rs.pending.size() >= 2 * rs.depth) return false;
+    Op* op = new_op(kind, lrail, &t, &p);
+    if (!op) return false;
+    op->local = local;
+    op->len = len;
+    op->desc = lr.mrs[lpiece * L + lrail].desc;
+    op->dest = p.fi[lrail * R + rrail];
+    op->remote_addr = rr.base[rpiece * R + rrail] + (roff - rpiece * rr.piece_bytes);
+    op->key = rr.key[rpiece * R + rrail];
+    rs.pending.push_back(op);
+    ++t.pending;
+    ++rr_cursor_;
+    t.run_pos += len;
+    if (t.run_pos == run.len) {
+      ++t.next_run;
+      t.run_pos = 0;
+    }
+  }
+  return true;
+}
+
+Gen Worker::generate_message(Transfer& t) {
+  // Fragments go out in order on one rail pair (send-after-send order); the receiver
+  // reassembles by message id.
+  const uint32_t id = t.peer->next_message++;
+  const uint64_t total = t.payload.size();
+  uint64_t offset = 0;
+  do {
+    const uint64_t len = std::min<uint64_t>(total - offset, kUserFragmentBytes);
+    ByteWriter w = message(MsgType::User, *t.peer);
+    w.put(id);
+    w.put(total);
+    w.put(offset);
+    w.put_bytes(std::string_view(t.payload).substr(offset, len));
+    ++t.pending;
+    send_control(*t.peer, std::move(w), &t);
+    offset += len;
+  } while (offset < total);
+  t.payload.clear();
+  t.payload.shrink_to_fit();
+  return Gen::Done;
+}
+
+void Worker::transfer_op_done(Transfer& t, const Status& status) {
+  P2P_ASSERT(t.pending > 0);
+  --t.pending;
+  if (!status.ok() && t.status.ok()) t.status = status;
+  if (!t.status.ok() && !t.reported) {
+    finish(t, t.status);  // fail fast; what is still in flight drains in the background
+  } else if (t.generated && t.pending == 0) {
+    finish(t, t.status);
+  }
+  maybe_free(t);
+}
+
+void Worker::finish(Transfer& t, Status status) {
+  if (t.reported) return;
+  if (t.status.ok() && !status.ok()) t.status = std::move(status);
+  Peer* p = t.peer;
+  const bool peer_alive = p && p->state == PeerState::Ready;
+  if (t.notify && !t.notify_sent && peer_alive) {
+    // The receiver's notification completes with this status. On success the future waits
+    // for the notice to leave, so "future done" implies "notice sent".
+    t.notify_sent = true;
+    ByteWriter w = message(MsgType::Notify, *p);
+    w.put(t.tag);
+    w.put(static_cast<uint8_t>(t.status.kind));
+    w.put_bytes(t.status.message);
+    if (t.status.ok()) {
+      ++t.pending;
+      send_control(*p, std::move(w), &t);
+      return;
+    }
+    send_control(*p, std::move(w));
+  }
+  if (p) {
+    auto& w = p->waiting;
+    w.erase(std::remove(w.begin(), w.end(), &t), w.end());
+  }
+  t.reported = true;
+  report(t.id, t.status);
+}
+
+void Worker::fail(Transfer& t, Status status) {
+  finish(t, std::move(status));
+  maybe_free(t);
+}
+
+void Worker::maybe_free(Transfer& t) {
+  if (!t.reported || t.pending > 0 || t.queued) return;
+  if (t.cuda_event) copier_->destroy_event(t.cuda_event);
+  Peer* p = t.peer;
+  transfers_.erase(t.id);  // t is gone from here on
+  if (p && --p->busy == 0 && p->disconnect_id) finish_disconnect(*p);
+}
+
+}  // namespace p2p::engine

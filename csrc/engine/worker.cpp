@@ -1,0 +1,533 @@
+#include "engine/worker.h"
+
+#include <pthread.h>
+#include <rdma/fi_errno.h>
+#include <sched.h>
+#include <cerrno>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "common/log.h"
+#include "engine/staging.h"
+
+namespace p2p::engine {
+namespace {
+
+bool is_connection_error(int err) {
+  switch (err) {
+    case FI_ECONNREFUSED:
+    case FI_ECONNRESET:
+    case FI_ECONNABORTED:
+    case FI_ENOTCONN:
+    case FI_EHOSTUNREACH:
+    case FI_ECANCELED:
+    case FI_ETIMEDOUT:
+    case EPIPE:
+      return true;
+    default:
+      return false;
+  }
+}
+
+const char* op_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::Write: return "RMA write";
+    case OpKind::Read: return "RMA read";
+    case OpKind::Send: return "message";
+    case OpKind::Recv: return "receive";
+  }
+  return "op";
+}
+
+}  // namespace
+
+Worker::Worker(WorkerConfig config, CompletionQueue* completions)
+    : config_(std::move(config)), completions_(completions) {
+  std::promise<void> ready;
+  auto opened = ready.get_future();
+  thread_ = std::thread([this, &ready] { run(ready); });
+  try {
+    opened.get();
+  } catch (...) {
+    thread_.join();
+    throw;
+  }
+}
+
+Worker::~Worker() {
+  stop();
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
+
+void Worker::post(Command command) {
+  {
+    std::lock_guard<std::mutex> lock(commands_mu_);
+    P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
+    commands_.push_back(std::move(command));
+  }
+  if (sleeping_.load(std::memory_order_acquire)) {
+    const uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof one);
+  }
+}
+
+void Worker::stop() {
+  if (!thread_.joinable()) return;
+  stopping_.store(true);
+  const uint64_t one = 1;
+  (void)!write(wake_fd_, &one, sizeof one);
+  thread_.join();
+}
+
+double Worker::now() const {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+void Worker::report(uint64_t id, Status status, std::string payload, std::string address) {
+  completions_->push({id, std::move(status), std::move(payload), std::move(address)});
+}
+
+bool Worker::region_staged(bool cuda) const {
+  if (config_.data_path == DataPath::Staged) return true;
+  return cuda && !hmem_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Start-up: pin, then open the rails, so that libfabric allocates its queues on this core's
+// NUMA node (the seed program's "open domains after pinning").
+
+void Worker::open(std::promise<void>& ready) {
+  if (config_.cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(config_.cpu, &set);
+    if (const int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set))
+      P2P_LOG(Warn, "could not pin the progress thread to cpu ", config_.cpu, ": ", std::strerror(rc));
+  }
+  copier_ = make_copier(config_.cuda_device);
+
+  const bool cuda = config_.cuda_device >= 0;
+  fabric::Offer offer = fabric::query(config_.provider, cuda && config_.data_path != DataPath::Staged);
+  provider_ = offer.provider;
+  hmem_ = offer.hmem;
+  delivery_complete_ = offer.delivery_complete;
+  P2P_CHECK(!(cuda && config_.data_path == DataPath::Direct && !hmem_), ErrorKind::Value,
+            "data_path='direct' needs a provider with FI_HMEM (GPUDirect RDMA), but ", provider_,
+            " here has none; use data_path='staged' or None");
+  P2P_CHECK(!config_.domains.empty(), ErrorKind::Value, "no rails: the domain list is empty");
+
+  size_t total_depth = 0;
+  for (size_t i = 0; i < config_.domains.size(); ++i) {
+    const std::string& name = config_.domains[i];
+    const fi_info* info = offer.domain(name);
+    if (!info) {
+      std::string offered;
+      for (const auto& nic : offer.nics()) offered += (offered.empty() ? "" : ", ") + nic.domain;
+      P2P_THROW(ErrorKind::Value, "provider ", provider_, " has no domain '", name,
+                "'; it offers: ", offered);
+    }
+    RailState rs;
+    const size_t provider_depth = info->tx_attr->size ? info->tx_attr->size : 1024;
+    rs.depth = std::min<size_t>(config_.tx_depth ? config_.tx_depth : 1024, provider_depth);
+    const size_t cq_size = 2 * (rs.depth + (i == 0 ? config_.recv_buffers + config_.send_buffers : 0)) + 64;
+    const uint16_t port = config_.port ? static_cast<uint16_t>(config_.port + i) : 0;
+    rs.rail = std::make_unique<fabric::Rail>(info, cq_size, port);
+    rail_facts_.push_back({name, info->fabric_attr->name, rs.depth, rs.rail->wait_fd() >= 0});
+    total_depth += rs.depth;
+    rails_.push_back(std::move(rs));
+  }
+
+  while (incarnation_ == 0) (void)!getrandom(&incarnation_, sizeof incarnation_, 0);
+  EngineAddress me{provider_, incarnation_, {}};
+  for (auto& rs : rails_) me.rails.push_back(rs.rail->address());
+  address_ = me.encode();
+
+  // Ops for RMA and sends: two per posting credit, so that queues can be filled while the
+  // posted half is in flight.
+  pool_ = std::make_unique<OpPool>(2 * total_depth + config_.send_buffers);
+
+  // Control messages use rail 0 only: receive buffers, then send buffers.
+  const size_t nbuf = config_.recv_buffers + config_.send_buffers;
+  control_.assign(nbuf * kMessageBytes, 0);
+  fabric::Rail& rail0 = *rails_[0].rail;
+  control_mr_.push_back(
+      rail0.register_memory(control_.data(), control_.size(), FI_SEND | FI_RECV, -1));
+  recv_ops_.resize(config_.recv_buffers);
+  for (size_t i = 0; i < config_.recv_buffers; ++i) {
+    Op& op = recv_ops_[i];
+    op.kind = OpKind::Recv;
+    op.buffer = static_cast<int32_t>(i);
+    op.local = control_.data() + i * kMessageBytes;
+    op.len = kMessageBytes;
+    op.desc = control_mr_[0].desc;
+    post_receive(&op);
+  }
+  for (size_t i = config_.recv_buffers; i < nbuf; ++i) free_send_.push_back(static_cast<int32_t>(i));
+
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  P2P_CHECK(wake_fd_ >= 0 && epoll_fd_ >= 0, ErrorKind::Generic, "eventfd/epoll: ", std::strerror(errno));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+  for (auto& rs : rails_) {
+    if (rs.rail->wait_fd() < 0) continue;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, rs.rail->wait_fd(), &ev);
+  }
+  ready.set_value();
+}
+
+void Worker::post_receive(Op* op) {
+  ssize_t rc;
+  while ((rc = rails_[0].rail->recv(op->local, op->len, op->desc, &op->ctx)) == -FI_EAGAIN) {
+    fi_cq_data_entry entries[16];
+    const ssize_t n = rails_[0].rail->poll(entries, 16);
+    for (ssize_t i = 0; i < n; ++i) on_completion(rails_[0], entries[i]);
+  }
+  if (rc < 0) P2P_LOG(Error, "could not post a receive buffer: ", fi_error_name(-rc));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The loop.
+
+void Worker::run(std::promise<void>& ready) {
+  try {
+    open(ready);
+  } catch (...) {
+    rails_.clear();
+    ready.set_exception(std::current_exception());
+    return;
+  }
+  // NOTE: a pinned worker owns its core and busy-polls like the seed program; an unpinned one
+  // (host engines, CI) spins for spin_us after the last event and then sleeps.
+  const bool always_spin = config_.spin_us < 0;
+  idle_since_ = now();
+  while (!stopping_.load(std::memory_order_relaxed)) {
+    bool busy = drain_commands();
+    busy |= poll_rails();
+    poll_copies();
+    busy |= generate();
+    busy |= flush_outbox();
+    busy |= post_ops();
+    const double t = now();
+    if (t >= next_tick_) {
+      tick();
+      next_tick_ = t + 0.005;
+    }
+    if (busy || always_spin)
+      idle_since_ = t;
+    else if ((t - idle_since_) * 1e6 > config_.spin_us)
+      idle_wait();
+  }
+  shutdown();
+}
+
+bool Worker::drain_commands() {
+  std::vector<Command> batch;
+  {
+    std::lock_guard<std::mutex> lock(commands_mu_);
+    if (commands_.empty()) return false;
+    batch.swap(commands_);
+  }
+  for (auto& command : batch) {
+    try {
+      command(*this, false);
+    } catch (const std::exception& e) {
+      P2P_LOG(Error, "a command failed on the worker: ", e.what());
+    }
+  }
+  return true;
+}
+
+void Worker::idle_wait() {
+  sleeping_.store(true, std::memory_order_release);
+  bool pending;
+  {
+    std::lock_guard<std::mutex> lock(commands_mu_);
+    pending = !commands_.empty();
+  }
+  bool can_sleep = !pending && !stopping_.load();
+  bool all_fds = true;
+  for (auto& rs : rails_) all_fds &= rs.rail->wait_fd() >= 0;
+  if (can_sleep && all_fds) {
+    for (auto& rs : rails_) can_sleep = can_sleep && rs.rail->trywait();
+    if (can_sleep) {
+      const int timeout_ms = std::clamp(static_cast<int>((next_tick_ - now()) * 1000) + 1, 1, 10);
+      epoll_event events[8];
+      epoll_wait(epoll_fd_, events, 8, timeout_ms);
+    }
+  } else if (can_sleep) {
+    // No wait object (shm): short naps keep a waiting peer responsive without a full core.
+    pollfd pfd{wake_fd_, POLLIN, 0};
+    timespec ts{0, 50 * 1000};
+    ppoll(&pfd, 1, &ts, nullptr);
+  }
+  uint64_t drained;
+  (void)!read(wake_fd_, &drained, sizeof drained);
+  sleeping_.store(false, std::memory_order_release);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Completions.
+
+bool Worker::poll_rails() {
+  bool any = false;
+  fi_cq_data_entry entries[64];
+  for (auto& rs : rails_) {
+    for (int round = 0; round < 4; ++round) {
+      const ssize_t n = rs.rail->poll(entries, 64);
+      if (n == -FI_EAVAIL) {
+        on_error(rs);
+        any = true;
+        continue;
+      }
+      if (n < 0) {
+        P2P_LOG(Error, "fi_cq_read on ", rs.rail->domain_name(), ": ", fi_error_name(-n));
+        break;
+      }
+      for (ssize_t i = 0; i < n; ++i) on_completion(rs, entries[i]);
+      any |= n > 0;
+      if (n < 64) break;
+    }
+  }
+  return any;
+}
+
+void Worker::on_completion(RailState&, const fi_cq_data_entry& entry) {
+  Op* op = static_cast<Op*>(entry.op_context);
+  if (!op) return;
+  if (op->kind == OpKind::Recv) {
+    on_message(static_cast<const char*>(op->local), entry.len);
+    post_receive(op);
+    return;
+  }
+  complete_op(op, Status{});
+}
+
+void Worker::on_error(RailState& rs) {
+  fi_cq_err_entry err;
+  std::string message;
+  if (!rs.rail->read_error(err, message)) return;
+  Op* op = static_cast<Op*>(err.op_context);
+  if (!op) {
+    P2P_LOG(Warn, "completion error without an operation: ", message);
+    return;
+  }
+  if (op->kind == OpKind::Recv) {
+    if (stopping_.load()) return;
+    P2P_LOG(Warn, "a control message was not received: ", message);
+    post_receive(op);
+    return;
+  }
+  Peer* peer = op->peer;
+  const bool connection = is_connection_error(err.err);
+  std::string who = peer ? cat(" to peer ", std::hex, peer->incarnation) : std::string();
+  Status status = Status::error(connection ? ErrorKind::Peer : ErrorKind::Generic,
+                                cat(op_name(op->kind), who, " failed: ", message));
+  complete_op(op, status);
+  if (peer && connection && !stopping_.load()) fail_peer(*peer, status);
+}
+
+void Worker::complete_op(Op* op, const Status& status) {
+  if (op->buffer >= 0) free_send_.push_back(op->buffer);
+  if (op->orphaned) {  // its owner heard already, when the peer was declared dead
+    pool_->release(op);
+    return;
+  }
+  if (op->posted) --rails_[op->rail].inflight;
+  if (status.ok() && op->peer) op->peer->last_heard = now();
+  OpOwner* owner = op->owner;
+  if (owner) owner->op_done(*this, *op, status);
+  pool_->release(op);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Posting: per rail, up to `batch` ops, FI_MORE on all but the last (the doorbell rings on
+// the last one); an op refused with -FI_EAGAIN goes back to the front of its queue.
+//
+// NOTE: a batch never exceeds the rail's free credits (our count of posted ops against its
+// tx queue size), so -FI_EAGAIN after FI_MORE posts, which could leave a batch without its
+// doorbell on some providers, should not happen in practice; TORCH_P2P_POST_BATCH=1 turns
+// batching off.
+
+bool Worker::post_ops() {
+  bool any = false;
+  Op* batch[256];
+  for (auto& rs : rails_) {
+    size_t budget = std::min({config_.batch, rs.depth - std::min(rs.depth, rs.inflight), size_t{256}});
+    size_t n = 0;
+    while (n < budget && !rs.pending.empty()) {
+      Op* op = rs.pending.front();
+      rs.pending.pop_front();
+      if (op->peer && op->peer->failed()) {
+        complete_op(op, op->peer->failure);
+      } else if (op->owner && op->owner->abandoned()) {
+        complete_op(op, Status::error(ErrorKind::Cancelled, "abandoned"));
+      } else {
+        batch[n++] = op;
+      }
+    }
+    for (size_t i = 0; i < n; ++i) {
+      Op* op = batch[i];
+      ssize_t rc = 0;
+      if (!post_one(rs, op, i + 1 < n ? FI_MORE : 0, rc)) {
+        for (size_t j = n; j-- > i;) rs.pending.push_front(batch[j]);
+        break;
+      }
+      any = true;
+      if (rc < 0) {
+        std::string who = op->peer ? cat(" to peer ", std::hex, op->peer->incarnation) : std::string();
+        complete_op(op, Status::error(ErrorKind::Generic,
+                                      cat("posting a ", op_name(op->kind), who, " on ",
+                                          rs.rail->domain_name(), " failed: ", fi_error_name(-rc))));
+      }
+    }
+  }
+  return any;
+}
+
+// False when the provider said -FI_EAGAIN (nothing posted); rc holds any other error.
+bool Worker::post_one(RailState& rs, Op* op, uint64_t flags, ssize_t& rc) {
+  fabric::Rail& rail = *rs.rail;
+  switch (op->kind) {
+    case OpKind::Write:
+      rc = rail.write(op->local, op->len, op->desc, op->dest, op->remote_addr, op->key, &op->ctx, flags);
+      break;
+    case OpKind::Read:
+      rc = rail.read(op->local, op->len, op->desc, op->dest, op->remote_addr, op->key, &op->ctx, flags);
+      break;
+    case OpKind::Send:
+      rc = rail.send(op->local, op->len, op->desc, op->dest, &op->ctx);
+      break;
+    case OpKind::Recv:
+      P2P_ASSERT(false);
+  }
+  if (rc == -FI_EAGAIN) return false;
+  if (rc == 0) {
+    op->posted = true;
+    ++rs.inflight;
+  }
+  return true;
+}
+
+Op* Worker::new_op(OpKind kind, uint16_t rail, OpOwner* owner, Peer* peer) {
+  Op* op = pool_->acquire();
+  if (!op) return nullptr;
+  op->kind = kind;
+  op->rail = rail;
+  op->owner = owner;
+  op->peer = peer;
+  return op;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timers: deadlines, liveness, regions waiting to be deregistered.
+
+void Worker::tick() {
+  const double t = now();
+  std::vector<Transfer*> late;
+  for (auto& [id, tr] : transfers_)
+    if (!tr->reported && tr->deadline > 0 && t > tr->deadline) late.push_back(tr.get());
+  for (Transfer* tr : late) {
+    const char* what = tr->kind == TransferKind::Write ? "write_slices"
+                       : tr->kind == TransferKind::Read ? "read_slices" : "send";
+    fail(*tr, Status::error(ErrorKind::Timeout,
+                              cat(what, " to peer ", std::hex, tr->peer ? tr->peer->incarnation : 0,
+                                  std::dec, " timed out after ", tr->timeout_s, " s")));
+  }
+
+  auto expire = [&](std::vector<Waiter>& waiters, const char* what) {
+    for (size_t i = 0; i < waiters.size();) {
+      if (waiters[i].deadline > 0 && t > waiters[i].deadline) {
+        report(waiters[i].id, Status::error(ErrorKind::Timeout, cat(what, " timed out")));
+        waiters.erase(waiters.begin() + i);
+      } else {
+        ++i;
+      }
+    }
+  };
+  expire(recv_waiters_, "recv");
+  for (auto& [tag, state] : notify_) expire(state.waiters, "notification");
+
+  check_peers();
+  poke_abandoned_jobs();
+
+  for (size_t i = 0; i < closing_.size();) {
+    auto& [region, done] = closing_[i];
+    if (region.use_count() > 1) {
+      ++i;
+      continue;
+    }
+    for (size_t k = 0; k < region->mrs.size(); ++k) rails_[k % rails_.size()].rail->deregister(region->mrs[k]);
+    done->set_value();
+    closing_.erase(closing_.begin() + i);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shutdown: everything in flight fails with ClosedError; peers hear goodbye.
+
+void Worker::shutdown() {
+  const Status closed = Status::error(ErrorKind::Closed, "the engine was closed");
+  std::vector<Transfer*> live;
+  for (auto& [id, t] : transfers_) live.push_back(t.get());
+  for (Transfer* t : live) finish(*t, closed);
+  for (auto& w : recv_waiters_) report(w.id, closed);
+  recv_waiters_.clear();
+  for (auto& [tag, state] : notify_)
+    for (auto& w : state.waiters) report(w.id, closed);
+  notify_.clear();
+  for (auto& [inc, p] : peers_) {
+    for (uint64_t id : p->connect_waiters) report(id, closed);
+    p->connect_waiters.clear();
+    if (p->disconnect_id) report(p->disconnect_id, Status{});
+    p->disconnect_id = 0;
+    if (p->state == PeerState::Ready) send_control(*p, message(MsgType::Bye, *p));
+  }
+  // Give the goodbyes a moment to leave; nothing waits on them.
+  const double until = now() + 0.2;
+  while (now() < until && (!outbox_.empty() || pool_->in_use() > 0)) {
+    flush_outbox();
+    post_ops();
+    poll_rails();
+  }
+  for (auto& [region, done] : closing_) done->set_value();
+  closing_.clear();
+  for (auto& [id, region] : regions_)
+    for (size_t k = 0; k < region->mrs.size(); ++k) rails_[k % rails_.size()].rail->deregister(region->mrs[k]);
+  regions_.clear();
+  for (auto& slot : slots_)
+    for (size_t r = 0; r < slot->mrs.size(); ++r) rails_[r].rail->deregister(slot->mrs[r]);
+  if (!control_mr_.empty()) rails_[0].rail->deregister(control_mr_[0]);
+  rails_.clear();  // closes the endpoints: nothing posted completes after this
+  transfers_.clear();
+  jobs_.clear();
+  if (slot_memory_) copier_->free_pinned(slot_memory_);
+  slots_.clear();
+
+  std::vector<Command> late;
+  {
+    std::lock_guard<std::mutex> lock(commands_mu_);
+    closed_ = true;
+    late.swap(commands_);
+  }
+  for (auto& command : late) {
+    try {
+      command(*this, true);
+    } catch (const std::exception& e) {
+      P2P_LOG(Debug, "a command was dropped at close: ", e.what());
+    }
+  }
+  if (epoll_fd_ >= 0) close(epoll_fd_);
+  // wake_fd_ stays open until the destructor: post() may still write to it.
+}
+
+}  // namespace p2p::engine

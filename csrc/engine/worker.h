@@ -1,0 +1,366 @@
+// Worker: the progress thread of one engine (one GPU, or the host). It owns every libfabric
+// object of the engine: rails, registrations, address vectors, posted operations.
+//
+// Thread model
+//  - Python threads call only post(), call() and the const accessors of facts fixed at
+//    start-up (address, provider, rails). Everything else runs on the worker thread.
+//  - The worker never takes the GIL: results leave through the CompletionQueue.
+//  - The loop, after the seed program: read every rail's CQ in batches, advance what the
+//    completions unblocked, turn queued transfers into ops (bounded by the op pool), post
+//    them in batches with FI_MORE (lazy posting: requeue at the front on -FI_EAGAIN), check
+//    timers; sleep on the CQ wait fds (or back off) only after spin_us without work.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/address.h"
+#include "engine/completions.h"
+#include "engine/copier.h"
+#include "engine/messages.h"
+#include "engine/ops.h"
+#include "engine/runs.h"
+#include "fabric/info.h"
+#include "fabric/rail.h"
+
+namespace p2p::engine {
+
+enum class DataPath : uint8_t { Auto, Direct, Staged };
+
+struct WorkerConfig {
+  std::string provider;              // as given by the user; "" = best available
+  std::vector<std::string> domains;  // one libfabric domain name per rail (may repeat)
+  int cpu = -1;                      // core to pin the thread to, -1 = no pinning
+  int cuda_device = -1;              // the engine's GPU, -1 for a host engine
+  uint16_t port = 0;                 // rail i listens on port + i (IP providers), 0 = any
+  DataPath data_path = DataPath::Auto;
+  double timeout_s = 120;            // default deadline of an operation
+  double peer_timeout_s = 10;        // silence after which a peer with work is dead
+  size_t staging_bytes = 64 << 20;   // pinned host memory for the staged path, both halves
+  size_t slot_bytes = 4 << 20;
+  size_t max_chunk = 4 << 20;        // largest single RMA
+  size_t min_chunk = 64 << 10;       // a run is split over rails only above this
+  size_t piece_bytes = size_t{2} << 30;  // largest single registration
+  size_t tx_depth = 0;               // posted ops per rail, 0 = the provider's tx size
+  size_t batch = 32;                 // posts per FI_MORE batch
+  size_t recv_buffers = 256;
+  size_t send_buffers = 256;
+  int spin_us = 1000;
+};
+
+struct RailFacts {
+  std::string domain;
+  std::string fabric;
+  size_t tx_depth;
+  bool wait_fd;
+};
+
+// A registered storage, as the worker knows it.
+struct Region {
+  uint64_t id = 0;
+  uint8_t* ptr = nullptr;
+  uint64_t nbytes = 0;
+  int cuda_device = -1;
+  uint8_t access = 0;   // Access bits granted to peers
+  bool staged = false;  // not registered with the NICs: peers go through the owner's slots
+  uint64_t piece_bytes = 0;
+  std::vector<fabric::MrHandle> mrs;  // [piece * rails + rail]
+  bool closing = false;
+
+  size_t piece_of(const uint8_t* p) const { return (p - ptr) / piece_bytes; }
+};
+
+struct Peer;
+struct Transfer;
+struct SlotJob;
+struct Slot;
+
+enum class TransferKind : uint8_t { Write, Read, Message };
+
+// What generating a queued transfer achieved this turn.
+enum class Gen : uint8_t {
+  Done,     // every op or job exists
+  Blocked,  // out of ops or queue room: retry next turn, keep the queue's order
+  Parked,   // waiting for a staging slot: moved to the slot waiters
+};
+
+// One call of write_slices / read_slices / send. Created by the engine on a Python thread,
+// owned by the worker from post() on.
+struct Transfer final : OpOwner {
+  uint64_t id = 0;
+  TransferKind kind = TransferKind::Write;
+  std::string peer_address;
+  std::vector<uint64_t> local_ids;  // resolved into `local` by the worker
+  std::vector<std::shared_ptr<const RemoteRegion>> remote;
+  std::vector<Run> runs;
+  std::string payload;  // Message
+  bool notify = false;
+  uint32_t tag = 0;
+  void* cuda_event = nullptr;  // the caller's stream work this transfer must follow
+  double timeout_s = 0;
+
+  // Worker state.
+  Peer* peer = nullptr;
+  std::vector<std::shared_ptr<Region>> local;
+  double deadline = 0;
+  bool staged = false;
+  uint64_t chunk = 0;
+  size_t next_run = 0;
+  uint64_t run_pos = 0;
+  size_t pending = 0;      // ops or slot jobs not finished
+  bool generated = false;  // every op or job has been created
+  bool queued = false;     // in the generation queue
+  bool reported = false;   // the future has its result
+  bool notify_sent = false;
+  Status status;
+
+  void op_done(Worker& worker, Op& op, const Status& status) override;
+  bool abandoned() const override { return reported; }
+};
+
+enum class PeerState : uint8_t { Connecting, Ready, Dead, Left };
+
+struct Peer {
+  EngineAddress address;
+  std::string address_bytes;
+  uint64_t incarnation = 0;
+  PeerState state = PeerState::Connecting;
+  Status failure;                // why Dead or Left
+  std::vector<fi_addr_t> fi;     // [local rail * remote rails + remote rail]
+  double last_heard = 0;
+  double last_ping = 0;
+  double connect_deadline = 0;
+  std::vector<uint64_t> connect_waiters;
+  std::vector<Transfer*> waiting;  // until Ready
+  size_t busy = 0;                 // transfers, jobs and messages involving it
+  uint64_t disconnect_id = 0;
+  uint32_t next_message = 0;
+  bool revivable = false;          // left by our own disconnect(): a later use reconnects
+  std::unordered_map<uint32_t, std::string> partial;  // user messages being reassembled
+
+  uint16_t remote_rails() const { return static_cast<uint16_t>(address.rails.size()); }
+  bool failed() const { return state == PeerState::Dead || state == PeerState::Left; }
+};
+
+class Worker {
+ public:
+  Worker(WorkerConfig config, CompletionQueue* completions);
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  // Python threads --------------------------------------------------------------------------
+  // Queues a command. It runs with closed=false on the worker, or with closed=true (and must
+  // then only report failure) if the engine shuts down first. Throws ClosedError once closed.
+  using Command = std::function<void(Worker&, bool closed)>;
+  void post(Command command);
+  // Runs fn on the worker and waits up to timeout_s for its result (exceptions propagate).
+  template <typename R>
+  R call(std::function<R(Worker&)> fn, double timeout_s);
+  // Fails everything in flight with ClosedError, says goodbye to peers, joins the thread.
+  void stop();
+
+  const std::string& address() const { return address_; }
+  uint64_t incarnation() const { return incarnation_; }
+  const std::string& provider() const { return provider_; }
+  bool hmem() const { return hmem_; }
+  bool delivery_complete() const { return delivery_complete_; }
+  const std::vector<RailFacts>& rail_facts() const { return rail_facts_; }
+  const WorkerConfig& config() const { return config_; }
+  bool region_staged(bool cuda) const;
+
+  // Worker thread ---------------------------------------------------------------------------
+  struct RegionSpec {
+    uint64_t id;
+    uint8_t* ptr;
+    uint64_t nbytes;
+    int cuda_device;
+    uint8_t access;
+  };
+  std::shared_ptr<RemoteRegion> register_region(const RegionSpec& spec);
+  void deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> done);
+  void start(Transfer* t);
+  void connect(uint64_t id, const std::string& address);
+  void disconnect(uint64_t id, const std::string& address);
+  void recv(uint64_t id, double timeout_s);
+  void notification(uint64_t id, uint32_t tag, double timeout_s);
+  void cancel(uint64_t id);
+
+  // Used by op owners (worker thread).
+  void transfer_op_done(Transfer& t, const Status& status);
+  void job_op_done(SlotJob& job, const Status& status);
+  double now() const;
+  void report(uint64_t id, Status status, std::string payload = {}, std::string address = {});
+
+ private:
+  struct RailState {
+    std::unique_ptr<fabric::Rail> rail;
+    Ring<Op*> pending{1024};
+    size_t inflight = 0;
+    size_t depth = 0;
+  };
+  struct Outgoing {
+    Peer* peer;
+    std::string bytes;
+    OpOwner* owner;
+  };
+  struct Waiter {
+    uint64_t id;
+    double deadline;  // 0 = none
+  };
+
+  // worker.cpp: thread, loop, completions, posting, timers, shutdown.
+  void run(std::promise<void>& ready);
+  void open(std::promise<void>& ready);
+  bool drain_commands();
+  bool poll_rails();
+  void on_completion(RailState& rs, const fi_cq_data_entry& entry);
+  void on_error(RailState& rs);
+  void complete_op(Op* op, const Status& status);
+  bool post_ops();
+  bool post_one(RailState& rs, Op* op, uint64_t flags, ssize_t& rc);
+  void tick();
+  void idle_wait();
+  void shutdown();
+  void post_receive(Op* op);
+
+  // transfers.cpp: turning transfers into ops, finishing them.
+  bool generate();
+  bool generate_direct(Transfer& t);
+  Gen generate_message(Transfer& t);
+  // finish() gives the future its result; maybe_free() drops the transfer once nothing refers
+  // to it. fail() is both, for callers that are done with the transfer.
+  void finish(Transfer& t, Status status);
+  void fail(Transfer& t, Status status);
+  void report_transfer(Transfer& t);
+  void maybe_free(Transfer& t);
+  void ready_to_generate(Transfer& t);
+  size_t pairs(const Peer& p) const;
+  Op* new_op(OpKind kind, uint16_t rail, OpOwner* owner, Peer* peer);
+
+  // peers.cpp: connection, control messages, user messages, notifications, failure.
+  Peer* peer_for(const std::string& address_bytes, bool explicit_connect);
+  void send_hello(Peer& p);
+  void send_control(Peer& p, ByteWriter&& w, OpOwner* owner = nullptr);
+  bool flush_outbox();
+  void on_message(const char* data, size_t len);
+  void on_hello(const MsgHeader& h, ByteReader& r, bool ack);
+  void peer_ready(Peer& p);
+  void fail_peer(Peer& p, Status why, PeerState state = PeerState::Dead);
+  void on_user(Peer& p, ByteReader& r);
+  void on_notify(ByteReader& r);
+  void deliver_user(Peer& p, std::string payload);
+  void finish_disconnect(Peer& p);
+  void revive(Peer& p);
+  void check_peers();
+  ByteWriter message(MsgType type, const Peer& to) const;
+
+  // staging.cpp: slots, the staged path on both sides.
+  void ensure_slots();
+  Gen generate_staged(Transfer& t);
+  void start_job(SlotJob& job);
+  uint64_t start_copy(SlotJob& job, bool pack);
+  void send_request(SlotJob& job);
+  void send_ack(Peer& p, uint64_t request, const Status& status);
+  void rekey(Slot& slot);
+  size_t request_run_limit(const Peer& p) const;
+  void poke_abandoned_jobs();
+  void advance(SlotJob& job);
+  bool generate_job_ops(SlotJob& job);
+  void finish_job(SlotJob& job);
+  void on_stage_request(Peer& p, ByteReader& r);
+  void on_stage_ack(ByteReader& r);
+  void poll_copies();
+  Slot* take_slot(bool serve);
+  void give_slot(Slot* slot);
+  void fail_jobs_of(Peer& p, const Status& why);
+
+  WorkerConfig config_;
+  CompletionQueue* completions_;
+  std::thread thread_;
+
+  // Fixed once the thread has opened its rails.
+  std::string address_;
+  uint64_t incarnation_ = 0;
+  std::string provider_;
+  bool hmem_ = false;
+  bool delivery_complete_ = false;
+  std::vector<RailFacts> rail_facts_;
+
+  // Commands from Python threads.
+  std::mutex commands_mu_;
+  std::vector<Command> commands_;
+  bool closed_ = false;  // under commands_mu_
+  std::atomic<bool> stopping_{false};
+  std::atomic<bool> sleeping_{false};
+  int wake_fd_ = -1;   // eventfd
+  int epoll_fd_ = -1;
+
+  // Worker-thread state.
+  std::vector<RailState> rails_;
+  std::unique_ptr<OpPool> pool_;
+  std::vector<Op> recv_ops_;
+  std::vector<uint8_t> control_;  // recv buffers then send buffers, kMessageBytes each
+  std::vector<fabric::MrHandle> control_mr_;  // rail 0 only
+  std::vector<int32_t> free_send_;
+  Ring<Outgoing> outbox_;
+  std::unordered_map<uint64_t, std::shared_ptr<Region>> regions_;
+  std::vector<std::pair<std::shared_ptr<Region>, std::shared_ptr<std::promise<void>>>> closing_;
+  std::unordered_map<uint64_t, std::unique_ptr<Peer>> peers_;  // by incarnation
+  std::unordered_map<uint64_t, std::unique_ptr<Transfer>> transfers_;
+  Ring<Transfer*> gen_queue_;
+  uint64_t rr_cursor_ = 0;
+  std::vector<std::pair<std::string, std::string>> inbox_;  // (address, payload) unclaimed
+  std::vector<Waiter> recv_waiters_;
+  struct NotifyState {
+    std::vector<Status> arrived;
+    std::vector<Waiter> waiters;
+  };
+  std::unordered_map<uint32_t, NotifyState> notify_;
+  double next_tick_ = 0;
+  double idle_since_ = 0;
+  uint64_t ping_nonce_ = 0;
+
+  // Staging (staging.cpp).
+  std::unique_ptr<Copier> copier_;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::vector<Slot*> free_slots_[2];  // [serve]
+  std::unordered_map<uint64_t, std::unique_ptr<SlotJob>> jobs_;
+  Ring<uint64_t> serve_queue_;        // ids of requests waiting for a serve slot
+  Ring<Transfer*> slot_waiters_;      // staged transfers waiting for an initiator slot
+  std::vector<SlotJob*> copying_;
+  Ring<SlotJob*> job_gen_queue_;
+  uint64_t next_request_ = 1;
+  void* slot_memory_ = nullptr;
+};
+
+template <typename R>
+R Worker::call(std::function<R(Worker&)> fn, double timeout_s) {
+  auto done = std::make_shared<std::promise<R>>();
+  auto result = done->get_future();
+  post([fn = std::move(fn), done](Worker& w, bool closed) {
+    try {
+      if (closed) throw Error(ErrorKind::Closed, "the engine is closed");
+      if constexpr (std::is_void_v<R>) {
+        fn(w);
+        done->set_value();
+      } else {
+        done->set_value(fn(w));
+      }
+    } catch (...) {
+      done->set_exception(std::current_exception());
+    }
+  });
+  if (result.wait_for(std::chrono::duration<double>(timeout_s)) != std::future_status::ready)
+    P2P_THROW(ErrorKind::Timeout, "the engine's worker did not answer within ", timeout_s, " s");
+  return result.get();
+}
+
+}  // namespace p2p::engine

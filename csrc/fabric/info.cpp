@@ -1,0 +1,124 @@
+#include "fabric/info.h"
+
+#include <rdma/fi_domain.h>
+#include <rdma/fi_errno.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace p2p::fabric {
+namespace {
+
+// NOTE: ask for the runtime's own API version (capped at one we have read the semantics
+// of), never the compile-time one: EFA turns on device RDMA and FI_HMEM only for >= 1.18,
+// and a 1.17 runtime refuses newer requests with -FI_ENOSYS.
+uint32_t api_version() {
+  if (const char* env = std::getenv("TORCH_P2P_FI_VERSION")) {
+    unsigned major = 0, minor = 0;
+    if (std::sscanf(env, "%u.%u", &major, &minor) == 2) return FI_VERSION(major, minor);
+  }
+  return std::min<uint32_t>(fi_version(), FI_VERSION(1, 22));
+}
+
+InfoPtr hints(const std::string& provider, bool hmem, bool delivery_complete) {
+  InfoPtr h(fi_allocinfo());
+  P2P_CHECK(h, ErrorKind::Generic, "fi_allocinfo failed");
+  h->caps = FI_MSG | FI_RMA | FI_SEND | FI_RECV | FI_READ | FI_WRITE | FI_REMOTE_READ |
+            FI_REMOTE_WRITE | (hmem ? FI_HMEM : 0);
+  h->ep_attr->type = FI_EP_RDM;
+  h->mode = FI_CONTEXT | FI_CONTEXT2;
+  // Every mr_mode bit this engine handles; each provider keeps the ones it needs.
+  h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY |
+                            FI_MR_ENDPOINT | (hmem ? FI_MR_HMEM : 0);
+  // The worker thread is the only user of a domain.
+  h->domain_attr->threading = FI_THREAD_DOMAIN;
+  // Control messages and message fragments rely on send-after-send order per peer.
+  h->tx_attr->msg_order = FI_ORDER_SAS;
+  h->rx_attr->msg_order = FI_ORDER_SAS;
+  if (delivery_complete) h->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+  if (!provider.empty()) h->fabric_attr->prov_name = strdup(provider.c_str());
+  return h;
+}
+
+std::string available_providers() {
+  InfoPtr h = hints("", false, false);
+  fi_info* list = nullptr;
+  std::set<std::string> names;
+  if (fi_getinfo(api_version(), nullptr, nullptr, 0, h.get(), &list) == 0) {
+    for (fi_info* i = list; i; i = i->next) names.insert(i->fabric_attr->prov_name);
+    fi_freeinfo(list);
+  }
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out.empty() ? "none" : out;
+}
+
+}  // namespace
+
+std::vector<Nic> Offer::nics() const {
+  std::vector<Nic> out;
+  std::set<std::string> seen;
+  for (const fi_info* i = list.get(); i; i = i->next) {
+    if (!seen.insert(i->domain_attr->name).second) continue;
+    Nic nic{i->fabric_attr->prov_name, i->fabric_attr->name, i->domain_attr->name, "", 0};
+    if (i->nic && i->nic->bus_attr && i->nic->bus_attr->bus_type == FI_BUS_PCI) {
+      const auto& pci = i->nic->bus_attr->attr.pci;
+      char bdf[32];
+      std::snprintf(bdf, sizeof bdf, "%04x:%02x:%02x.%x", pci.domain_id, pci.bus_id, pci.device_id,
+                    pci.function_id);
+      nic.pci = bdf;
+    }
+    if (i->nic && i->nic->link_attr) nic.speed_bps = i->nic->link_attr->speed;
+    out.push_back(std::move(nic));
+  }
+  return out;
+}
+
+const fi_info* Offer::domain(const std::string& name) const {
+  for (const fi_info* i = list.get(); i; i = i->next)
+    if (name == i->domain_attr->name) return i;
+  return nullptr;
+}
+
+Offer query(const std::string& provider, bool want_hmem) {
+  const std::vector<std::string> candidates =
+      provider.empty() ? std::vector<std::string>{"efa", "verbs", "tcp"} : std::vector{provider};
+  const uint32_t version = api_version();
+  for (const auto& name : candidates) {
+    // Prefer FI_HMEM, then delivery-complete; drop each only when the provider refuses it.
+    const std::vector<bool> hmem_options = want_hmem ? std::vector{true, false} : std::vector{false};
+    for (bool hmem : hmem_options) {
+      for (bool dc : {true, false}) {
+        InfoPtr h = hints(name, hmem, dc);
+        fi_info* list = nullptr;
+        if (fi_getinfo(version, nullptr, nullptr, 0, h.get(), &list) != 0) continue;
+        Offer offer;
+        offer.list.reset(list);
+        offer.provider = list->fabric_attr->prov_name;
+        offer.hmem = hmem;
+        offer.delivery_complete = dc;
+        offer.api_version = version;
+        if (!dc)
+          P2P_LOG(Warn, "provider ", offer.provider,
+                  " refuses FI_DELIVERY_COMPLETE: a completed write means the bytes left this "
+                  "host, not that they reached remote memory");
+        return offer;
+      }
+    }
+  }
+  if (provider.empty())
+    P2P_THROW(ErrorKind::Value,
+              "no libfabric provider with RDM endpoints and RMA found (tried efa, verbs, tcp); "
+              "this machine offers: ", available_providers());
+  P2P_THROW(ErrorKind::Value, "libfabric provider '", provider,
+            "' is not available with RDM endpoints and RMA; this machine offers: ",
+            available_providers());
+}
+
+}  // namespace p2p::fabric

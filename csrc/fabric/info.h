@@ -1,0 +1,44 @@
+// Provider choice: one set of hints for every provider, the differences (mr_mode bits,
+// key size, FI_HMEM, delivery-complete) read back from what libfabric grants.
+#pragma once
+
+#include <rdma/fabric.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace p2p::fabric {
+
+struct InfoDeleter {
+  void operator()(fi_info* info) const { fi_freeinfo(info); }
+};
+using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
+
+// A NIC as libfabric lists it; torch_p2p/topology.py picks rails among these.
+struct Nic {
+  std::string provider;
+  std::string fabric;
+  std::string domain;
+  std::string pci;          // "0000:10:1b.0", empty when not a PCI device
+  uint64_t speed_bps = 0;   // 0 when unknown
+};
+
+// What one provider offers for RDM endpoints with RMA.
+struct Offer {
+  InfoPtr list;
+  std::string provider;            // the real stack, e.g. "tcp;ofi_rxm"
+  bool hmem = false;               // FI_HMEM granted: CUDA memory can be registered
+  bool delivery_complete = false;  // completions mean the data is in remote memory
+  uint32_t api_version = 0;
+
+  std::vector<Nic> nics() const;   // one per distinct domain name, in libfabric's order
+  const fi_info* domain(const std::string& name) const;  // nullptr when absent
+};
+
+// Resolves "efa", "verbs", "tcp", "shm", a full stack such as "tcp;ofi_rxm", or "" (the best
+// of efa, verbs, tcp) and queries it. Throws a ValueError-kind Error naming what this machine
+// offers when nothing matches.
+Offer query(const std::string& provider, bool want_hmem);
+
+}  // namespace p2p::fabric

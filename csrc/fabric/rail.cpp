@@ -1,0 +1,222 @@
+#include "fabric/rail.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+#include <sys/random.h>
+
+#include <cstring>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace p2p::fabric {
+namespace {
+
+template <typename Fid>
+void close_fid(Fid*& fid) {
+  if (!fid) return;
+  const int rc = fi_close(&fid->fid);
+  if (rc) P2P_LOG(Warn, "fi_close failed: ", fi_error_name(-rc));
+  fid = nullptr;
+}
+
+// Keys that a peer cannot guess: a peer that learns one handle cannot reach other regions.
+uint64_t random_key(size_t key_size) {
+  uint64_t key = 0;
+  while (getrandom(&key, sizeof key, 0) != static_cast<ssize_t>(sizeof key)) {
+  }
+  if (key_size > 0 && key_size < 8) key &= (uint64_t{1} << (8 * key_size)) - 1;
+  return key;
+}
+
+InfoPtr with_port(const fi_info* info, uint16_t port) {
+  InfoPtr copy(fi_dupinfo(info));
+  P2P_CHECK(copy, ErrorKind::Generic, "fi_dupinfo failed");
+  if (!port) return copy;
+  auto* sa = static_cast<sockaddr*>(copy->src_addr);
+  P2P_CHECK(sa && (sa->sa_family == AF_INET || sa->sa_family == AF_INET6), ErrorKind::Value,
+            "a port was requested but provider ", info->fabric_attr->prov_name,
+            " has no IP source address on domain ", info->domain_attr->name);
+  if (sa->sa_family == AF_INET)
+    reinterpret_cast<sockaddr_in*>(sa)->sin_port = htons(port);
+  else
+    reinterpret_cast<sockaddr_in6*>(sa)->sin6_port = htons(port);
+  return copy;
+}
+
+}  // namespace
+
+Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port) : info_(with_port(info, port)) {
+  const char* dom = info_->domain_attr->name;
+  FI_CHECK(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric(", dom, ")");
+  FI_CHECK(fi_domain(fabric_, info_.get(), &domain_, nullptr), "fi_domain(", dom, ")");
+
+  // A wait object lets an idle worker sleep instead of spinning; not every provider has one
+  // (shm does not), and then the worker backs off with short sleeps.
+  fi_cq_attr cq_attr{};
+  cq_attr.format = FI_CQ_FORMAT_DATA;
+  cq_attr.size = cq_size;
+  cq_attr.wait_obj = FI_WAIT_FD;
+  if (fi_cq_open(domain_, &cq_attr, &cq_, nullptr) == 0) {
+    if (fi_control(&cq_->fid, FI_GETWAIT, &wait_fd_) != 0) wait_fd_ = -1;
+  } else {
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    FI_CHECK(fi_cq_open(domain_, &cq_attr, &cq_, nullptr), "fi_cq_open(", dom, ")");
+  }
+
+  fi_av_attr av_attr{};
+  av_attr.type = FI_AV_TABLE;
+  FI_CHECK(fi_av_open(domain_, &av_attr, &av_, nullptr), "fi_av_open(", dom, ")");
+
+  fi_eq_attr eq_attr{};
+  eq_attr.size = 64;
+  eq_attr.wait_obj = FI_WAIT_NONE;
+  FI_CHECK(fi_eq_open(fabric_, &eq_attr, &eq_, nullptr), "fi_eq_open(", dom, ")");
+
+  FI_CHECK(fi_endpoint(domain_, info_.get(), &ep_, nullptr), "fi_endpoint(", dom, ")");
+  FI_CHECK(fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV), "binding the CQ on ", dom);
+  FI_CHECK(fi_ep_bind(ep_, &av_->fid, 0), "binding the AV on ", dom);
+  // NOTE: EFA calls abort() on asynchronous errors unless an EQ is bound; providers that
+  // have no use for one may refuse it, which is harmless.
+  if (const int rc = fi_ep_bind(ep_, &eq_->fid, 0))
+    P2P_LOG(Debug, "no EQ bound on ", dom, ": ", fi_error_name(-rc));
+  FI_CHECK(fi_enable(ep_), "fi_enable(", dom, ")");
+
+  char name[256];
+  size_t len = sizeof name;
+  FI_CHECK(fi_getname(&ep_->fid, name, &len), "fi_getname(", dom, ")");
+  address_.assign(name, len);
+  if (info_->tx_attr->op_flags & FI_DELIVERY_COMPLETE) completion_flags_ = FI_DELIVERY_COMPLETE;
+}
+
+Rail::~Rail() {
+  // The endpoint goes first: closing it cancels what is still posted.
+  close_fid(ep_);
+  close_fid(av_);
+  close_fid(cq_);
+  close_fid(eq_);
+  close_fid(domain_);
+  close_fid(fabric_);
+}
+
+fi_addr_t Rail::insert(const std::string& raw_address) {
+  auto it = av_entries_.find(raw_address);
+  if (it != av_entries_.end()) {
+    ++it->second.users;
+    return it->second.addr;
+  }
+  fi_addr_t addr = FI_ADDR_NOTAVAIL;
+  const int n = fi_av_insert(av_, raw_address.data(), 1, &addr, 0, nullptr);
+  P2P_CHECK(n == 1, ErrorKind::Peer, "fi_av_insert on ", domain_name(),
+            " rejected a peer address (", n < 0 ? fi_error_name(-n) : "0 inserted", ")");
+  av_entries_.emplace(raw_address, AvEntry{addr, 1});
+  return addr;
+}
+
+void Rail::release(fi_addr_t addr) {
+  for (auto it = av_entries_.begin(); it != av_entries_.end(); ++it) {
+    if (it->second.addr != addr) continue;
+    if (--it->second.users == 0) {
+      fi_av_remove(av_, &addr, 1, 0);
+      av_entries_.erase(it);
+    }
+    return;
+  }
+}
+
+MrHandle Rail::register_memory(void* ptr, size_t len, uint64_t access, int cuda_device) {
+  const uint64_t mr_mode = info_->domain_attr->mr_mode;
+  iovec iov{ptr, len};
+  fi_mr_attr attr{};
+  attr.mr_iov = &iov;
+  attr.iov_count = 1;
+  attr.access = access;
+  attr.iface = cuda_device >= 0 ? FI_HMEM_CUDA : FI_HMEM_SYSTEM;
+  attr.device.cuda = cuda_device >= 0 ? cuda_device : 0;
+
+  MrHandle h;
+  int rc = 0;
+  // Without FI_MR_PROV_KEY the key is ours and must be unique in the domain (tcp refuses a
+  // duplicate with -FI_ENOKEY): draw another on collision.
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    attr.requested_key = random_key(info_->domain_attr->mr_key_size);
+    rc = fi_mr_regattr(domain_, &attr, 0, &h.mr);
+    if (rc != -FI_ENOKEY) break;
+  }
+  FI_CHECK(rc, "registering ", len, " bytes of ", cuda_device >= 0 ? "CUDA" : "host",
+           " memory on ", domain_name());
+  if (mr_mode & FI_MR_ENDPOINT) {
+    FI_CHECK(fi_mr_bind(h.mr, &ep_->fid, 0), "fi_mr_bind on ", domain_name());
+    FI_CHECK(fi_mr_enable(h.mr), "fi_mr_enable on ", domain_name());
+  }
+  h.key = fi_mr_key(h.mr);
+  h.desc = fi_mr_desc(h.mr);
+  h.base = (mr_mode & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(ptr) : 0;
+  return h;
+}
+
+void Rail::deregister(MrHandle& handle) { close_fid(handle.mr); }
+
+ssize_t Rail::write(void* buf, size_t len, void* desc, fi_addr_t dest, uint64_t addr,
+                    uint64_t key, void* context, uint64_t flags) {
+  iovec iov{buf, len};
+  fi_rma_iov rma{addr, len, key};
+  fi_msg_rma msg{};
+  msg.msg_iov = &iov;
+  msg.desc = &desc;
+  msg.iov_count = 1;
+  msg.addr = dest;
+  msg.rma_iov = &rma;
+  msg.rma_iov_count = 1;
+  msg.context = context;
+  return fi_writemsg(ep_, &msg, flags | completion_flags_);
+}
+
+ssize_t Rail::read(void* buf, size_t len, void* desc, fi_addr_t dest, uint64_t addr,
+                   uint64_t key, void* context, uint64_t flags) {
+  iovec iov{buf, len};
+  fi_rma_iov rma{addr, len, key};
+  fi_msg_rma msg{};
+  msg.msg_iov = &iov;
+  msg.desc = &desc;
+  msg.iov_count = 1;
+  msg.addr = dest;
+  msg.rma_iov = &rma;
+  msg.rma_iov_count = 1;
+  msg.context = context;
+  return fi_readmsg(ep_, &msg, flags);
+}
+
+ssize_t Rail::send(void* buf, size_t len, void* desc, fi_addr_t dest, void* context) {
+  return fi_send(ep_, buf, len, desc, dest, context);
+}
+
+ssize_t Rail::recv(void* buf, size_t len, void* desc, void* context) {
+  return fi_recv(ep_, buf, len, desc, FI_ADDR_UNSPEC, context);
+}
+
+ssize_t Rail::poll(fi_cq_data_entry* entries, size_t n) {
+  const ssize_t rc = fi_cq_read(cq_, entries, n);
+  return rc == -FI_EAGAIN ? 0 : rc;
+}
+
+bool Rail::read_error(fi_cq_err_entry& entry, std::string& message) {
+  entry = fi_cq_err_entry{};
+  if (fi_cq_readerr(cq_, &entry, 0) != 1) return false;
+  const char* prov = fi_cq_strerror(cq_, entry.prov_errno, entry.err_data, nullptr, 0);
+  message = cat(fi_error_name(entry.err), " on ", domain_name(), ", provider error ",
+                entry.prov_errno, prov ? cat(" (", prov, ")") : std::string());
+  return true;
+}
+
+bool Rail::trywait() {
+  if (wait_fd_ < 0) return false;
+  fid* f = &cq_->fid;
+  return fi_trywait(fabric_, &f, 1) == 0;
+}
+
+}  // namespace p2p::fabric

@@ -1,0 +1,90 @@
+// Rail: one NIC (libfabric domain) with its own fabric, domain, completion queue, address
+// vector, event queue and RDM endpoint, as in the seed program: a NIC is a small struct.
+//
+// Thread model: a Rail is created, used and destroyed by one worker thread only. The domain
+// is opened FI_THREAD_DOMAIN, so nothing here locks and no other thread may touch it, memory
+// registration included.
+#pragma once
+
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_eq.h>
+
+#include <string>
+#include <unordered_map>
+
+#include "fabric/info.h"
+
+namespace p2p::fabric {
+
+// A registration of one buffer in one domain.
+struct MrHandle {
+  fid_mr* mr = nullptr;
+  void* desc = nullptr;   // local descriptor for FI_MR_LOCAL / FI_MR_HMEM providers
+  uint64_t key = 0;       // what a peer names in its RMA
+  uint64_t base = 0;      // the remote address of the buffer's first byte: its virtual address
+                          // under FI_MR_VIRT_ADDR, else 0 (offsets)
+};
+
+class Rail {
+ public:
+  // port != 0 binds the endpoint to that port (providers with IP addresses only).
+  Rail(const fi_info* info, size_t cq_size, uint16_t port);
+  ~Rail();
+  Rail(const Rail&) = delete;
+  Rail& operator=(const Rail&) = delete;
+
+  const std::string& address() const { return address_; }
+  const fi_info* info() const { return info_.get(); }
+  const char* domain_name() const { return info_->domain_attr->name; }
+  size_t tx_depth() const { return info_->tx_attr->size; }
+
+  // Address vector entries are shared by every peer that names the same raw address (a
+  // restarted peer reuses its predecessor's) and removed with the last user.
+  fi_addr_t insert(const std::string& raw_address);
+  void release(fi_addr_t addr);
+
+  // access: FI_READ/FI_WRITE/FI_SEND/FI_RECV/FI_REMOTE_READ/FI_REMOTE_WRITE bits.
+  // cuda_device < 0 registers host memory.
+  MrHandle register_memory(void* ptr, size_t len, uint64_t access, int cuda_device);
+  void deregister(MrHandle& handle);
+
+  ssize_t write(void* buf, size_t len, void* desc, fi_addr_t dest, uint64_t addr, uint64_t key,
+                void* context, uint64_t flags);
+  ssize_t read(void* buf, size_t len, void* desc, fi_addr_t dest, uint64_t addr, uint64_t key,
+               void* context, uint64_t flags);
+  ssize_t send(void* buf, size_t len, void* desc, fi_addr_t dest, void* context);
+  ssize_t recv(void* buf, size_t len, void* desc, void* context);
+
+  // Reads up to n completions: the count, 0, or -FI_EAVAIL when an error entry is next
+  // (read it with read_error). Other negative values are fatal for the rail.
+  ssize_t poll(fi_cq_data_entry* entries, size_t n);
+  // Reads the next error entry; the message names the libfabric and provider error.
+  bool read_error(fi_cq_err_entry& entry, std::string& message);
+
+  int wait_fd() const { return wait_fd_; }
+  // True when nothing is pending and sleeping on wait_fd() cannot miss an event.
+  bool trywait();
+
+  // The completion flag the engine asks for (FI_DELIVERY_COMPLETE where granted).
+  uint64_t completion_flags() const { return completion_flags_; }
+
+ private:
+  InfoPtr info_;
+  fid_fabric* fabric_ = nullptr;
+  fid_domain* domain_ = nullptr;
+  fid_cq* cq_ = nullptr;
+  fid_av* av_ = nullptr;
+  fid_eq* eq_ = nullptr;
+  fid_ep* ep_ = nullptr;
+  int wait_fd_ = -1;
+  uint64_t completion_flags_ = 0;
+  std::string address_;
+  struct AvEntry {
+    fi_addr_t addr;
+    int users;
+  };
+  std::unordered_map<std::string, AvEntry> av_entries_;
+};
+
+}  // namespace p2p::fabric

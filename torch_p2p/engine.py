@@ -1,0 +1,366 @@
+"""Engine: one progress thread (one GPU, or the host) moving tensors to and from peers.
+
+Thread model: the C++ worker owns the NICs and never takes the GIL. It hands results to a
+Python dispatcher thread (one per engine), which completes the torch futures; callbacks
+attached with ``Future.then`` run there, so they must not block on this engine.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import threading
+import weakref
+from typing import Sequence
+
+import torch
+
+from . import _C, errors, topology
+from .remote import RemoteTensor
+
+log = logging.getLogger("torch_p2p")
+
+_ENV_TUNING = {  # environment variable -> engine setting, for benchmarks and tests
+    "TORCH_P2P_MAX_CHUNK": "max_chunk_bytes",
+    "TORCH_P2P_MIN_CHUNK": "min_chunk_bytes",
+    "TORCH_P2P_MR_PIECE_BYTES": "mr_piece_bytes",
+    "TORCH_P2P_TX_DEPTH": "tx_depth",
+    "TORCH_P2P_POST_BATCH": "post_batch",
+    "TORCH_P2P_SPIN_US": "spin_us",
+}
+
+_live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _parse_device(device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if not _C.with_cuda:
+            raise ValueError("torch_p2p was built without CUDA; reinstall it with CUDA available")
+    elif dev.type != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', not {device!r}")
+    return dev
+
+
+def _as_list(x, what: str) -> list:
+    if isinstance(x, (torch.Tensor, RemoteTensor)):
+        return [x]
+    if isinstance(x, Sequence):
+        return list(x)
+    raise TypeError(f"{what} must be a tensor or a sequence of them, not {type(x).__name__}")
+
+
+class Region:
+    """A registered storage. ``remote`` is the handle to give peers; ``close()`` deregisters."""
+
+    def __init__(self, engine: "Engine", rid: int, tensor: torch.Tensor, remote: RemoteTensor):
+        self.engine = engine
+        self.id = rid
+        self.tensor = tensor
+        self.remote = remote
+        self.closed = False
+
+    def close(self, timeout: float | None = None) -> None:
+        """Deregisters, first waiting (up to `timeout`, default the engine's) for local
+        operations that use the region; peers can no longer reach it afterwards."""
+        self.engine.deregister(self, timeout=timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"Region(id={self.id}, nbytes={self.tensor.untyped_storage().nbytes()}, closed={self.closed})"
+
+
+class Engine:
+    """Moves tensor data between registered memory of this process and its peers.
+
+    Args:
+        device: "cpu" or "cuda:N": the GPU whose NICs, NUMA-local core and memory it serves.
+        provider: libfabric provider: "efa", "verbs", "tcp", "shm", a full stack such as
+            "tcp;ofi_rxm", or None for the best available (efa, verbs, then tcp).
+            ``TORCH_P2P_PROVIDER`` overrides None.
+        num_rails: NICs (libfabric domains) to stripe over; by default every NIC that belongs
+            to the device (PCIe proximity). More rails than NICs open several domains on one
+            NIC. ``TORCH_P2P_NUM_RAILS`` sets it too.
+        domains: use exactly these libfabric domains (e.g. ["lo"]); ``TORCH_P2P_DOMAINS``.
+        cpus: cores for the progress thread (``TORCH_P2P_CPUS``); by default a core on the
+            GPU's NUMA node, and no pinning for host engines.
+        data_path: None (auto), "direct" (GPUDirect RDMA; error if the provider has no FI_HMEM)
+            or "staged" (through pinned host slots, also for host memory).
+        timeout: default deadline of one operation, seconds.
+        peer_timeout: a peer that something waits on and that stays silent this long is dead:
+            its futures fail with PeerError.
+        staging_bytes / staging_slot_bytes: size of the pinned staging pool and of one slot
+            (the staged path's memory bound; half the slots serve peers' requests).
+        port: first port of the rails' endpoints on IP providers (rail i uses port + i);
+            None lets the system choose.
+    """
+
+    def __init__(self, device="cpu", provider: str | None = None, num_rails: int | None = None, *,
+                 domains: list[str] | None = None, cpus: list[int] | None = None,
+                 data_path: str | None = None, timeout: float = 120.0, peer_timeout: float = 10.0,
+                 staging_bytes: int = 64 << 20, staging_slot_bytes: int = 4 << 20,
+                 port: int | None = None):
+        if data_path not in (None, "direct", "staged"):
+            raise ValueError(f"data_path must be None, 'direct' or 'staged', not {data_path!r}")
+        self.device = _parse_device(device)
+        provider = provider or os.environ.get("TORCH_P2P_PROVIDER") or ""
+        cuda = self.device.type == "cuda"
+        resolved, _, nics = _C.list_nics(provider, cuda and data_path != "staged")
+        self.plan = topology.plan([topology.Nic(n["domain"], n["pci"], n["speed_bps"]) for n in nics],
+                                  str(self.device), num_rails, domains=domains, cpus=cpus)
+        config = dict(
+            provider=resolved,
+            domains=[nic.domain for nic in self.plan.rails],
+            cpu=-1 if self.plan.cpu is None else self.plan.cpu,
+            cuda_device=self.device.index if cuda else -1,
+            port=port or 0,
+            data_path=data_path,
+            timeout=float(timeout),
+            peer_timeout=float(peer_timeout),
+            staging_bytes=int(staging_bytes),
+            staging_slot_bytes=int(staging_slot_bytes),
+            # A pinned progress thread owns its core and busy-polls, as on p5.
+            spin_us=-1 if self.plan.cpu is not None else 1000,
+        )
+        for env, key in _ENV_TUNING.items():
+            if os.environ.get(env):
+                config[key] = int(os.environ[env])
+        self.timeout = float(timeout)
+        self._c = _C.Engine(config)
+        self._closed = False
+        self._ids = itertools.count(1)
+        self._futures: dict[int, torch.futures.Future] = {}
+        self._regions: dict[int, Region] = {}
+        why = ("provider has FI_HMEM (GPUDirect RDMA)" if self._c.data_path == "direct"
+               else "requested" if data_path == "staged" else "provider has no FI_HMEM")
+        log.info("engine on %s: %s, data path %s (%s); %s", self.device, self._c.provider,
+                 self._c.data_path if cuda or data_path else "direct (host memory)", why, self.plan.reason)
+        # The dispatcher holds the native engine and the futures, not self, so that an
+        # unreferenced Engine is collected (and closed) like any object.
+        self._dispatcher = threading.Thread(target=_dispatch, args=(self._c, self._futures),
+                                            name="torch_p2p-dispatch", daemon=True)
+        self._dispatcher.start()
+        _live.add(self)
+
+    # -- facts -------------------------------------------------------------------------------
+    @property
+    def address(self) -> bytes:
+        """Opaque bytes a peer needs to reach this engine; share them any way you like."""
+        return self._c.address
+
+    @property
+    def provider(self) -> str:
+        return self._c.provider
+
+    @property
+    def data_path(self) -> str:
+        """How GPU memory moves: "direct" (NIC reads and writes it) or "staged" (pinned slots)."""
+        return self._c.data_path
+
+    @property
+    def rails(self) -> list[dict]:
+        return self._c.rails
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- memory ------------------------------------------------------------------------------
+    def register(self, tensor: torch.Tensor, access: str = "rw") -> Region:
+        """Registers the tensor's whole storage on every rail. `access` is what peers may do:
+        "rw", "r" (read only) or "w" (write only); providers enforce it."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"register() takes a tensor, not {type(tensor).__name__}")
+        self._check_open()
+        rid, view = self._c.register(tensor, access, self.timeout)
+        region = Region(self, rid, tensor, RemoteTensor(view))
+        self._regions[rid] = region
+        return region
+
+    def deregister(self, region: Region, timeout: float | None = None) -> None:
+        if region.closed or self._closed:
+            region.closed = True
+            return
+        self._c.deregister(region.id, self.timeout if timeout is None else float(timeout))
+        region.closed = True
+        self._regions.pop(region.id, None)
+
+    # -- transfers ---------------------------------------------------------------------------
+    def write_slices(self, src_views, dst, *, notify: int | None = None,
+                     timeout: float | None = None) -> torch.futures.Future:
+        """Writes local views into remote memory.
+
+        `src_views`: a tensor or a sequence of views of tensors registered with this engine.
+        `dst`: a sequence of RemoteTensors, one per view with the same shape and dtype; or one
+        RemoteTensor of a remote tensor laid out like the local registered one ("mirror":
+        each view lands at the same element positions it has locally).
+        `notify`: a 32-bit tag; the peer's ``notification(tag)`` completes once all bytes of
+        this call are in its memory.
+        The future completes when every byte is in the destination memory. CUDA sources are
+        read after the work queued so far on the current stream.
+        """
+        return self._submit(True, src_views, dst, notify, timeout)
+
+    def read_slices(self, dst_views, src, *, timeout: float | None = None) -> torch.futures.Future:
+        """Reads remote memory into local views (RDMA READ); pairing as in write_slices."""
+        return self._submit(False, dst_views, src, None, timeout)
+
+    def _submit(self, write, local, remote, notify, timeout):
+        local = _as_list(local, "the local views")
+        for i, v in enumerate(local):
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"local view {i} is a {type(v).__name__}, not a tensor")
+        mirror = isinstance(remote, RemoteTensor)
+        remote = _as_list(remote, "the remote tensors")
+        for i, r in enumerate(remote):
+            if not isinstance(r, RemoteTensor):
+                raise TypeError(f"remote {i} is a {type(r).__name__}, not a RemoteTensor")
+        if notify is not None and not 0 <= int(notify) < 1 << 32:
+            raise ValueError(f"notify must be a 32-bit unsigned tag, not {notify}")
+        tag = -1 if notify is None else int(notify)
+        return self._call(lambda fid: self._c.submit(fid, write, local, [r._v for r in remote], mirror, tag,
+                                                     self._timeout(timeout)))
+
+    # -- peers and messages --------------------------------------------------------------------
+    def connect(self, address: bytes) -> torch.futures.Future:
+        """Introduces this engine to a peer; completes when the peer answered. Optional:
+        using a RemoteTensor of an unknown owner connects implicitly."""
+        return self._call(lambda fid: self._c.connect(fid, _address(address)))
+
+    def disconnect(self, address: bytes) -> torch.futures.Future:
+        """Leaves a peer cleanly: operations in flight to it finish, then it is told goodbye."""
+        return self._call(lambda fid: self._c.disconnect(fid, _address(address)))
+
+    def send(self, address: bytes, payload: bytes, *, timeout: float | None = None) -> torch.futures.Future:
+        """Sends a message (any size up to 1 GiB); per-peer order is kept."""
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TypeError(f"payload must be bytes, not {type(payload).__name__}")
+        return self._call(lambda fid: self._c.send(fid, _address(address), bytes(payload), self._timeout(timeout)))
+
+    def recv(self, *, timeout: float | None = None) -> torch.futures.Future:
+        """The next message from any peer, as (sender address, payload). Without a timeout it
+        waits until a message arrives, ``cancel()`` or ``close()``."""
+        return self._call(lambda fid: self._c.recv(fid, 0.0 if timeout is None else float(timeout)))
+
+    def notification(self, tag: int, *, timeout: float | None = None) -> torch.futures.Future:
+        """Completes when a peer's ``write_slices(..., notify=tag)`` has all its bytes here
+        (or fails with the sender's error). Arrivals are counted: each call consumes one."""
+        if not 0 <= int(tag) < 1 << 32:
+            raise ValueError(f"tag must be a 32-bit unsigned integer, not {tag}")
+        return self._call(lambda fid: self._c.notification(fid, int(tag), 0.0 if timeout is None else float(timeout)))
+
+    def cancel(self, future: torch.futures.Future) -> None:
+        """Fails a pending recv, notification or transfer with CancelledError."""
+        for fid, fut in list(self._futures.items()):
+            if fut is future:
+                self._c.cancel(fid)
+
+    def stream_wait(self, future: torch.futures.Future, stream: torch.cuda.Stream | None = None) -> None:
+        """Makes `stream` (default: current) wait on the GPU until `future` completes, so that
+        kernels queued after this call see the arrived data without a host round trip. If the
+        future fails the stream is released too: check the future."""
+        if self.device.type != "cuda":
+            raise ValueError("stream_wait needs a CUDA engine")
+        stream = stream or torch.cuda.current_stream(self.device)
+        token = self._c.stream_wait(stream.cuda_stream)
+        future.add_done_callback(lambda _: self._c.stream_release(token))
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Fails whatever is in flight with ClosedError, says goodbye to peers, stops the
+        threads and deregisters everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._c.close()
+        if threading.current_thread() is not self._dispatcher:
+            self._dispatcher.join(timeout=30)
+        for fut in list(self._futures.values()):
+            if not fut.done():
+                fut.set_exception(errors.ClosedError("the engine was closed"))
+        self._futures.clear()
+        for region in self._regions.values():
+            region.closed = True
+        self._regions.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        return (f"Engine(device={str(self.device)!r}, provider={self.provider!r}, rails={len(self.plan.rails)}, "
+                f"data_path={self.data_path!r}, closed={self._closed})")
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _check_open(self):
+        if self._closed:
+            raise errors.ClosedError("the engine is closed")
+
+    def _timeout(self, timeout):
+        if timeout is None:
+            return 0.0
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, not {timeout}")
+        return float(timeout)
+
+    def _call(self, start) -> torch.futures.Future:
+        """Registers a future under a fresh id, then starts the operation that completes it."""
+        self._check_open()
+        fid = next(self._ids)
+        fut = torch.futures.Future()
+        self._futures[fid] = fut
+        try:
+            start(fid)
+        except BaseException:
+            self._futures.pop(fid, None)
+            raise
+        return fut
+
+
+def _address(address) -> bytes:
+    if not isinstance(address, (bytes, bytearray)):
+        raise TypeError(f"an engine address is bytes, not {type(address).__name__}")
+    return bytes(address)
+
+
+def _dispatch(native, futures: dict) -> None:
+    """Completes futures with what the worker reports, until the engine is closed and drained."""
+    while True:
+        batch = native.poll(100)
+        for fid, kind, message, payload, address in batch:
+            fut = futures.pop(fid, None)
+            if fut is None or fut.done():
+                continue
+            if kind == 0:
+                fut.set_result(None if address is None else (address, payload))
+            else:
+                fut.set_exception(errors.from_kind(kind, message))
+        if not batch and native.drained():
+            return
+
+
+@atexit.register
+def _close_all():
+    for engine in list(_live):
+        try:
+            engine.close()
+        except Exception:
+            pass
