@@ -1,0 +1,180 @@
+"""GPU tensors on both ends (issue 3): one process per GPU, staged over tcp, direct over a
+CUDA-enabled shm where the libfabric in use has one. Skipped without CUDA."""
+import pytest
+import torch
+
+import helpers
+import torch_p2p as p2p
+from conftest import engine_kwargs
+from peer import Peer
+
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
+
+# One process per GPU where there are two; both on one GPU otherwise (still two processes).
+PEER_GPU = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+POISON = -7.0
+
+
+def shm_has_hmem() -> bool:
+    provider, hmem, _ = p2p._C.list_nics("shm", True)
+    return hmem
+
+
+PATHS = [
+    pytest.param(("tcp", "staged"), id="tcp-staged"),
+    pytest.param(("shm", "direct"), id="shm-direct",
+                 marks=pytest.mark.skipif(not torch.cuda.is_available() or not shm_has_hmem(),
+                                          reason="this libfabric has no CUDA support for shm")),
+]
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    return request.param
+
+
+@pytest.fixture
+def pair(path):
+    """(local engine on cuda:0, peer child with an engine on PEER_GPU, provider)."""
+    provider, expected = path
+    with Peer() as b, p2p.Engine("cuda:0", **engine_kwargs(provider)) as a:
+        assert a.data_path == expected
+        b.call(helpers.start_engine, provider, device=PEER_GPU)
+        yield a, b, provider
+
+
+def random_like(shape, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(device)
+
+
+def test_gpu_to_gpu_views(pair):
+    a, b, _ = pair
+    remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (64, 512), fill=POISON, device=PEER_GPU))
+    src = random_like((512, 64), "cuda:0", 1).t()  # transposed: non-contiguous
+    a.register(src)
+    rows = [3, 17, 40]
+    a.write_slices([src[r] for r in rows], [remote[r + 1] for r in rows]).wait()
+    a.write_slices([src[5, ::3]], [remote[0, 1::3][: src[5, ::3].numel()]]).wait()
+    got = b.call(helpers.fetch, "t")
+    for r in rows:
+        assert torch.equal(got[r + 1], src[r].cpu())
+    assert torch.equal(got[0, 1::3][: src[5, ::3].numel()], src[5, ::3].cpu())
+    touched = {0} | {r + 1 for r in rows}
+    untouched = [i for i in range(64) if i not in touched]
+    assert (got[untouched] == POISON).all()
+
+    out = torch.full((3, 512), POISON, device="cuda:0")
+    a.register(out)
+    a.read_slices([out[i] for i in range(3)], [remote[r + 1] for r in rows]).wait()
+    assert torch.equal(out.cpu(), torch.stack([src[r].cpu() for r in rows]))
+
+
+def test_host_and_gpu_mixes(pair):
+    a, b, _ = pair
+    gpu_remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "g", (8, 1024), fill=POISON, device=PEER_GPU))
+    cpu_remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "c", (8, 1024), fill=POISON))
+    host_src = random_like((8, 1024), "cpu", 2)
+    gpu_src = random_like((8, 1024), "cuda:0", 3)
+    a.register(host_src)
+    a.register(gpu_src)
+    a.write_slices([host_src[1], host_src[2]], [gpu_remote[1], gpu_remote[2]]).wait()  # host -> GPU
+    a.write_slices([gpu_src[4]], [cpu_remote[4]]).wait()                                # GPU -> host
+    g, c = b.call(helpers.fetch, "g"), b.call(helpers.fetch, "c")
+    assert torch.equal(g[1:3], host_src[1:3]) and (g[3:] == POISON).all()
+    assert torch.equal(c[4], gpu_src[4].cpu()) and (c[:4] == POISON).all()
+
+    host_out = torch.zeros(1024)
+    gpu_out = torch.zeros(1024, device="cuda:0")
+    a.register(host_out)
+    a.register(gpu_out)
+    a.read_slices(host_out, [gpu_remote[1]]).wait()  # GPU -> host, by read
+    a.read_slices(gpu_out, [cpu_remote[4]]).wait()   # host -> GPU, by read
+    assert torch.equal(host_out, host_src[1])
+    assert torch.equal(gpu_out.cpu(), gpu_src[4].cpu())
+
+
+def test_write_follows_the_callers_stream(pair):
+    """A kernel writes the source just before the call; the peer must get its output."""
+    a, b, _ = pair
+    remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (1 << 20,), fill=POISON, device=PEER_GPU))
+    src = torch.zeros(1 << 20, device="cuda:0")
+    a.register(src)
+    for value in (1.0, 2.0, 3.0):
+        torch.cuda._sleep(200_000_000)  # keeps the stream busy ~0.1 s
+        src.fill_(value)                # queued behind the sleep
+        a.write_slices(src, remote).wait()
+        assert (b.call(helpers.fetch, "t") == value).all()
+
+
+def test_read_follows_the_callers_stream(pair):
+    """A read into GPU memory lands after the work queued before the call (it would be
+    overwritten by that work otherwise)."""
+    a, b, _ = pair
+    remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (1 << 20,), fill=5.0, device=PEER_GPU))
+    dst = torch.zeros(1 << 20, device="cuda:0")
+    a.register(dst)
+    torch.cuda._sleep(200_000_000)
+    dst.fill_(9.0)  # queued before the read: the read must land after it
+    a.read_slices(dst, remote).wait()
+    assert (dst == 5.0).all()
+
+
+def test_staging_pool_much_smaller_than_the_transfer():
+    with Peer() as b, p2p.Engine("cuda:0", **engine_kwargs("tcp", staging_bytes=512 << 10,
+                                                        staging_slot_bytes=256 << 10)) as a:
+        b.call(helpers.start_engine, "tcp", device=PEER_GPU, staging_bytes=512 << 10, staging_slot_bytes=256 << 10)
+        n = 16 << 20  # 64 MiB of float32 through two 256 KiB slots on each side
+        remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (n,), fill=POISON, device=PEER_GPU))
+        src = random_like((n,), "cuda:0", 4)
+        a.register(src)
+        a.write_slices(src, remote).wait()
+        assert torch.equal(b.call(helpers.fetch, "t"), src.cpu())
+        back = torch.zeros(n, device="cuda:0")
+        a.register(back)
+        a.read_slices(back, [remote]).wait()
+        assert torch.equal(back, src)
+
+
+def wait_then_copy(state, name: str, tag: int) -> None:
+    """Receiver: order the current stream after the notification, then copy the target on
+    the GPU. The host never waits for the data."""
+    engine, t = state["engine"], state[name]
+    state["copy"] = torch.empty_like(t)
+    state["note"] = engine.notification(tag, timeout=60)
+    engine.stream_wait(state["note"])
+    state["copy"].copy_(t)  # queued behind the wait
+
+
+def copied(state) -> torch.Tensor:
+    state["note"].wait()
+    torch.cuda.current_stream().synchronize()
+    return state["copy"].cpu()
+
+
+def test_receiver_orders_its_stream_after_arrival(pair):
+    a, b, _ = pair
+    remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (1 << 18,), fill=POISON, device=PEER_GPU))
+    b.call(wait_then_copy, "t", 77)
+    src = random_like((1 << 18,), "cuda:0", 5)
+    a.register(src)
+    a.write_slices(src, remote, notify=77).wait()
+    assert torch.equal(b.call(copied), src.cpu())
+
+
+def register_vmm(state) -> str:
+    """With expandable segments the caching allocator hands out VMM memory."""
+    t = torch.ones(1 << 20, device="cuda:0")
+    try:
+        state["vmm"] = state["engine"].register(t)
+    except ValueError as e:
+        return str(e)
+    return "registered"
+
+
+def test_vmm_memory_registers_or_says_what_to_change():
+    with Peer(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) as b:
+        provider = "shm" if shm_has_hmem() else "tcp"
+        b.call(helpers.start_engine, provider, device="cuda:0")
+        outcome = b.call(register_vmm)
+        assert outcome == "registered" or "expandable" in outcome, outcome
