@@ -6,9 +6,11 @@
 #pragma once
 
 #include <cstdint>
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace p2p {
@@ -43,12 +45,38 @@ struct Status {
   static Status error(ErrorKind kind, std::string message) { return {kind, std::move(message)}; }
 };
 
-// cat("a", 1, "b") -> "a1b": builds messages without iostream boilerplate at call sites.
+// cat("a", 1, "b") -> "a1b": builds messages. NOTE: no iostreams anywhere in this library:
+// with a toolchain that links libstdc++ statically into the extension (seen on the GPU
+// machine), std::ostringstream crashes on the process's global locale, which belongs to the
+// other libstdc++.
+namespace detail {
+inline void append(std::string& s, std::string_view v) { s.append(v); }
+inline void append(std::string& s, const char* v) { s.append(v ? v : "(null)"); }
+inline void append(std::string& s, char v) { s.push_back(v); }
+template <typename T>
+std::enable_if_t<std::is_integral_v<T>> append(std::string& s, T v) {
+  s.append(std::to_string(v));
+}
+template <typename T>
+std::enable_if_t<std::is_floating_point_v<T>> append(std::string& s, T v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v));
+  s.append(buf);
+}
+}  // namespace detail
+
 template <typename... Args>
 std::string cat(const Args&... args) {
-  std::ostringstream out;
-  (out << ... << args);
-  return out.str();
+  std::string out;
+  (detail::append(out, args), ...);
+  return out;
+}
+
+// "1f2e3d4c5b6a7988": how incarnations (engine ids) appear in messages.
+inline std::string hex(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
 }
 
 // "FI_ECONNREFUSED (Connection refused)" for a positive libfabric error number.

@@ -88,6 +88,12 @@ class CudaCopier final : public Copier {
     return p;
   }
   void free_pinned(void* ptr) override { cudaFreeHost(ptr); }
+  void* alloc_device(size_t bytes) override {
+    void* p = nullptr;
+    CUDA_CHECK(cudaMalloc(&p, bytes), "cudaMalloc(", bytes, ")");
+    return p;
+  }
+  void free_device(void* ptr) override { cudaFree(ptr); }
 
  private:
   void note(cudaError_t rc) {

@@ -29,6 +29,8 @@ class HostCopier final : public Copier {
     return p;
   }
   void free_pinned(void* ptr) override { std::free(ptr); }
+  void* alloc_device(size_t) override { return nullptr; }
+  void free_device(void*) override {}
 };
 
 }  // namespace

@@ -34,6 +34,9 @@ class Copier {
   // Page-aligned memory that NICs and (for CUDA) DMA engines can use.
   virtual void* alloc_pinned(size_t bytes) = 0;
   virtual void free_pinned(void* ptr) = 0;
+  // GPU memory of the engine's device (nullptr for the host copier): for probing FI_HMEM.
+  virtual void* alloc_device(size_t bytes) = 0;
+  virtual void free_device(void* ptr) = 0;
 };
 
 // The host copier for cuda_device < 0, else the CUDA one (which makes cuda_device current on

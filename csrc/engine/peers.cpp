@@ -12,7 +12,7 @@ namespace {
 
 constexpr uint64_t kMaxUserMessage = uint64_t{1} << 30;
 
-std::string describe(const Peer& p) { return cat("peer ", std::hex, p.incarnation); }
+std::string describe(const Peer& p) { return cat("peer ", hex(p.incarnation)); }
 
 }  // namespace
 
@@ -186,7 +186,7 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
     if (h.from != expected) {
       return fail_peer(p, Status::error(ErrorKind::Peer,
                                         cat(describe(p), " restarted: the process at its address is now "
-                                            "incarnation ", std::hex, h.from,
+                                            "incarnation ", hex(h.from),
                                             "; handles from the old process are void")));
     }
     p.last_heard = now();
@@ -224,7 +224,7 @@ void Worker::peer_ready(Peer& p) {
 
 void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   if (p.failed()) return;
-  P2P_LOG(Info, "peer ", std::hex, p.incarnation, std::dec, " is gone: ", why.message);
+  P2P_LOG(Info, "peer ", hex(p.incarnation), " is gone: ", why.message);
   p.state = state;
   p.failure = why;
   for (uint64_t id : p.connect_waiters) report(id, why);

@@ -145,6 +145,8 @@ void Worker::open(std::promise<void>& ready) {
     rails_.push_back(std::move(rs));
   }
 
+  if (cuda && hmem_ && config_.data_path == DataPath::Auto) probe_hmem();
+
   while (incarnation_ == 0) (void)!getrandom(&incarnation_, sizeof incarnation_, 0);
   EngineAddress me{provider_, incarnation_, {}};
   for (auto& rs : rails_) me.rails.push_back(rs.rail->address());
@@ -183,6 +185,21 @@ void Worker::open(std::promise<void>& ready) {
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, rs.rail->wait_fd(), &ev);
   }
   ready.set_value();
+}
+
+// Some builds grant FI_HMEM and then refuse CUDA memory (seen: Ubuntu's 1.17 shm). Trying one
+// small registration decides the automatic data path honestly, before any user memory.
+void Worker::probe_hmem() {
+  void* probe = copier_->alloc_device(1 << 16);
+  try {
+    fabric::MrHandle mr = rails_[0].rail->register_memory(probe, 1 << 16, FI_READ | FI_WRITE, config_.cuda_device);
+    rails_[0].rail->deregister(mr);
+  } catch (const Error& e) {
+    hmem_ = false;
+    P2P_LOG(Warn, "provider ", provider_, " offers FI_HMEM but cannot register CUDA memory here (", e.what(),
+            "); GPU memory takes the staged path");
+  }
+  copier_->free_device(probe);
 }
 
 void Worker::post_receive(Op* op) {
@@ -329,7 +346,7 @@ void Worker::on_error(RailState& rs) {
   }
   Peer* peer = op->peer;
   const bool connection = is_connection_error(err.err);
-  std::string who = peer ? cat(" to peer ", std::hex, peer->incarnation) : std::string();
+  std::string who = peer ? cat(" to peer ", hex(peer->incarnation)) : std::string();
   Status status = Status::error(connection ? ErrorKind::Peer : ErrorKind::Generic,
                                 cat(op_name(op->kind), who, " failed: ", message));
   complete_op(op, status);
@@ -384,7 +401,7 @@ bool Worker::post_ops() {
       }
       any = true;
       if (rc < 0) {
-        std::string who = op->peer ? cat(" to peer ", std::hex, op->peer->incarnation) : std::string();
+        std::string who = op->peer ? cat(" to peer ", hex(op->peer->incarnation)) : std::string();
         complete_op(op, Status::error(ErrorKind::Generic,
                                       cat("posting a ", op_name(op->kind), who, " on ",
                                           rs.rail->domain_name(), " failed: ", fi_error_name(-rc))));
@@ -440,8 +457,7 @@ void Worker::tick() {
     const char* what = tr->kind == TransferKind::Write ? "write_slices"
                        : tr->kind == TransferKind::Read ? "read_slices" : "send";
     fail(*tr, Status::error(ErrorKind::Timeout,
-                              cat(what, " to peer ", std::hex, tr->peer ? tr->peer->incarnation : 0,
-                                  std::dec, " timed out after ", tr->timeout_s, " s")));
+                              cat(what, " to peer ", hex(tr->peer ? tr->peer->incarnation : 0), " timed out after ", tr->timeout_s, " s")));
   }
 
   auto expire = [&](std::vector<Waiter>& waiters, const char* what) {

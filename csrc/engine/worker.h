@@ -219,6 +219,7 @@ class Worker {
   // worker.cpp: thread, loop, completions, posting, timers, shutdown.
   void run(std::promise<void>& ready);
   void open(std::promise<void>& ready);
+  void probe_hmem();
   bool drain_commands();
   bool poll_rails();
   void on_completion(RailState& rs, const fi_cq_data_entry& entry);
