@@ -143,13 +143,15 @@ def wait_then_copy(state, name: str, tag: int) -> None:
     engine, t = state["engine"], state[name]
     state["copy"] = torch.empty_like(t)
     state["note"] = engine.notification(tag, timeout=60)
-    engine.stream_wait(state["note"])
-    state["copy"].copy_(t)  # queued behind the wait
+    state["stream"] = torch.cuda.Stream(t.device)
+    with torch.cuda.stream(state["stream"]):
+        engine.stream_wait(state["note"])
+        state["copy"].copy_(t)  # queued behind the wait
 
 
 def copied(state) -> torch.Tensor:
     state["note"].wait()
-    torch.cuda.current_stream().synchronize()
+    state["stream"].synchronize()
     return state["copy"].cpu()
 
 
