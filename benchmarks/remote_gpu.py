@@ -29,19 +29,23 @@ Timing, per run, as in the paper's Section 3 (every number in milliseconds):
       Latency = input + ops client + output - ops GPU
 
 i.e. the time of every copy between the client's memory and the GPU, as the client sees it.
-Effective GB/s = bytes moved (2 arrays in, 1 out) / Latency.
+Effective GB/s = bytes moved (2 arrays in, 1 out) / Latency. Where the server's compute takes
+no longer than a message (small sizes), the split between input and ops client can shift by
+a message's latency; their sum, and so Latency, cannot.
 
 Protocol: each (method, size) runs ``--warmup`` runs (the paper warms up with 3 runs of part
 1), then ``--rounds`` rounds of up to ``--repeat`` runs (the paper: 10 rounds of 6), and
 reports the mean and standard deviation of the round whose latency has the lowest standard
 deviation, as the paper does. A round stops early once it used its share of ``--budget``
-seconds (at least 2 runs), so that 4e8 elements over tcp stay affordable.
+seconds (at least 2 runs), so that 4e8 elements over tcp stay affordable: the default run
+takes about a minute on 2 x H200 over tcp. The paper's protocol in full:
+``--warmup 3 --rounds 10 --budget 60``.
 
 Every result is checked before its time counts: each run gives a and b fresh random values
-(all of them up to ``--check-all`` elements, else at 4096 random indices and both ends,
-where c is also poisoned with NaN), and c must equal a + b exactly at those places. A stale
-or missing byte anywhere on the path therefore fails the run, and a failed run fails its
-(method, size): no time is reported for a wrong result.
+and poisons c with NaN (every element up to ``--check-all`` elements, else 4096 random ones
+and both ends), and c must equal a + b exactly there. A stale or missing byte anywhere on the
+path therefore fails the run, and a failed run fails its (method, size): no time is reported
+for a wrong result.
 
 The server runs in a spawned child with its own engine on ``--server-device``; control goes
 over a pipe, while the data, the arrival notification and the per-run messages go through the
@@ -91,6 +95,10 @@ class WrongResult(RuntimeError):
 
 class ServerError(RuntimeError):
     """The server process failed, died or did not answer."""
+
+
+class Unavailable(RuntimeError):
+    """The method cannot run with this provider or device: a note, not a failure."""
 
 
 def progress(text: str) -> None:
@@ -143,6 +151,15 @@ class Server:
         self.close_engine()
         self.method, self.client = method, client
         self.engine = p2p.Engine(self.device, data_path=SERVER_DATA_PATH[method], **self.engine_kwargs)
+        if method == "remote-direct":
+            # NOTE: libfabric 1.17's shm without CUDA support claims FI_HMEM, then refuses to
+            # register GPU memory (FI_ENOSYS): find out before timing anything.
+            try:
+                self.engine.register(torch.empty(1024, device=self.device)).close()
+            except p2p.P2PError as exc:
+                self.close_engine()
+                raise Unavailable(f"the {self.device} engine reports data path 'direct' but cannot register "
+                                  f"GPU memory ({exc}); is this libfabric built with CUDA?") from exc
         return {"address": self.engine.address, "provider": self.engine.provider,
                 "data_path": self.engine.data_path, "rails": len(self.engine.rails)}
 
@@ -229,6 +246,8 @@ def _serve(conn, device: str, engine_kwargs: dict) -> None:
             try:
                 result = server.run(*args, conn=conn) if cmd == "run" else commands[cmd](*args)
                 conn.send(("ok", result))
+            except Unavailable as exc:
+                conn.send(("skip", str(exc)))
             except BaseException as exc:  # noqa: BLE001 - reported to the client
                 conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -259,6 +278,8 @@ class ServerProcess:
         status, value = self._conn.recv()
         if status == "err":
             raise ServerError(f"the server failed: {value}")
+        if status == "skip":
+            raise Unavailable(value)
         if status != expect:
             raise ServerError(f"the server answered {status!r}, expected {expect!r}")
         return value
@@ -617,6 +638,9 @@ def parse_args(argv=None):
         setattr(args, name, dev)
     if min(args.reps_sum, args.repeat, args.rounds) < 1 or args.warmup < 0 or args.budget <= 0:
         p.error("--reps-sum, --repeat and --rounds must be >= 1, --warmup >= 0, --budget > 0")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            p.error(f"{flag} {path}: its folder does not exist")
     if args.plot:
         try:
             import matplotlib  # noqa: F401 - fail now, not after minutes of measuring
@@ -669,13 +693,14 @@ def bench_method(method: str, args, master: tuple, gen: torch.Generator, client:
     try:
         if client is not None:
             info = client.open(method)
+            host = " (host buffers: direct RMA)" if method in ("remote-pageable", "remote-pinned") else ""
             progress(f"{method}: server engine on {args.server_device}, {info['provider']}, "
-                     f"data path {info['data_path']}, {info['rails']} rail(s)")
+                     f"{info['rails']} rail(s), {args.server_device} data path {info['data_path']}{host}")
         for n in args.sizes:
             label = f"{method} {fmt_n(n)}"
             progress(f"{label}: start")
             record = {"method": method, "elements": n, "reps_sum": args.reps_sum,
-                      "server_data_path": info.get("data_path")}
+                      "server_engine_data_path": info.get("data_path")}
             records.append(record)
             if client is None:
                 samples, runs, device = bench_local(method, n, args, master, gen)
@@ -697,6 +722,9 @@ def bench_method(method: str, args, master: tuple, gen: torch.Generator, client:
                 write_json(args.json, config, records)
         if client is not None:
             client.close_method()
+    except Unavailable as exc:
+        progress(f"{method}: skipped: {exc}")
+        records.append({"method": method, "status": "skipped", "note": str(exc)})
     except Exception as exc:  # noqa: BLE001 - recorded, and the benchmark goes on
         what = f"{type(exc).__name__}: {exc}"
         progress(f"{method}: FAILED: {what}")
