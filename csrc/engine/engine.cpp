@@ -221,8 +221,9 @@ void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& loca
         rbase = rv.offset * elem;
         rstrides = rv.strides;
       }
-      P2P_CHECK(rbase >= 0 && static_cast<uint64_t>(rbase) + extent <= rr.nbytes, ErrorKind::Value,
-                what, " ", i, " would reach bytes ", rbase, "..", rbase + static_cast<int64_t>(extent),
+      const uint64_t rextent = extent_bytes(v.sizes().vec(), rstrides.data(), elem);  // remote strides
+      P2P_CHECK(rbase >= 0 && static_cast<uint64_t>(rbase) + rextent <= rr.nbytes, ErrorKind::Value,
+                what, " ", i, " would reach bytes ", rbase, "..", rbase + static_cast<int64_t>(rextent),
                 " of a remote region of ", rr.nbytes, " bytes");
       P2P_CHECK(rr.access & (write ? kRemoteWrite : kRemoteRead), ErrorKind::Value, "region ", rr.id,
                 " of the peer does not accept remote ", write ? "writes (registered with access='r')"
