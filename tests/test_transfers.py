@@ -122,12 +122,16 @@ def check_transfer(link: helpers.Link, case: Case, *, write: bool, mirror: bool,
         local_views = case.local_views(expected_local)
         remote_views = case.local_views(remote_like) if mirror else case.remote_views(remote_like)
         for lv, rv in zip(local_views, remote_views):
-            src, dst = (lv, rv) if write else (rv, lv)
-            helpers.bits(dst).copy_(helpers.bits(src))
-        before, expected = (remote_before, expected_remote) if write else (helpers.poisoned(case.local_shape, dtype),
-                                                                            expected_local)
+            into, out_of = (rv, lv) if write else (lv, rv)
+            helpers.bits(into).copy_(helpers.bits(out_of))
+        if write:
+            before, expected = remote_before, expected_remote
+        else:
+            before, expected = helpers.poisoned(case.local_shape, dtype), expected_local
         assert not torch.equal(helpers.bits(expected), helpers.bits(before)), "the case moves nothing"
         helpers.assert_same_bits(link.fetch(name) if write else local, expected)
+        if write:  # and the source is as it was
+            helpers.assert_same_bits(local, helpers.random_tensor(case.local_shape, dtype, seed))
     finally:
         region.close()
         link.drop(name)
@@ -302,9 +306,13 @@ def test_transfers_cross_registration_pieces(provider, local_path, monkeypatch):
     with Peer(env={"TORCH_P2P_MR_PIECE_BYTES": str(PIECE_BYTES)}) as b:
         link = helpers.Link(b, provider, remote_options=dict(data_path=None), **DATA_PATHS[local_path])
         try:
+            pieces = (1 << 20) // PIECE_BYTES
             name, remote = link.remote((512, 512))
-            assert len(remote.keys) == (1 << 20) // PIECE_BYTES * len(link.engine.rails)
+            assert len(remote.keys) == pieces  # a key per piece and rail (one rail)
             link.drop(name)
+            if local_path == "direct":  # the setting reached this process's engine too
+                with link.engine.register(torch.zeros(512, 512)) as region:
+                    assert len(region.remote.keys) == pieces
             for seed, case in enumerate(PIECE_CASES.values()):
                 for write in (True, False):
                     check_transfer(link, case, write=write, mirror=False, seed=seed)
