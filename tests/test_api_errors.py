@@ -109,9 +109,6 @@ def test_the_handle_of_a_closed_local_region_fails_through_the_future(provider):
         helpers.assert_same_bits(mine, helpers.poisoned(SHAPE, torch.float32))
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="BUG: the engine owns the handle's region and knows it is closed, yet submit "
-                          "accepts the call; it then fails late, as a PeerError of the engine with itself")
 def test_the_handle_of_a_closed_local_region_is_refused_at_once(provider):
     with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=2.0)) as engine:
         src = helpers.random_tensor(SHAPE, torch.float32, 1)
@@ -297,8 +294,9 @@ def test_access_mode_is_checked_locally(link, target):
 # -- Regions gone on the peer -------------------------------------------------------------------
 
 def test_write_to_a_region_its_owner_deregistered_fails_through_the_future(link):
-    """Only the owner knows its region is gone: the call is accepted and its future fails with
-    a P2PError (staged: the owner refuses with RemoteError), within the peer timeout."""
+    """Only the owner knows its region is gone; it tells peers as it introduces itself (the
+    census of live regions) and when it deregisters: the future fails with ClosedError before
+    anything reaches the owner's memory."""
     own = helpers.Link(link.peer, link.provider, peer_timeout=2.0, **DATA_PATHS[link.path])
     try:
         src = helpers.random_tensor(SHAPE, torch.float32, 1)
@@ -306,29 +304,23 @@ def test_write_to_a_region_its_owner_deregistered_fails_through_the_future(link)
         own.peer.call(helpers.deregister, name)
         with own.engine.register(src):
             future = own.engine.write_slices([src[0]], [gone[0]])
-            with pytest.raises(p2p.P2PError) as failure:
+            with pytest.raises(p2p.ClosedError, match="deregistered by its owner"):
                 p2p.wait(future, timeout=30)
-        if link.path == "staged":
-            assert isinstance(failure.value, p2p.RemoteError)
-            assert "is not registered (deregistered?)" in str(failure.value)
     finally:
         own.close()
 
 
-@pytest.mark.xfail(strict=True, raises=p2p.PeerError,
-                   reason="BUG: on the direct path a write to a deregistered remote region fails with "
-                          "PeerError and the healthy peer is declared dead (tcp: the provider's "
-                          "FI_ECANCELED counts as a connection error; shm: nothing completes and the "
-                          "peer is silent until peer_timeout)")
-def test_a_deregistered_remote_region_is_a_remote_error_and_the_peer_lives_on(peer, provider):
+def test_a_deregistered_remote_region_is_refused_and_the_peer_lives_on(peer, provider):
+    """The peer knew the owner before the region went (RegionClosed), and keeps working with it."""
     own = helpers.Link(peer, provider, peer_timeout=2.0)
     try:
         src = helpers.random_tensor(SHAPE, torch.float32, 1)
         name, gone = own.remote(SHAPE)
         live_name, live = own.remote(SHAPE)
-        own.peer.call(helpers.deregister, name)
         with own.engine.register(src):
-            with pytest.raises(p2p.RemoteError):
+            p2p.wait(own.engine.write_slices([src], [live]), timeout=30)  # connected
+            own.peer.call(helpers.deregister, name)
+            with pytest.raises(p2p.ClosedError, match="deregistered by its owner"):
                 p2p.wait(own.engine.write_slices([src[0]], [gone[0]]), timeout=30)
             p2p.wait(own.engine.write_slices([src], [live]), timeout=30)
         helpers.assert_same_bits(own.fetch(live_name), src)

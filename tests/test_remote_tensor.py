@@ -112,8 +112,6 @@ def test_empty_slices_have_torchs_shape_and_strides(registered):
         assert handle.stride() == view.stride()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (minor): an empty slice keeps the storage_offset where torch "
-                                       "advances it by start * stride (remote.py adds it only when n > 0)")
 def test_empty_slices_have_torchs_storage_offset(registered):
     t, region = registered
     for index in [slice(3, 3), (slice(None), slice(6, 6))]:

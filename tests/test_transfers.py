@@ -193,10 +193,6 @@ def test_spread_out_local_view_to_a_small_remote_tensor(link, write):
     check_transfer(link, column, write=write, mirror=False)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="BUG: an empty view of a registered tensor is refused as unregistered memory: "
-                          "torch reports data_ptr() == 0 for empty tensors and submit finds the region "
-                          "by data_ptr")
 @pytest.mark.parametrize("write", DIRECTIONS)
 def test_empty_views_move_nothing(link, write):
     """An empty view (a slice of no rows) next to a real one: it moves nothing, the other arrives."""

@@ -188,11 +188,13 @@ class Engine:
         return region
 
     def deregister(self, region: Region, timeout: float | None = None) -> None:
-        if region.closed or self._closed:
+        """See Region.close(). After a TimeoutError the region stays closed to new operations
+        (``region.closed``) and close() may be called again."""
+        if self._closed or region.id not in self._regions:
             region.closed = True
             return
-        self._c.deregister(region.id, self.timeout if timeout is None else float(timeout))
         region.closed = True
+        self._c.deregister(region.id, self.timeout if timeout is None else float(timeout))
         self._regions.pop(region.id, None)
 
     # -- transfers ---------------------------------------------------------------------------

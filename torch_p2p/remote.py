@@ -131,8 +131,7 @@ class RemoteTensor:
                 if step <= 0:
                     raise ValueError("RemoteTensor slices need a positive step")
                 n = len(range(start, stop, step))
-                if n:
-                    offset += start * strides[dim]
+                offset += start * strides[dim]  # also for an empty slice, as torch does
                 out_shape.append(n)
                 out_strides.append(strides[dim] * step)
                 dim += 1

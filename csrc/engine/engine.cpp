@@ -88,7 +88,6 @@ std::pair<uint64_t, std::shared_ptr<RemoteView>> Engine::register_tensor(const a
   const uint64_t nbytes = storage.nbytes();
   P2P_CHECK(ptr && nbytes > 0, ErrorKind::Value, "cannot register a tensor with an empty storage");
   const uintptr_t start = reinterpret_cast<uintptr_t>(ptr), end = start + nbytes;
-  uint64_t id;
   {
     std::lock_guard<std::mutex> lock(mu_);
     P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
@@ -100,15 +99,21 @@ std::pair<uint64_t, std::shared_ptr<RemoteView>> Engine::register_tensor(const a
       P2P_THROW(ErrorKind::Value, "this tensor's storage overlaps region ", other.id,
                 ", registered already; use views of that region's RemoteTensor instead");
     }
-    id = next_region_++;
+    // Reserved, closed to transfers, until the worker has registered it and named it.
+    regions_.emplace(start, LocalRegion{0, start, end, tensor, true});
   }
+  auto unreserve = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    regions_.erase(start);
+  };
   const int device = tensor.is_cuda() ? tensor.get_device() : -1;
-  Worker::RegionSpec spec{id, ptr, nbytes, device, bits};
+  Worker::RegionSpec spec{ptr, nbytes, device, bits};
   std::shared_ptr<RemoteRegion> region;
   try {
     region = worker_->call<std::shared_ptr<RemoteRegion>>([spec](Worker& w) { return w.register_region(spec); },
                                                           timeout_s);
   } catch (const Error& e) {
+    unreserve();
 #ifdef WITH_CUDA
     if (device >= 0 && cuda::is_vmm_memory(ptr))
       P2P_THROW(ErrorKind::Value, e.what(), ". This tensor lives in CUDA VMM memory (PyTorch's "
@@ -117,7 +122,11 @@ std::pair<uint64_t, std::shared_ptr<RemoteView>> Engine::register_tensor(const a
                 "turning expandable segments on, or create the engine with data_path='staged'");
 #endif
     throw;
+  } catch (...) {
+    unreserve();
+    throw;
   }
+  const uint64_t id = region->id;
   auto view = std::make_shared<RemoteView>();
   view->region = std::move(region);
   view->dtype = tensor.scalar_type();
@@ -125,7 +134,9 @@ std::pair<uint64_t, std::shared_ptr<RemoteView>> Engine::register_tensor(const a
   view->strides = tensor.strides().vec();
   view->offset = tensor.storage_offset();
   std::lock_guard<std::mutex> lock(mu_);
-  regions_.emplace(start, LocalRegion{id, start, end, tensor});
+  LocalRegion& reserved = regions_.at(start);
+  reserved.id = id;
+  reserved.closed = false;
   return {id, view};
 }
 
@@ -134,7 +145,7 @@ void Engine::deregister(uint64_t id, double timeout_s) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = std::find_if(regions_.begin(), regions_.end(), [&](auto& kv) { return kv.second.id == id; });
     if (it == regions_.end() || closed_) return;  // already gone
-    it->second.closed = true;
+    it->second.closed = true;  // a retry after a timeout finds it closed and waits again
   }
   auto done = std::make_shared<std::promise<void>>();
   auto finished = done->get_future();
@@ -194,7 +205,18 @@ void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& loca
       const RemoteRegion& rr = *rv.region;
       P2P_CHECK(rr.owner == owner, ErrorKind::Value, "all RemoteTensors of one call must belong to one "
                 "peer; RemoteTensor ", i, " belongs to another");
+      if (rr.owner == worker_->address()) {  // our own region: we know whether it is still there
+        const bool open = std::any_of(regions_.begin(), regions_.end(),
+                                      [&](auto& kv) { return kv.second.id == rr.id && !kv.second.closed; });
+        P2P_CHECK(open, ErrorKind::Closed, "RemoteTensor ", i, " names region ", rr.id,
+                  " of this engine, which is deregistered");
+      }
       const int64_t elem = v.element_size();
+      if (v.numel() == 0) {  // moves nothing; torch gives empty views no data pointer to check
+        P2P_CHECK(mirror || (rv.shape == v.sizes().vec() && rv.dtype == v.scalar_type()), ErrorKind::Value,
+                  what, " ", i, " is empty but its RemoteTensor is not of the same shape and dtype");
+        continue;
+      }
       const uint64_t extent = extent_bytes(v.sizes().vec(), v.strides().data(), elem);
       const LocalRegion& lr = region_of(v, extent, what, i);
 

@@ -80,7 +80,6 @@ class Engine {
   int cuda_device_;
   std::mutex mu_;
   std::map<uintptr_t, LocalRegion> regions_;  // by start address
-  uint64_t next_region_ = 1;
   bool closed_ = false;
 #ifdef WITH_CUDA
   std::unique_ptr<cuda::StreamFlags> flags_;

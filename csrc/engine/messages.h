@@ -22,6 +22,8 @@ enum class MsgType : uint8_t {
   Notify = 7,    // body: tag, status kind, status message
   StageReq = 8,  // body: see staging.cpp
   StageAck = 9,  // body: request id, status kind, status message
+  RegionClosed = 10,     // body: region id. The owner is deregistering it: refuse new transfers
+  RegionReleased = 11,   // body: region id. Nothing of the sender's still flows into it
 };
 
 // Every message starts with the sender's incarnation and the incarnation it is meant for, so a

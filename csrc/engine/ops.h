@@ -16,6 +16,7 @@ namespace p2p::engine {
 struct Op;
 class Worker;
 struct Peer;
+struct Region;
 
 // Whoever posted an op hears how it ended. Implemented by Transfer, SlotJob and Message.
 struct OpOwner {
@@ -35,6 +36,7 @@ struct Op {
   bool orphaned = false;     // its peer was declared dead while it was posted
   OpOwner* owner = nullptr;
   Peer* peer = nullptr;
+  Region* region = nullptr;  // user memory `local` lies in, if any (not slots or messages)
   void* local = nullptr;
   uint64_t len = 0;
   void* desc = nullptr;

@@ -58,6 +58,7 @@ void Worker::revive(Peer& p) {
 void Worker::send_hello(Peer& p) {
   ByteWriter w = message(MsgType::Hello, p);
   w.put_bytes(address_);
+  put_census(w);
   send_control(p, std::move(w));
 }
 
@@ -166,6 +167,15 @@ void Worker::on_message(const char* data, size_t len) {
       case MsgType::StageAck:
         on_stage_ack(r);
         break;
+      case MsgType::RegionClosed:
+        on_region_closed(p, r.get<uint64_t>());
+        break;
+      case MsgType::RegionReleased: {
+        const uint64_t region = r.get<uint64_t>();
+        for (auto& c : closing_)
+          if (c.region->id == region) c.unreleased.erase(p.incarnation);
+        break;
+      }
       default:
         r.fail("unknown message type");
     }
@@ -183,6 +193,7 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
     auto it = peers_.find(expected);
     if (it == peers_.end() || it->second->state != PeerState::Connecting) return;
     Peer& p = *it->second;
+    read_census(p, r);
     if (h.from != expected) {
       return fail_peer(p, Status::error(ErrorKind::Peer,
                                         cat(describe(p), " restarted: the process at its address is now "
@@ -206,9 +217,11 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
     return;
   }
   p->last_heard = now();
+  read_census(*p, r);
   ByteWriter w = message(MsgType::HelloAck, *p);
   w.put_bytes(address_);
   w.put(h.to);
+  put_census(w);
   send_control(*p, std::move(w));
   if (p->state != PeerState::Ready) peer_ready(*p);
 }
@@ -219,7 +232,13 @@ void Worker::peer_ready(Peer& p) {
   p.connect_waiters.clear();
   std::vector<Transfer*> waiting;
   waiting.swap(p.waiting);
-  for (Transfer* t : waiting) ready_to_generate(*t);
+  for (Transfer* t : waiting) {
+    if (Status s = check_remote(*t); !s.ok()) {
+      fail(*t, std::move(s));
+      continue;
+    }
+    ready_to_generate(*t);
+  }
 }
 
 void Worker::fail_peer(Peer& p, Status why, PeerState state) {
@@ -240,15 +259,30 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
     if (op.peer != &p || !op.posted || op.orphaned || op.kind == OpKind::Recv) return;
     op.orphaned = true;
     --rails_[op.rail].inflight;
+    if (op.region) {
+      auto& pin = orphan_pins_[op.region];
+      if (!pin.first) pin.first = op.region->shared_from_this();
+      ++pin.second;
+    }
     OpOwner* owner = op.owner;
     op.owner = nullptr;
     if (owner) owner->op_done(*this, op, why);
   });
   p.partial.clear();
+  for (auto& c : closing_) c.unreleased.erase(p.incarnation);
   if (p.disconnect_id && state == PeerState::Dead) {
     report(p.disconnect_id, Status{});
     p.disconnect_id = 0;
   }
+}
+
+void Worker::ping(Peer& p) {
+  const double t = now();
+  if (t - p.last_ping < 0.05) return;  // one probe in flight is enough
+  ByteWriter w = message(MsgType::Ping, p);
+  w.put(++ping_nonce_);
+  send_control(p, std::move(w));
+  p.last_ping = t;
 }
 
 void Worker::check_peers() {
@@ -265,10 +299,7 @@ void Worker::check_peers() {
         dead.push_back({&p, Status::error(ErrorKind::Peer, cat(describe(p), " was silent for ",
                                                                 timeout, " s (peer_timeout)"))});
       } else if (t - p.last_heard > timeout / 4 && t - p.last_ping > timeout / 4) {
-        ByteWriter w = message(MsgType::Ping, p);
-        w.put(++ping_nonce_);
-        send_control(p, std::move(w));
-        p.last_ping = t;
+        ping(p);
       }
     }
   }

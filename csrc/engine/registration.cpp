@@ -2,6 +2,8 @@
 // (about 4 GiB for remote write on EFA), and deregistration once nothing uses them.
 #include <rdma/fi_domain.h>
 
+#include <algorithm>
+
 #include "common/log.h"
 #include "engine/worker.h"
 
@@ -9,7 +11,7 @@ namespace p2p::engine {
 
 std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
   auto region = std::make_shared<Region>();
-  region->id = spec.id;
+  region->id = ++last_region_;
   region->ptr = spec.ptr;
   region->nbytes = spec.nbytes;
   region->cuda_device = spec.cuda_device;
@@ -33,12 +35,12 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
       throw;
     }
   }
-  regions_[spec.id] = region;
+  regions_[region->id] = region;
 
   auto remote = std::make_shared<RemoteRegion>();
   remote->owner = address_;
   remote->incarnation = incarnation_;
-  remote->id = spec.id;
+  remote->id = region->id;
   remote->nbytes = spec.nbytes;
   remote->access = spec.access;
   remote->staged = region->staged;
@@ -55,12 +57,112 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
 
 void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> done) {
   auto it = regions_.find(id);
-  if (it == regions_.end()) return done->set_value();
+  if (it == regions_.end()) {
+    // Closing already (an earlier close() gave up waiting): wait for the same end.
+    for (auto& c : closing_)
+      if (c.region->id == id) return c.waiters.push_back(std::move(done));
+    return done->set_value();
+  }
   it->second->closing = true;
-  // Transfers and served requests hold the region; tick() closes its registrations once
-  // they are gone.
-  closing_.emplace_back(std::move(it->second), std::move(done));
+  Closing c{std::move(it->second), {std::move(done)}, {}, now() + config_.peer_timeout_s};
   regions_.erase(it);
+  // Every peer that knows us hears of it and answers once none of its transfers flows into
+  // the region any more. Only then do the registrations go: on shm a write lands by CMA
+  // straight into our memory, unchecked, and must not reach memory the user may reuse.
+  for (auto& [inc, p] : peers_) {
+    if (p->state != PeerState::Ready) continue;
+    ByteWriter w = message(MsgType::RegionClosed, *p);
+    w.put(id);
+    send_control(*p, std::move(w));
+    c.unreleased.insert(inc);
+  }
+  closing_.push_back(std::move(c));
+}
+
+// The census a peer gets when we introduce ourselves: the last region id handed out and the
+// ranges of ids still registered, so that a handle to a region deregistered before the peer
+// connected is refused before its first RMA. NOTE: shm writes by CMA straight into our memory
+// and checks no key: without this a stale handle would land in memory the user reuses.
+void Worker::put_census(ByteWriter& w) const {
+  std::vector<uint64_t> live;
+  for (const auto& [id, r] : regions_) live.push_back(id);
+  std::sort(live.begin(), live.end());
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (uint64_t id : live) {
+    if (!ranges.empty() && ranges.back().second + 1 == id) ranges.back().second = id;
+    else ranges.push_back({id, id});
+  }
+  constexpr size_t kMaxRanges = 256;  // keeps the introduction one message
+  if (ranges.size() > kMaxRanges) {
+    w.put<uint64_t>(0);  // too scattered to list: the peer checks nothing
+    w.put<uint16_t>(0);
+    return;
+  }
+  w.put(last_region_);
+  w.put(static_cast<uint16_t>(ranges.size()));
+  for (auto [first, last] : ranges) {
+    w.put(first);
+    w.put(last);
+  }
+}
+
+void Worker::read_census(Peer& p, ByteReader& r) {
+  p.census_last = r.get<uint64_t>();
+  const uint16_t n = r.get<uint16_t>();
+  p.census_live.clear();
+  for (uint16_t i = 0; i < n; ++i) {
+    const uint64_t first = r.get<uint64_t>(), last = r.get<uint64_t>();
+    p.census_live.push_back({first, last});
+  }
+}
+
+bool Peer::region_gone(uint64_t id) const {
+  if (closed_regions.count(id)) return true;
+  if (id > census_last) return false;  // registered after it introduced itself
+  return std::none_of(census_live.begin(), census_live.end(),
+                      [&](auto& range) { return range.first <= id && id <= range.second; });
+}
+
+// Deregisters what nothing holds and every peer has released (worker.cpp's tick calls this).
+void Worker::finish_closing() {
+  const double t = now();
+  for (size_t i = 0; i < closing_.size();) {
+    Closing& c = closing_[i];
+    if (c.region.use_count() > 1 || (!c.unreleased.empty() && t < c.deadline)) {
+      ++i;
+      continue;
+    }
+    for (size_t k = 0; k < c.region->mrs.size(); ++k) rails_[k % rails_.size()].rail->deregister(c.region->mrs[k]);
+    for (auto& done : c.waiters) done->set_value();
+    closing_.erase(closing_.begin() + i);
+  }
+}
+
+// A peer deregisters one of its regions: new transfers to it fail; the release goes back once
+// ours in flight are done.
+void Worker::on_region_closed(Peer& p, uint64_t region) {
+  p.closed_regions.insert(region);
+  p.to_release.insert(region);
+  release_regions(p);
+}
+
+void Worker::release_regions(Peer& p) {
+  for (auto it = p.to_release.begin(); it != p.to_release.end();) {
+    const uint64_t region = *it;
+    const bool flowing = std::any_of(transfers_.begin(), transfers_.end(), [&](auto& kv) {
+      const Transfer& t = *kv.second;
+      return t.peer == &p && (t.pending > 0 || t.queued) &&
+             std::any_of(t.remote.begin(), t.remote.end(), [&](auto& r) { return r->id == region; });
+    });
+    if (flowing) {
+      ++it;
+      continue;
+    }
+    ByteWriter w = message(MsgType::RegionReleased, p);
+    w.put(region);
+    send_control(p, std::move(w));
+    it = p.to_release.erase(it);
+  }
 }
 
 }  // namespace p2p::engine

@@ -35,14 +35,25 @@ void Worker::start(Transfer* raw) {
   Peer& p = *t.peer;
   ++p.busy;
   if (p.failed()) return fail(t, p.failure);
-  for (const auto& r : t.remote)
-    if (r->rails != p.remote_rails())
-      return fail(t, Status::error(ErrorKind::Value, "a RemoteTensor's key table does not match its owner's rails"));
   if (p.state == PeerState::Connecting) {
-    p.waiting.push_back(&t);
+    p.waiting.push_back(&t);  // the census comes with the peer's answer
     return;
   }
+  if (Status s = check_remote(t); !s.ok()) return fail(t, std::move(s));
   ready_to_generate(t);
+}
+
+// Refuses handles the owner told us are stale (before anything is posted to it).
+Status Worker::check_remote(const Transfer& t) const {
+  const Peer& p = *t.peer;
+  for (const auto& r : t.remote) {
+    if (r->rails != p.remote_rails())
+      return Status::error(ErrorKind::Value, "a RemoteTensor's key table does not match its owner's rails");
+    if (p.region_gone(r->id))
+      return Status::error(ErrorKind::Closed, cat("region ", r->id, " of peer ", hex(p.incarnation),
+                                                  " was deregistered by its owner"));
+  }
+  return Status{};
 }
 
 void Worker::ready_to_generate(Transfer& t) {
@@ -121,6 +132,7 @@ bool Worker::generate_direct(Transfer& t) {
     if (!op) return false;
     op->local = local;
     op->len = len;
+    op->region = t.local[run.lreg].get();
     op->desc = lr.mrs[lpiece * L + lrail].desc;
     op->dest = p.fi[lrail * R + rrail];
     op->remote_addr = rr.base[rpiece * R + rrail] + (roff - rpiece * rr.piece_bytes);
@@ -209,7 +221,9 @@ void Worker::maybe_free(Transfer& t) {
   if (t.cuda_event) copier_->destroy_event(t.cuda_event);
   Peer* p = t.peer;
   transfers_.erase(t.id);  // t is gone from here on
-  if (p && --p->busy == 0 && p->disconnect_id) finish_disconnect(*p);
+  if (!p) return;
+  if (!p->to_release.empty()) release_regions(*p);
+  if (--p->busy == 0 && p->disconnect_id) finish_disconnect(*p);
 }
 
 }  // namespace p2p::engine

@@ -20,20 +20,31 @@
 namespace p2p::engine {
 namespace {
 
-bool is_connection_error(int err) {
+bool is_connection_errno(int err) {
   switch (err) {
     case FI_ECONNREFUSED:
     case FI_ECONNRESET:
     case FI_ECONNABORTED:
     case FI_ENOTCONN:
     case FI_EHOSTUNREACH:
-    case FI_ECANCELED:
     case FI_ETIMEDOUT:
     case EPIPE:
       return true;
     default:
       return false;
   }
+}
+
+// What a failed op says about its peer. Providers report a refused key or range in different
+// ways (tcp: FI_ECANCELED with the errno of the cause in prov_errno), so only connection
+// errors count as the peer's; the rest is the owner refusing the access.
+ErrorKind classify(const fi_cq_err_entry& err) {
+  if (is_connection_errno(err.err)) return ErrorKind::Peer;
+  if (err.err == FI_ECANCELED) return is_connection_errno(err.prov_errno) ? ErrorKind::Peer : ErrorKind::Remote;
+  if (err.err == FI_EACCES || err.err == FI_EINVAL || err.err == FI_ENOKEY || err.err == FI_EKEYREJECTED ||
+      err.err == FI_EPERM)
+    return ErrorKind::Remote;
+  return ErrorKind::Generic;
 }
 
 const char* op_name(OpKind kind) {
@@ -319,6 +330,8 @@ bool Worker::poll_rails() {
 }
 
 void Worker::on_completion(RailState&, const fi_cq_data_entry& entry) {
+  // Events of peers' RMA into our memory (remote CQ data) name no op of ours.
+  if (entry.flags & (FI_REMOTE_WRITE | FI_REMOTE_READ)) return;
   Op* op = static_cast<Op*>(entry.op_context);
   if (!op) return;
   if (op->kind == OpKind::Recv) {
@@ -345,17 +358,29 @@ void Worker::on_error(RailState& rs) {
     return;
   }
   Peer* peer = op->peer;
-  const bool connection = is_connection_error(err.err);
+  const ErrorKind kind = classify(err);
   std::string who = peer ? cat(" to peer ", hex(peer->incarnation)) : std::string();
-  Status status = Status::error(connection ? ErrorKind::Peer : ErrorKind::Generic,
-                                cat(op_name(op->kind), who, " failed: ", message));
+  Status status = Status::error(kind, cat(op_name(op->kind), who, " failed: ", message));
+  const bool control = op->kind == OpKind::Send;
   complete_op(op, status);
-  if (peer && connection && !stopping_.load()) fail_peer(*peer, status);
+  if (!peer || stopping_.load()) return;
+  // A failed control message means the connection is gone. A failed RMA only fails its
+  // transfer: the owner may have refused it (a deregistered region); a ping tells whether the
+  // peer itself still answers.
+  if (control && kind == ErrorKind::Peer) {
+    fail_peer(*peer, status);
+  } else if (peer->state == PeerState::Ready) {
+    ping(*peer);
+  }
 }
 
 void Worker::complete_op(Op* op, const Status& status) {
   if (op->buffer >= 0) free_send_.push_back(op->buffer);
   if (op->orphaned) {  // its owner heard already, when the peer was declared dead
+    if (op->region) {
+      auto pin = orphan_pins_.find(op->region);
+      if (--pin->second.second == 0) orphan_pins_.erase(pin);
+    }
     pool_->release(op);
     return;
   }
@@ -416,7 +441,8 @@ bool Worker::post_one(RailState& rs, Op* op, uint64_t flags, ssize_t& rc) {
   fabric::Rail& rail = *rs.rail;
   switch (op->kind) {
     case OpKind::Write:
-      rc = rail.write(op->local, op->len, op->desc, op->dest, op->remote_addr, op->key, &op->ctx, flags);
+      rc = rail.write(op->local, op->len, op->desc, op->dest, op->remote_addr, op->key, &op->ctx, flags,
+                      op->region && op->region->cuda_device >= 0);
       break;
     case OpKind::Read:
       rc = rail.read(op->local, op->len, op->desc, op->dest, op->remote_addr, op->key, &op->ctx, flags);
@@ -476,16 +502,7 @@ void Worker::tick() {
   check_peers();
   poke_abandoned_jobs();
 
-  for (size_t i = 0; i < closing_.size();) {
-    auto& [region, done] = closing_[i];
-    if (region.use_count() > 1) {
-      ++i;
-      continue;
-    }
-    for (size_t k = 0; k < region->mrs.size(); ++k) rails_[k % rails_.size()].rail->deregister(region->mrs[k]);
-    done->set_value();
-    closing_.erase(closing_.begin() + i);
-  }
+  finish_closing();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -515,8 +532,10 @@ void Worker::shutdown() {
     post_ops();
     poll_rails();
   }
-  for (auto& [region, done] : closing_) done->set_value();
+  for (auto& c : closing_)
+    for (auto& done : c.waiters) done->set_value();
   closing_.clear();
+  orphan_pins_.clear();
   for (auto& [id, region] : regions_)
     for (size_t k = 0; k < region->mrs.size(); ++k) rails_[k % rails_.size()].rail->deregister(region->mrs[k]);
   regions_.clear();

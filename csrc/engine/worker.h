@@ -19,6 +19,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "engine/address.h"
@@ -62,8 +63,10 @@ struct RailFacts {
   bool wait_fd;
 };
 
-// A registered storage, as the worker knows it.
-struct Region {
+// A registered storage, as the worker knows it. Transfers hold it; so do ops orphaned by a
+// dead peer until their provider gives them back, so its registrations (and the tensor,
+// which the engine keeps until then) outlive every operation that may touch the memory.
+struct Region : std::enable_shared_from_this<Region> {
   uint64_t id = 0;
   uint8_t* ptr = nullptr;
   uint64_t nbytes = 0;
@@ -143,6 +146,13 @@ struct Peer {
   uint64_t disconnect_id = 0;
   uint32_t next_message = 0;
   bool revivable = false;          // left by our own disconnect(): a later use reconnects
+  std::unordered_set<uint64_t> closed_regions;  // its regions it told us it deregistered
+  std::unordered_set<uint64_t> to_release;      // of those, the ones we still owe a release
+  // Its live regions when it introduced itself: ids up to census_last not listed were gone.
+  uint64_t census_last = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> census_live;  // sorted id ranges, inclusive
+
+  bool region_gone(uint64_t id) const;
   std::unordered_map<uint32_t, std::string> partial;  // user messages being reassembled
 
   uint16_t remote_rails() const { return static_cast<uint16_t>(address.rails.size()); }
@@ -178,7 +188,6 @@ class Worker {
 
   // Worker thread ---------------------------------------------------------------------------
   struct RegionSpec {
-    uint64_t id;
     uint8_t* ptr;
     uint64_t nbytes;
     int cuda_device;
@@ -261,6 +270,13 @@ class Worker {
   void finish_disconnect(Peer& p);
   void revive(Peer& p);
   void check_peers();
+  void ping(Peer& p);
+  void on_region_closed(Peer& p, uint64_t region);
+  void put_census(ByteWriter& w) const;
+  void read_census(Peer& p, ByteReader& r);
+  Status check_remote(const Transfer& t) const;
+  void finish_closing();
+  void release_regions(Peer& p);
   ByteWriter message(MsgType type, const Peer& to) const;
 
   // staging.cpp: slots, the staged path on both sides.
@@ -313,7 +329,18 @@ class Worker {
   std::vector<int32_t> free_send_;
   Ring<Outgoing> outbox_;
   std::unordered_map<uint64_t, std::shared_ptr<Region>> regions_;
-  std::vector<std::pair<std::shared_ptr<Region>, std::shared_ptr<std::promise<void>>>> closing_;
+  uint64_t last_region_ = 0;  // ids grow, never reused: a peer can tell a stale handle
+  // A region being deregistered: it goes once no local operation holds it and every peer
+  // has released it (or the release deadline passed: a peer that neither answers nor dies
+  // within peer_timeout is not waited for).
+  struct Closing {
+    std::shared_ptr<Region> region;
+    std::vector<std::shared_ptr<std::promise<void>>> waiters;
+    std::unordered_set<uint64_t> unreleased;  // peer incarnations
+    double deadline = 0;
+  };
+  std::vector<Closing> closing_;
+  std::unordered_map<Region*, std::pair<std::shared_ptr<Region>, size_t>> orphan_pins_;
   std::unordered_map<uint64_t, std::unique_ptr<Peer>> peers_;  // by incarnation
   std::unordered_map<uint64_t, std::unique_ptr<Transfer>> transfers_;
   Ring<Transfer*> gen_queue_;

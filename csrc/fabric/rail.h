@@ -49,8 +49,9 @@ class Rail {
   MrHandle register_memory(void* ptr, size_t len, uint64_t access, int cuda_device);
   void deregister(MrHandle& handle);
 
+  // device: the local buffer is GPU memory (it decides the completion semantics on shm).
   ssize_t write(void* buf, size_t len, void* desc, fi_addr_t dest, uint64_t addr, uint64_t key,
-                void* context, uint64_t flags);
+                void* context, uint64_t flags, bool device);
   ssize_t read(void* buf, size_t len, void* desc, fi_addr_t dest, uint64_t addr, uint64_t key,
                void* context, uint64_t flags);
   ssize_t send(void* buf, size_t len, void* desc, fi_addr_t dest, void* context);
@@ -66,8 +67,6 @@ class Rail {
   // True when nothing is pending and sleeping on wait_fd() cannot miss an event.
   bool trywait();
 
-  // The completion flag the engine asks for (FI_DELIVERY_COMPLETE where granted).
-  uint64_t completion_flags() const { return completion_flags_; }
 
  private:
   InfoPtr info_;
@@ -78,7 +77,8 @@ class Rail {
   fid_eq* eq_ = nullptr;
   fid_ep* ep_ = nullptr;
   int wait_fd_ = -1;
-  uint64_t completion_flags_ = 0;
+  uint64_t completion_flags_ = 0;       // for writes from GPU memory
+  uint64_t host_completion_flags_ = 0;  // for writes from host memory
   std::string address_;
   struct AvEntry {
     fi_addr_t addr;
