@@ -5,10 +5,11 @@ Quick start, one machine (spawns its peer process; loopback only):
     python benchmarks/bw.py
 
 sweeps page size x pages per call, both layouts, write and read, and prints a table on
-stdout; a live line on stderr shows the row in progress. Each row issues calls of `pages`
-views for --duration seconds, keeping --window calls in flight, after a warm-up of about one
-window; then every page of the destination is checked. A row whose data arrived wrong
-reports no bandwidth, and the run exits with status 1.
+stdout. On stderr a live line shows the row in progress (on a terminal; elsewhere, as in CI
+logs, one line per finished row). Each row issues calls of `pages` views for --duration
+seconds, keeping --window calls in flight, after a warm-up of about one window; then every
+page of the destination is checked. A row whose data arrived wrong reports no bandwidth.
+Exit status: 0, 1 if a row failed or was corrupt, 2 if the peer or the setup failed.
 
 Layouts (each side owns one [pages, page_bytes] buffer):
   contiguous  one view of the whole buffer per call
@@ -36,11 +37,13 @@ Examples:
   python benchmarks/bw.py --device cuda:0 --baseline nccl          # peer on cuda:1
   python benchmarks/bw.py --sizes 64K 1M --pages 256 --ops write --json bw.json --plot bw.png
 
-Two machines, one process per GPU on each (the table sums the GPUs; rows start together):
+Two machines, one process per GPU on each, each with its own engine and peer (the table
+sums the GPUs, whose rows start together; the live line is the first GPU's):
   node B:  python benchmarks/bw.py --listen --gpus 8        # prints the ADDR for node A
   node A:  python benchmarks/bw.py --connect ADDR           # ADDR = HOST:PORT[,PORT...]
-or under torchrun, whose first half of the ranks drive and second half serve (rank 0 prints):
-  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 benchmarks/bw.py
+or under torchrun, whose first half of the ranks drive and second half serve (rank 0 prints;
+on one node, as with --standalone, everything stays on loopback):
+  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 benchmarks/bw.py
 The side channel (engine addresses, RemoteTensor bytes, commands) is JSON over TCP, or the
 torchrun store; data moves only through the engines and the baselines.
 """
@@ -457,7 +460,8 @@ class Driver:
         self.rng = torch.Generator().manual_seed(args.seed)
         self.seed = 0
         self.baseline = args.baseline
-        self._baselines: dict[tuple, float | None] = {}
+        self._baselines: dict[tuple, float] = {}
+        self.engine_facts: dict = {}  # of the engine in use: provider, rails, line rate...
         self.rows: list[dict] = []
 
     def run(self) -> list[dict]:
