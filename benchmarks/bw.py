@@ -468,7 +468,8 @@ class Driver:
         combos = [(s, p) for s in self.args.sizes for p in self.args.pages if s * p <= self.args.max_bytes]
         skipped = [f"{fmt_size(s)} x{p}" for s in self.args.sizes for p in self.args.pages if (s, p) not in combos]
         if skipped:
-            self.progress.say(f"skipping {', '.join(skipped)}: above --max-bytes {fmt_size(self.args.max_bytes)} per call")
+            limit = fmt_size(self.args.max_bytes)
+            self.progress.say(f"skipping {', '.join(skipped)}: above --max-bytes {limit} per call")
         for rails in self.args.rails:
             peer = self.channel.ask("engine", provider=self.args.provider, rails=rails, loopback=self.loopback)
             engine = open_engine(self.device, self.args.provider, rails, self.loopback)
@@ -496,12 +497,14 @@ class Driver:
             if why:
                 self.progress.say(f"skipping the {self.baseline} baseline: {why}")
                 self.baseline = "none"
-        self.engine_facts = dict(provider=engine.provider, domains=",".join(dict.fromkeys(n.domain for n in engine.plan.rails)),
-                                 device=str(self.device), peer_device=peer_device, rails=len(engine.plan.rails),
-                                 line_rate_bps=line, data_path=engine.data_path)
+        domains = ",".join(dict.fromkeys(nic.domain for nic in engine.plan.rails))
+        self.engine_facts = dict(provider=engine.provider, domains=domains, device=str(self.device),
+                                 peer_device=peer_device, rails=len(engine.plan.rails), line_rate_bps=line,
+                                 data_path=engine.data_path)
 
     def _buffer(self, engine: p2p.Engine, page_bytes: int, pages: int) -> None:
-        remote = p2p.RemoteTensor.from_bytes(self.channel.ask("buffer", pages=pages, page_bytes=page_bytes)["remote"])
+        reply = self.channel.ask("buffer", pages=pages, page_bytes=page_bytes)
+        remote = p2p.RemoteTensor.from_bytes(reply["remote"])
         buf = torch.empty(pages, page_bytes, dtype=torch.uint8, device=self.device)
         with engine.register(buf):
             for layout in self.args.layouts:
