@@ -1,0 +1,966 @@
+"""bw.py: torch_p2p's bandwidth benchmark, write_slices / read_slices between two engines.
+
+Quick start, one machine (spawns its peer process; loopback only):
+
+    python benchmarks/bw.py
+
+sweeps page size x pages per call, both layouts, write and read, and prints a table on
+stdout. On stderr a live line shows the row in progress (on a terminal; elsewhere, as in CI
+logs, one line per finished row). Each row issues calls of `pages` views for --duration
+seconds, keeping --window calls in flight, after a warm-up of about one window; then every
+page of the destination is checked. A row whose data arrived wrong reports no bandwidth.
+Exit status: 0, 1 if a row failed or was corrupt, 2 if the peer or the setup failed.
+
+Layouts (each side owns one [pages, page_bytes] buffer):
+  contiguous  one view of the whole buffer per call
+  paged       `pages` views per call, source pages taken in one random order and destination
+              pages in another, as when a KV cache migrates between two block tables
+
+Columns:
+  Gbps   payload, 10^9 bits per second of time.perf_counter() around the timed calls
+  %line  Gbps / sum of the rails' link speeds, where the provider reports them (EFA, verbs)
+  Mops   million views per second: pages/s for paged rows, calls/s for contiguous ones
+  base   the baseline's Gbps for the same bytes per call; ratio = Gbps / base
+
+Baselines (--baseline; by default tcp where the line rate is unknown: loopback, shm):
+  tcp    plain TCP to the same peer address, one stream per rail, Python sockets
+         (sendall / recv_into on preallocated buffers, one thread per stream)
+  nccl   torch.distributed send/recv between the same two processes, GPU tensors; in local
+         mode NCCL is held to its socket transport on lo (NCCL_P2P_DISABLE=1
+         NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo, unless
+         set), so it needs the peer on another GPU (--peer-device)
+  gloo   the same with gloo on CPU tensors
+  none
+
+Examples:
+  python benchmarks/bw.py --rails 1 2 4 8 --baseline tcp --provider tcp --device cpu
+  python benchmarks/bw.py --device cuda:0 --baseline nccl          # peer on cuda:1
+  python benchmarks/bw.py --sizes 64K 1M --pages 256 --ops write --json bw.json --plot bw.png
+
+Two machines, one process per GPU on each, each with its own engine and peer (the table
+sums the GPUs, whose rows start together; the live line is the first GPU's):
+  node B:  python benchmarks/bw.py --listen --gpus 8        # prints the ADDR for node A
+  node A:  python benchmarks/bw.py --connect ADDR           # ADDR = HOST:PORT[,PORT...]
+or under torchrun, whose first half of the ranks drive and second half serve (rank 0 prints;
+on one node, as with --standalone, everything stays on loopback):
+  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 benchmarks/bw.py
+The side channel (engine addresses, RemoteTensor bytes, commands) is JSON over TCP, or the
+torchrun store; data moves only through the engines and the baselines.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import importlib.util
+import ipaddress
+import json
+import multiprocessing as mp
+import os
+import queue
+import re
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+import torch
+
+try:
+    import torch_p2p as p2p
+except ImportError:  # run from a checkout without installing: use the in-place build
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch_p2p as p2p
+
+import _baselines
+
+CONTROL_TIMEOUT_S = 300.0  # longest wait for the peer's answer (checks of big buffers included)
+
+
+# -- sizes ----------------------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"(\d+)\s*([KMG]?)(?:i?B)?", text.strip(), re.IGNORECASE)
+    if not m or int(m[1]) == 0:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 4096, 4K, 64KiB, 1M")
+    return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
+
+
+def fmt_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n}B"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f}{unit}"
+    return f"{n:.0f}B"
+
+
+# -- buffers --------------------------------------------------------------------------------------
+# Word i (int64) of a source buffer holds seed + i, so every page differs from every other page
+# and from any earlier row's; destinations start as all ones (-1 words).
+def fill(buf: torch.Tensor, seed: int) -> None:
+    flat = buf.view(torch.int64).view(-1)
+    torch.arange(seed, seed + flat.numel(), dtype=torch.int64, device=buf.device, out=flat)
+    _sync(buf.device)
+
+
+def poison(buf: torch.Tensor) -> None:
+    buf.fill_(0xFF)
+    _sync(buf.device)
+
+
+def count_bad_pages(buf: torch.Tensor, seed: int, src_order: list[int], dst_order: list[int]):
+    """(pages of the destination `buf` that do not hold what fill(source, seed) put in the
+    source page moved there, first such destination page or -1). Page src_order[i] of the
+    source moved to page dst_order[i] of `buf`."""
+    words = buf.view(torch.int64)
+    per_page = words.shape[1]
+    src = torch.tensor(src_order, dtype=torch.int64, device=buf.device)
+    dst = torch.tensor(dst_order, dtype=torch.int64, device=buf.device)
+    step = torch.arange(per_page, dtype=torch.int64, device=buf.device)
+    k = max(1, (32 << 20) // (per_page * 8))  # pages compared at a time: bounds the memory
+    bad = torch.cat([(words[dst[i:i + k]] != (seed + src[i:i + k] * per_page)[:, None] + step).any(1)
+                     for i in range(0, len(dst), k)])
+    wrong = dst[bad]
+    return int(wrong.numel()), int(wrong.min()) if wrong.numel() else -1
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def open_engine(device: torch.device, provider: str | None, rails: int | None, loopback: bool) -> p2p.Engine:
+    """An engine as the benchmark uses it: on loopback an IP provider stays on "lo"."""
+    domains = None
+    if loopback:
+        name = provider or os.environ.get("TORCH_P2P_PROVIDER") or ""
+        resolved = p2p._C.list_nics(name, device.type == "cuda")[0]
+        if resolved.split(";")[0] in ("tcp", "udp", "sockets"):
+            domains = ["lo"]
+    return p2p.Engine(device, provider, rails, domains=domains)
+
+
+# -- side channel ---------------------------------------------------------------------------------
+class PeerFailed(RuntimeError):
+    """The peer raised; the message carries its traceback."""
+
+
+class BaselineRefused(RuntimeError):
+    """The peer cannot run the baseline (no CUDA, no NCCL): the run goes on without it."""
+
+
+class Channel:
+    """Request/response messages between a driver and its peer: JSON objects, bytes values
+    travelling as {"b64": ...}. No pickle: a listening peer runs nothing it is sent."""
+
+    def send(self, **msg) -> None:
+        self._put(json.dumps(msg, default=lambda b: {"b64": base64.b64encode(b).decode()}).encode())
+
+    def recv(self) -> dict | None:
+        """The next message; None once the other side has gone."""
+        data = self._get()
+        if data is None:
+            return None
+        return json.loads(data, object_hook=lambda d: base64.b64decode(d["b64"]) if d.keys() == {"b64"} else d)
+
+    def ask(self, cmd: str, **args) -> dict:
+        self.send(cmd=cmd, **args)
+        return self.reply(cmd)
+
+    def reply(self, cmd: str) -> dict:
+        """The peer's next answer to `cmd`; raises PeerFailed if it failed or left."""
+        reply = self.recv()
+        if reply is None:
+            raise PeerFailed(f"the peer left while answering {cmd!r}")
+        if "error" in reply:
+            raise PeerFailed(f"the peer failed on {cmd!r}: {reply['error']}")
+        return reply
+
+    def _put(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _get(self) -> bytes | None:
+        raise NotImplementedError
+
+
+class SocketChannel(Channel):
+    """One JSON document per line over a connected socket."""
+
+    def __init__(self, sock: socket.socket, timeout: float | None):
+        sock.settimeout(timeout)
+        self.sock = sock
+        self._file = sock.makefile("rb")
+
+    def _put(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data + b"\n")
+        except ConnectionError as e:
+            raise PeerFailed(f"the peer is gone ({e})") from None
+
+    def _get(self) -> bytes | None:
+        try:
+            return self._file.readline() or None
+        except ConnectionError:
+            return None
+
+    def close(self) -> None:
+        self._file.close()
+        self.sock.close()
+
+
+class StoreChannel(Channel):
+    """Numbered keys in a torch.distributed Store (torchrun mode); read keys are deleted."""
+
+    def __init__(self, store, me: str, other: str):
+        self.store, self.me, self.other = store, me, other
+        self.sent = self.received = 0
+
+    def _put(self, data: bytes) -> None:
+        self.sent += 1
+        self.store.set(f"{self.me}/{self.sent}", data)
+
+    def _get(self) -> bytes | None:
+        self.received += 1
+        key = f"{self.other}/{self.received}"
+        data = self.store.get(key)
+        self.store.delete_key(key)
+        return data
+
+
+class StoreBarrier:
+    """Lines up the drivers of a multi-GPU run (torchrun mode) before each timed loop."""
+
+    def __init__(self, store, n: int):
+        self.store, self.n, self.k = store, n, 0
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.k += 1
+        if self.store.add(f"{self.k}", 1) == self.n:
+            self.store.set(f"{self.k}/done", b"1")
+        self.store.wait([f"{self.k}/done"])
+
+
+def _dist_store(spec: dict, shared, host: str | None, port: int | None = None):
+    """The store in which the dist baseline's two ranks meet: a file (both on one machine),
+    torchrun's store, or a TCPStore that the peer hosts (port None) and the driver joins."""
+    import torch.distributed as dist
+
+    if spec["kind"] == "file":
+        return dist.FileStore(spec["path"], 2)
+    if spec["kind"] == "shared":
+        return dist.PrefixStore(spec["prefix"], shared)
+    return dist.TCPStore(host, port or 0, 2, is_master=port is None, wait_for_workers=False)
+
+
+# -- the peer -------------------------------------------------------------------------------------
+class Target:
+    """The peer's side: an engine and one registered [pages, page_bytes] buffer that the driver
+    writes into and reads from, plus the baselines' peer halves. One thread: it answers the
+    driver's commands in order until "bye" or until the driver is gone."""
+
+    def __init__(self, channel: Channel, device: torch.device, host: str | None, shared_store=None):
+        self.channel, self.device, self.shared_store = channel, device, shared_store
+        self.host = host or socket.getfqdn()  # where the driver reaches this process
+        self.engine: p2p.Engine | None = None
+        self.buf: torch.Tensor | None = None
+        self.region = None
+        self.listener: socket.socket | None = None
+
+    def serve(self) -> None:
+        try:
+            while (msg := self.channel.recv()) is not None and msg["cmd"] != "bye":
+                try:
+                    self.channel.send(**(getattr(self, "do_" + msg.pop("cmd"))(**msg) or {}))
+                except Exception as e:  # noqa: BLE001 - reported to the driver
+                    self.channel.send(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        finally:
+            self._close_engine()
+            if self.listener:
+                self.listener.close()
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _close_engine(self) -> None:
+        if self.engine:
+            self.engine.close()
+        self.engine = self.buf = self.region = None
+
+    def do_engine(self, provider, rails, loopback):
+        self._close_engine()
+        self.engine = open_engine(self.device, provider, rails, loopback)
+        return {"address": self.engine.address, "device": str(self.device)}
+
+    def do_buffer(self, pages, page_bytes):
+        if self.region:
+            self.region.close()
+            self.buf = self.region = None
+        self.buf = torch.empty(pages, page_bytes, dtype=torch.uint8, device=self.device)
+        self.region = self.engine.register(self.buf)
+        return {"remote": self.region.remote.to_bytes()}
+
+    def do_fill(self, seed):
+        fill(self.buf, seed)
+
+    def do_poison(self):
+        poison(self.buf)
+
+    def do_check(self, seed, src_order, dst_order):
+        bad, first = count_bad_pages(self.buf, seed, src_order, dst_order)
+        return {"bad": bad, "first": first}
+
+    def do_tcp(self, streams, chunk, send, seconds):
+        if self.listener is None:
+            self.listener = _baselines.tcp_listen(self.host)
+        self.channel.send(host=self.host, port=self.listener.getsockname()[1])
+        return {"bytes": _baselines.serve_tcp(self.listener, streams, chunk, send, seconds)}
+
+    def do_dist(self, backend, nbytes, send, store, loopback):
+        import torch.distributed as dist
+
+        if why := _baselines.dist_unavailable(backend, self.device):
+            raise RuntimeError(why)  # before "ready": the driver goes on without the baseline
+        if dist.is_initialized():
+            self.channel.send()
+        else:
+            _baselines.dist_env(loopback)
+            meet = _dist_store(store, self.shared_store, self.host)
+            self.channel.send(port=getattr(meet, "port", None))  # a TCPStore listens here
+            _baselines.dist_init(backend, meet, 1, self.device)
+        _baselines.serve_dist(nbytes, send, self.device)
+
+
+def _serve_socket(sock: socket.socket, device: str, host: str) -> None:
+    """Entry of a peer process that talks over a connected socket."""
+    channel = SocketChannel(sock, None)
+    try:
+        Target(channel, torch.device(device), host).serve()
+    finally:
+        channel.close()
+
+
+def _serve_listener(listener: socket.socket, device: str) -> None:
+    """Entry of a --listen process: serves the first driver that connects, then exits."""
+    conn, _ = listener.accept()
+    listener.close()
+    _serve_socket(conn, device, conn.getsockname()[0])
+
+
+# -- progress -------------------------------------------------------------------------------------
+class Progress:
+    """The live line on stderr, after the seed program's:
+        [12.345s] WRITE paged 64KiB x256, 1 rail: 63%, ops=..., bytes=..., bw=...Gbps(..%), ...Mops
+    On a terminal it is redrawn about 5 times a second; elsewhere (CI logs) only each row's
+    final line is written. The driver thread updates the counters; a daemon thread draws."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.live = enabled and sys.stderr.isatty()
+        self.t_run = time.perf_counter()
+        self.label = ""
+        self.status: str | None = "starting"
+        self.seconds = 1.0
+        self.line_bps: int | None = None
+        self.t0 = 0.0
+        self.views = self.nbytes = 0
+        self._lock = threading.Lock()  # one writer at a time on stderr
+        if self.live:
+            threading.Thread(target=self._draw, daemon=True, name="bw-progress").start()
+
+    def begin(self, label: str, seconds: float, line_bps: int | None, status: str = "warming up") -> None:
+        self.label, self.seconds, self.line_bps, self.status = label, seconds, line_bps, status
+
+    def timing(self) -> None:
+        self.views = self.nbytes = 0
+        self.t0 = time.perf_counter()
+        self.status = None
+
+    def add(self, views: int, nbytes: int) -> None:
+        self.views += views
+        self.nbytes += nbytes
+
+    def end(self, seconds: float | None = None, text: str | None = None) -> None:
+        """Writes the row's final line: its numbers over the timed `seconds`, or `text`."""
+        line = self._head() + (text or self._numbers(seconds, 100))
+        self.label = ""  # nothing to redraw until the next row
+        self.say(line)
+
+    def say(self, text: str) -> None:
+        """A line of its own (on a terminal: in place of the live line)."""
+        if self.enabled:
+            with self._lock:
+                sys.stderr.write(("\r" + text + "\x1b[K\n") if self.live else text + "\n")
+                sys.stderr.flush()
+
+    def _head(self) -> str:
+        return f"[{time.perf_counter() - self.t_run:.3f}s] {self.label}: "
+
+    def _numbers(self, dt: float, pct: int) -> str:
+        dt = max(dt, 1e-9)
+        gbps = self.nbytes * 8 / dt / 1e9
+        line = f"{pct}%, ops={self.views}, bytes={fmt_bytes(self.nbytes)}, bw={gbps:.3f}Gbps"
+        if self.line_bps:
+            line += f"({100 * gbps * 1e9 / self.line_bps:.1f}%)"
+        return line + f", {self.views / dt / 1e6:.3f}Mops"
+
+    def _draw(self) -> None:
+        while True:
+            time.sleep(0.2)
+            with self._lock:
+                if self.label:
+                    dt = time.perf_counter() - self.t0
+                    text = self.status or self._numbers(dt, min(99, int(100 * dt / self.seconds)))
+                    sys.stderr.write("\r" + self._head() + text + "\x1b[K")
+                    sys.stderr.flush()
+
+
+# -- the driver -----------------------------------------------------------------------------------
+def pump(submit, window: int, stop, on_done=None) -> int:
+    """Keeps up to `window` calls in flight until stop(issued, now); returns the number of
+    calls completed. Whatever happens, nothing is in flight when it returns."""
+    inflight: collections.deque = collections.deque()
+    issued = done = 0
+    try:
+        while True:
+            while len(inflight) < window and not stop(issued, time.perf_counter()):
+                inflight.append(submit())
+                issued += 1
+            if not inflight:
+                return done
+            inflight.popleft().wait()
+            done += 1
+            if on_done:
+                on_done()
+    finally:
+        for fut in inflight:  # after a failure: let the rest finish before buffers are reused
+            try:
+                fut.wait()
+            except Exception:  # noqa: BLE001 - the first failure is the one reported
+                pass
+
+
+class Driver:
+    """Runs the sweep against one peer over `channel` and returns one dict per row. In a
+    multi-GPU run each GPU has its own Driver, engine and peer; `barrier` lines them up
+    before every timed loop so that their rows run together."""
+
+    def __init__(self, args, channel: Channel, device: torch.device, progress: Progress, *, loopback: bool,
+                 dist_store: dict, peer_host: str | None = None, shared_store=None, barrier=None):
+        self.args, self.channel, self.device, self.progress = args, channel, device, progress
+        self.loopback, self.barrier = loopback, barrier
+        self.dist_store, self.peer_host, self.shared_store = dist_store, peer_host, shared_store
+        self.rng = torch.Generator().manual_seed(args.seed)
+        self.seed = 0
+        self.baseline = args.baseline
+        self._baselines: dict[tuple, float] = {}
+        self.engine_facts: dict = {}  # of the engine in use: provider, rails, line rate...
+        self.rows: list[dict] = []
+
+    def run(self) -> list[dict]:
+        combos = [(s, p) for s in self.args.sizes for p in self.args.pages if s * p <= self.args.max_bytes]
+        skipped = [f"{fmt_size(s)} x{p}" for s in self.args.sizes for p in self.args.pages if (s, p) not in combos]
+        if skipped:
+            limit = fmt_size(self.args.max_bytes)
+            self.progress.say(f"skipping {', '.join(skipped)}: above --max-bytes {limit} per call")
+        for rails in self.args.rails:
+            peer = self.channel.ask("engine", provider=self.args.provider, rails=rails, loopback=self.loopback)
+            engine = open_engine(self.device, self.args.provider, rails, self.loopback)
+            try:
+                engine.connect(peer["address"]).wait()
+                self._describe(engine, peer["device"])
+                for page_bytes, pages in combos:
+                    self._buffer(engine, page_bytes, pages)
+            finally:
+                engine.close()
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # the dist baseline's group
+            dist.destroy_process_group()
+        return self.rows
+
+    def _describe(self, engine: p2p.Engine, peer_device: str) -> None:
+        line = p2p.topology.line_rate_bps(engine.plan.rails)
+        if self.baseline == "auto":
+            self.baseline = "none" if line else "tcp"
+        if self.baseline in ("nccl", "gloo"):
+            why = _baselines.dist_unavailable(self.baseline, self.device)
+            if not why and self.baseline == "nccl" and self.loopback and peer_device == str(self.device):
+                why = "NCCL cannot pair two ranks on one GPU (give the peer another: --peer-device)"
+            if why:
+                self.progress.say(f"skipping the {self.baseline} baseline: {why}")
+                self.baseline = "none"
+        domains = ",".join(dict.fromkeys(nic.domain for nic in engine.plan.rails))
+        self.engine_facts = dict(provider=engine.provider, domains=domains, device=str(self.device),
+                                 peer_device=peer_device, rails=len(engine.plan.rails), line_rate_bps=line,
+                                 data_path=engine.data_path)
+
+    def _buffer(self, engine: p2p.Engine, page_bytes: int, pages: int) -> None:
+        reply = self.channel.ask("buffer", pages=pages, page_bytes=page_bytes)
+        remote = p2p.RemoteTensor.from_bytes(reply["remote"])
+        buf = torch.empty(pages, page_bytes, dtype=torch.uint8, device=self.device)
+        with engine.register(buf):
+            for layout in self.args.layouts:
+                for op in self.args.ops:
+                    self.rows.append(self._row(engine, buf, remote, op, layout))
+
+    def _row(self, engine, buf: torch.Tensor, remote: p2p.RemoteTensor, op: str, layout: str) -> dict:
+        pages, page_bytes = buf.shape
+        facts = self.engine_facts
+        rails = facts["rails"]
+        row = dict(op=op, layout=layout, page_bytes=page_bytes, pages=pages, **facts, window=self.args.window,
+                   gpus=1, gbps=None, mops=None, seconds=None, bytes=None, calls=None, views=None,
+                   baseline=None, baseline_gbps=None, ratio=None, ok=False, error=None)
+        label = f"{op.upper()} {layout} {fmt_size(page_bytes)} x{pages}, {rails} rail{'s' * (rails > 1)}"
+        call_bytes = pages * page_bytes
+        if self.baseline != "none" and (base := self._baseline_gbps(op, call_bytes, rails, label)):
+            row.update(baseline=self.baseline, baseline_gbps=base)
+        if layout == "paged":
+            mine = torch.randperm(pages, generator=self.rng).tolist()
+            theirs = torch.randperm(pages, generator=self.rng).tolist()
+            views, remotes = [buf[i] for i in mine], [remote[j] for j in theirs]
+        else:
+            mine = theirs = list(range(pages))
+            views, remotes = [buf], [remote]
+        self.seed += 1
+        seed = self.seed << 40  # disjoint from every other row's words
+        write = op == "write"
+        self.progress.begin(label, self.args.duration, facts["line_rate_bps"], "preparing buffers")
+        if write:
+            fill(buf, seed)
+            self.channel.ask("poison")
+        else:
+            self.channel.ask("fill", seed=seed)
+            poison(buf)
+        move = engine.write_slices if write else engine.read_slices
+
+        def submit():
+            return move(views, remotes)
+
+        def counted():
+            self.progress.add(len(views), call_bytes)
+
+        try:
+            self.progress.status = "warming up"
+            t = time.perf_counter()
+            pump(submit, self.args.window,
+                 lambda n, now: n >= 1 and (n >= self.args.window or now - t >= self.args.duration / 5))
+            if self.barrier:
+                self.progress.status = "waiting for the other GPUs"
+                self.barrier.wait(CONTROL_TIMEOUT_S)
+            self.progress.timing()
+            t0 = time.perf_counter()
+            end = t0 + self.args.duration
+            calls = pump(submit, self.args.window, lambda n, now: now >= end, counted)
+            seconds = time.perf_counter() - t0
+        except p2p.P2PError as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+            self.progress.end(text=f"FAILED: {row['error']}")
+            return row
+        src, dst = (mine, theirs) if write else (theirs, mine)
+        if write:
+            found = self.channel.ask("check", seed=seed, src_order=src, dst_order=dst)
+            bad, first = found["bad"], found["first"]
+        else:
+            bad, first = count_bad_pages(buf, seed, src, dst)
+        if bad:
+            row["error"] = f"CORRUPT: {bad} of {pages} destination pages wrong (first: page {first})"
+            self.progress.end(text=row["error"])
+            return row
+        nbytes = calls * call_bytes
+        row.update(ok=True, seconds=seconds, bytes=nbytes, calls=calls, views=calls * len(views),
+                   gbps=nbytes * 8 / seconds / 1e9, mops=calls * len(views) / seconds / 1e6)
+        if row["baseline_gbps"]:
+            row["ratio"] = row["gbps"] / row["baseline_gbps"]
+        self.progress.end(seconds)
+        return row
+
+    def _baseline_gbps(self, op: str, call_bytes: int, rails: int, label: str) -> float | None:
+        """The baseline's Gbps for calls of `call_bytes` in the direction of `op`, measured the
+        first time it is asked for (tcp: for each number of streams too)."""
+        streams = rails if self.baseline == "tcp" else 1
+        key = (op, call_bytes, streams)
+        if key not in self._baselines:
+            self.progress.begin(label, self.args.duration, None, f"measuring the {self.baseline} baseline")
+            measure = self._tcp if self.baseline == "tcp" else self._dist
+            try:
+                nbytes, seconds = measure(op == "read", call_bytes, streams)
+            except BaselineRefused as e:
+                self.progress.say(f"skipping the {self.baseline} baseline: {e}")
+                self.baseline = "none"
+                return None
+            self._baselines[key] = nbytes * 8 / seconds / 1e9
+            what = f"{streams} stream{'s' * (streams > 1)}" if self.baseline == "tcp" else "send/recv"
+            self.progress.end(text=f"{self.baseline} baseline ({what}, {fmt_size(call_bytes)} per call): "
+                                   f"bw={self._baselines[key]:.3f}Gbps")
+        return self._baselines[key]
+
+    def _tcp(self, peer_sends: bool, call_bytes: int, streams: int):
+        chunk = max(1, call_bytes // streams)
+        self.channel.send(cmd="tcp", streams=streams, chunk=chunk, send=peer_sends, seconds=self.args.duration)
+        where = self.channel.reply("tcp")
+        if self.barrier:
+            self.barrier.wait(CONTROL_TIMEOUT_S)
+        result = _baselines.measure_tcp(where["host"], where["port"], streams, chunk, not peer_sends,
+                                        self.args.duration)
+        self.channel.reply("tcp")
+        return result
+
+    def _dist(self, peer_sends: bool, call_bytes: int, _streams: int):
+        import torch.distributed as dist
+
+        self.channel.send(cmd="dist", backend=self.baseline, nbytes=call_bytes, send=peer_sends,
+                          store=self.dist_store, loopback=self.loopback)
+        try:
+            ready = self.channel.reply("dist")
+        except PeerFailed as e:  # refused before anything started: the two sides are still in step
+            raise BaselineRefused(str(e).splitlines()[0]) from None
+        if not dist.is_initialized():
+            _baselines.dist_env(self.loopback)
+            store = _dist_store(self.dist_store, self.shared_store, self.peer_host, ready.get("port"))
+            _baselines.dist_init(self.baseline, store, 0, self.device)
+        if self.barrier:
+            self.barrier.wait(CONTROL_TIMEOUT_S)
+        result = _baselines.measure_dist(call_bytes, not peer_sends, self.device, self.args.duration)
+        self.channel.reply("dist")
+        return result
+
+
+# -- results ---------------------------------------------------------------------------------------
+def merge(per_gpu: list[list[dict]]) -> list[dict]:
+    """One row per row index over the GPUs of a multi-GPU run: bandwidths and counts add up
+    (the rows ran together); a row is ok only if it is ok on every GPU."""
+    if len(per_gpu) == 1:
+        return per_gpu[0]
+    merged = []
+    for rows in zip(*per_gpu):
+        row = dict(rows[0], gpus=len(rows), device=",".join(r["device"] for r in rows),
+                   peer_device=",".join(r["peer_device"] for r in rows),
+                   ok=all(r["ok"] for r in rows), error="; ".join(r["error"] for r in rows if r["error"]) or None)
+        for key in ("gbps", "mops", "bytes", "calls", "views", "baseline_gbps", "line_rate_bps"):
+            values = [r[key] for r in rows]
+            row[key] = sum(values) if None not in values else None
+        row["seconds"] = max(r["seconds"] or 0 for r in rows) or None
+        if not row["ok"]:
+            row.update(gbps=None, mops=None)
+        row["ratio"] = row["gbps"] / row["baseline_gbps"] if row["gbps"] and row["baseline_gbps"] else None
+        merged.append(row)
+    return merged
+
+
+def table(rows: list[dict]) -> str:
+    head = ["op", "layout", "page", "pages", "rails", "MiB/call", "Gbps", "%line", "Mops"]
+    baseline = next((r["baseline"] for r in rows if r["baseline"]), None)
+    if baseline:
+        head += [f"{baseline} Gbps", "ratio"]
+    lines = [head]
+    for r in rows:
+        cells = [r["op"], r["layout"], fmt_size(r["page_bytes"]), str(r["pages"]), str(r["rails"]),
+                 f"{r['pages'] * r['page_bytes'] / (1 << 20):.2f}"]
+        if r["ok"]:
+            line = r["line_rate_bps"]
+            cells += [f"{r['gbps']:.3f}", f"{100 * r['gbps'] * 1e9 / line:.1f}" if line else "-", f"{r['mops']:.4f}"]
+        else:
+            cells += ["CORRUPT" if (r["error"] or "").startswith("CORRUPT") else "FAILED", "-", "-"]
+        if baseline:
+            cells += [f"{r['baseline_gbps']:.3f}" if r["baseline_gbps"] else "-",
+                      f"{r['ratio']:.2f}" if r["ratio"] else "-"]
+        lines.append(cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+                     for line in lines)
+
+
+def summary(args, rows: list[dict]) -> str:
+    r = rows[0]
+    gpus = f", {r['gpus']} process pairs summed" if r["gpus"] > 1 else ""
+    return (f"# torch_p2p bw: {r['provider']} [{r['domains']}], {r['device']} -> peer {r['peer_device']} "
+            f"(data path {r['data_path']}){gpus}, "
+            f"window {args.window}, {args.duration:g} s per row; Gbps = 1e9 bit/s, Mops = million views/s")
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Gbps against page size: one panel per pages-per-call, one line per rails/layout/op,
+    the baseline dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({r["pages"] for r in rows})
+    fig, axes = plt.subplots(1, len(counts), figsize=(6 * len(counts), 4.5), squeeze=False, sharey=True)
+    for ax, pages in zip(axes[0], counts):
+        lines: dict[tuple, dict] = collections.defaultdict(dict)  # (name, rails, style) -> {x: y}
+        for r in rows:
+            if r["pages"] != pages:
+                continue
+            if r["gbps"] is not None:
+                lines[(f"{r['op']} {r['layout']}", r["rails"], "-")][r["page_bytes"]] = r["gbps"]
+            if r["baseline_gbps"]:  # the same for both layouts
+                lines[(f"{r['op']} {r['baseline']}", r["rails"], ":")][r["page_bytes"]] = r["baseline_gbps"]
+        for (name, rails, style), points in sorted(lines.items()):
+            xs, ys = zip(*sorted(points.items()))
+            ax.plot(xs, ys, style, marker="o", label=f"{name}, {rails} rail{'s' * (rails > 1)}")
+        sizes = sorted({r["page_bytes"] for r in rows})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [fmt_size(x) for x in sizes])
+        ax.set(title=f"{pages} pages per call", xlabel="page size", ylabel="Gbps")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def report(args, rows: list[dict]) -> int:
+    """Table on stdout, then --json and --plot; the exit status: 1 if a row failed."""
+    if not rows:
+        print("no rows: every size x pages combination is above --max-bytes", file=sys.stderr)
+        return 1
+    title = summary(args, rows)
+    print(title)
+    print(table(rows))
+    failed = [r for r in rows if not r["ok"]]
+    for r in failed:
+        print(f"! {r['op']} {r['layout']} {fmt_size(r['page_bytes'])} x{r['pages']}, {r['rails']} rails: {r['error']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, title)
+    return 1 if failed else 0
+
+
+# -- modes ------------------------------------------------------------------------------------------
+def device_for(base: str, i: int) -> torch.device:
+    """The device of the i-th process of a multi-GPU run: cuda:(N + i) from --device cuda:N."""
+    dev = torch.device(base)
+    return torch.device("cuda", (dev.index or 0) + i) if dev.type == "cuda" else dev
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def drive(args, sock: socket.socket, host: str, device: str, progress: Progress, barrier=None) -> list[dict]:
+    """Runs the sweep over `sock`, connected to a peer at `host`; says bye at the end."""
+    loopback = is_loopback(host)
+    channel = SocketChannel(sock, CONTROL_TIMEOUT_S)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bw-") as tmp:
+            # A FileStore needs both ranks on one machine; elsewhere the peer hosts a TCPStore.
+            store = {"kind": "file", "path": os.path.join(tmp, "dist-store")} if loopback else {"kind": "tcp"}
+            rows = Driver(args, channel, torch.device(device), progress, loopback=loopback, dist_store=store,
+                          peer_host=host, barrier=barrier).run()
+            channel.send(cmd="bye")
+            return rows
+    finally:
+        channel.close()
+
+
+def run_local(args) -> int:
+    """The default: a spawned peer process on this machine, talking over a socket pair."""
+    device = torch.device(args.device)
+    if args.peer_device:
+        peer_device = args.peer_device
+    elif device.type == "cuda":  # another GPU where there is one, as a migration would
+        peer_device = f"cuda:{(device.index + 1) % torch.cuda.device_count()}"
+    else:
+        peer_device = "cpu"
+    mine, theirs = socket.socketpair()
+    proc = mp.get_context("spawn").Process(target=_serve_socket, args=(theirs, peer_device, "127.0.0.1"),
+                                           daemon=True, name="bw-peer")
+    proc.start()
+    theirs.close()
+    try:
+        rows = drive(args, mine, "127.0.0.1", args.device, Progress())
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return report(args, rows)
+
+
+def run_listen(args) -> int:
+    """--listen: serves as the peer of a --connect run, one process per GPU, one port each."""
+    host, _, port = args.listen.rpartition(":") if ":" in args.listen else (args.listen, "", "0")
+    host, port = host or "0.0.0.0", int(port or 0)
+    listeners = [socket.create_server((host, port + i if port else 0)) for i in range(args.gpus)]
+    shown = socket.getfqdn() if host in ("0.0.0.0", "::") else host
+    addr = f"{shown}:{','.join(str(s.getsockname()[1]) for s in listeners)}"
+    print(f"listening on {addr}; on the other node run: python benchmarks/bw.py --connect {addr}", flush=True)
+    devices = [str(device_for(args.device, i)) for i in range(args.gpus)]
+    if args.gpus == 1:
+        _serve_listener(listeners[0], devices[0])
+        return 0
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_serve_listener, args=(s, d), name=f"bw-peer{i}")
+             for i, (s, d) in enumerate(zip(listeners, devices))]
+    for p in procs:
+        p.start()
+    for s in listeners:
+        s.close()
+    for p in procs:
+        p.join()
+    return max(p.exitcode or 0 for p in procs)
+
+
+def _drive_worker(args, host: str, port: int, rank: int, barrier, results) -> None:
+    """Entry of the i-th driver process of a multi-GPU --connect run."""
+    try:
+        sock = socket.create_connection((host, port), timeout=CONTROL_TIMEOUT_S)
+        rows = drive(args, sock, host, str(device_for(args.device, rank)), Progress(rank == 0), barrier)
+        results.put((rank, rows, None))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        barrier.abort()
+        results.put((rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_connect(args) -> int:
+    """--connect HOST:PORT[,PORT...]: drives the peers that --listen started, one per port."""
+    host, _, ports_text = args.connect.rpartition(":")
+    ports = [int(p) for p in ports_text.split(",")]
+    if args.gpus not in (None, len(ports)):
+        sys.exit(f"--gpus {args.gpus} but {args.connect} names {len(ports)} ports: one per GPU")
+    if len(ports) == 1:
+        sock = socket.create_connection((host, ports[0]), timeout=CONTROL_TIMEOUT_S)
+        return report(args, drive(args, sock, host, args.device, Progress()))
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(len(ports)), ctx.Queue()
+    procs = [ctx.Process(target=_drive_worker, args=(args, host, port, i, barrier, results), name=f"bw-driver{i}")
+             for i, port in enumerate(ports)]
+    for p in procs:
+        p.start()
+    per_gpu: list = [None] * len(ports)
+    answered = 0
+    while answered < len(procs):
+        try:
+            rank, rows, error = results.get(timeout=1)
+        except queue.Empty:
+            if any(p.is_alive() for p in procs):
+                continue
+            break  # a driver died without a word (the others' barrier waits end in time)
+        answered += 1
+        per_gpu[rank] = rows
+        if error:
+            print(f"driver {rank} failed: {error}", file=sys.stderr)
+    for p in procs:
+        p.join()
+    if None in per_gpu:
+        return 1
+    return report(args, merge(per_gpu))
+
+
+def run_torchrun(args) -> int:
+    """Under torchrun: ranks [0, W/2) drive, rank r + W/2 serves rank r; rank 0 reports."""
+    import torch.distributed as dist
+
+    store, rank, world = next(dist.rendezvous("env://"))
+    if world % 2:
+        sys.exit(f"bw.py under torchrun pairs ranks: WORLD_SIZE must be even, not {world}")
+    half, pair = world // 2, rank % (world // 2)
+    device = device_for(args.device, int(os.environ.get("LOCAL_RANK", 0)))
+    loopback = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) == world  # one node: keep to loopback
+    pair_store = dist.PrefixStore(f"bw/pair{pair}", store)
+    if rank >= half:
+        channel = StoreChannel(pair_store, "peer", "driver")
+        Target(channel, device, "127.0.0.1" if loopback else None, shared_store=store).serve()
+        return 0
+    channel = StoreChannel(pair_store, "driver", "peer")
+    rows = Driver(args, channel, device, Progress(rank == 0), loopback=loopback,
+                  dist_store={"kind": "shared", "prefix": f"bw/dist{pair}"}, shared_store=store,
+                  barrier=StoreBarrier(dist.PrefixStore("bw/barrier", store), half)).run()
+    channel.send(cmd="bye")
+    store.set(f"bw/rows/{rank}", json.dumps(rows))
+    if rank:
+        return 0
+    return report(args, merge([json.loads(store.get(f"bw/rows/{r}")) for r in range(half)]))
+
+
+# -- command line -----------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    ap.add_argument("--sizes", nargs="+", type=parse_size, default=[4 << 10, 64 << 10, 1 << 20, 16 << 20],
+                    metavar="SIZE", help="page sizes, e.g. 4K 64K 1M 16M (default); multiples of 8 bytes")
+    ap.add_argument("--pages", nargs="+", type=int, default=[16, 256], metavar="N",
+                    help="pages (views) per call (default: 16 256)")
+    ap.add_argument("--max-bytes", type=parse_size, default=256 << 20, metavar="SIZE",
+                    help="skip size x pages above this many bytes per call (default 256M)")
+    ap.add_argument("--layouts", nargs="+", choices=["contiguous", "paged"], default=["contiguous", "paged"])
+    ap.add_argument("--ops", nargs="+", choices=["write", "read"], default=["write", "read"])
+    ap.add_argument("--rails", nargs="+", type=int, default=[None], metavar="N",
+                    help="rails (NICs, or domains on one NIC) per engine; several values sweep them "
+                         "(default: the engine's choice)")
+    ap.add_argument("--provider", default=None,
+                    help="libfabric provider (default: the engine's: efa, verbs, then tcp; on loopback tcp "
+                         "uses the 'lo' domain)")
+    ap.add_argument("--device", default=default_device, help=f"this side's device (default {default_device})")
+    ap.add_argument("--peer-device", default=None,
+                    help="local mode: the peer's device (default: the next GPU, or cpu)")
+    ap.add_argument("--duration", type=float, default=1.0, metavar="S", help="timed seconds per row (default 1)")
+    ap.add_argument("--window", type=int, default=4, metavar="N", help="calls in flight (default 4)")
+    ap.add_argument("--baseline", choices=["auto", "tcp", "nccl", "gloo", "none"], default="auto",
+                    help="measured beside the engine for the ratio column (default auto: tcp when the "
+                         "line rate is unknown, else none)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the paged layouts' page orders")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    ap.add_argument("--plot", metavar="PATH", help="plot Gbps against page size (needs matplotlib)")
+    ap.add_argument("--listen", nargs="?", const="0.0.0.0:0", metavar="[HOST][:PORT]",
+                    help="serve as the peer of a --connect run on another node (default: all addresses, "
+                         "free ports); prints the ADDR to connect to")
+    ap.add_argument("--connect", metavar="ADDR", help="drive the peers of a --listen run: HOST:PORT[,PORT...]")
+    ap.add_argument("--gpus", type=int, default=None, metavar="N",
+                    help="with --listen / --connect: processes, one per GPU from --device on (default: 1 / "
+                         "one per port of ADDR)")
+    args = ap.parse_args(argv)
+    if any(s % 8 for s in args.sizes):
+        ap.error("page sizes must be multiples of 8 bytes")
+    if min(args.pages) < 1 or args.window < 1 or args.duration <= 0:
+        ap.error("--pages and --window must be >= 1 and --duration > 0")
+    if any(r is not None and r < 1 for r in args.rails):
+        ap.error("--rails must be >= 1")
+    if args.listen is not None and args.connect:
+        ap.error("--listen and --connect exclude each other")
+    if args.gpus is not None and args.listen is None and not args.connect:
+        ap.error("--gpus needs --listen or --connect")
+    if args.listen is not None:
+        args.gpus = args.gpus or 1
+    for name in ("device", "peer_device"):
+        dev = getattr(args, name) and torch.device(getattr(args, name))
+        if dev and dev.type == "cuda":
+            if not torch.cuda.is_available():
+                ap.error(f"--{name.replace('_', '-')} {dev} but CUDA is not available here")
+            setattr(args, name, str(torch.device("cuda", dev.index or 0)))
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # now, not after the sweep
+        ap.error("--plot needs matplotlib: pip install matplotlib")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.listen is not None:
+            return run_listen(args)
+        if args.connect:
+            return run_connect(args)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ:
+            return run_torchrun(args)
+        return run_local(args)
+    except (PeerFailed, p2p.P2PError) as e:  # the message names the call; the peer's carries its traceback
+        print(f"bw.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
