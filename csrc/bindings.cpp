@@ -137,6 +137,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("provider", &Engine::provider)
       .def_property_readonly("data_path", &Engine::data_path)
       .def_property_readonly("delivery_complete", &Engine::delivery_complete)
+      .def_property_readonly("auto_progress", &Engine::auto_progress)
       .def_property_readonly("closed", &Engine::closed)
       .def_property_readonly("rails", [](const Engine& e) {
         py::list out;

@@ -34,6 +34,7 @@ class Engine {
   std::string data_path() const;
   const std::vector<RailFacts>& rails() const { return worker_->rail_facts(); }
   bool delivery_complete() const { return worker_->delivery_complete(); }
+  bool auto_progress() const { return worker_->auto_progress(); }
   bool closed() const { return closed_; }
 
   // Registers the tensor's whole storage; returns the region id and a view of the tensor.

@@ -130,6 +130,7 @@ void Worker::open(std::promise<void>& ready) {
   provider_ = offer.provider;
   hmem_ = offer.hmem;
   delivery_complete_ = offer.delivery_complete;
+  auto_progress_ = offer.auto_progress;
   P2P_CHECK(!(cuda && config_.data_path == DataPath::Direct && !hmem_), ErrorKind::Value,
             "data_path='direct' needs a provider with FI_HMEM (GPUDirect RDMA), but ", provider_,
             " here has none; use data_path='staged' or None");

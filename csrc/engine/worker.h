@@ -182,6 +182,7 @@ class Worker {
   const std::string& provider() const { return provider_; }
   bool hmem() const { return hmem_; }
   bool delivery_complete() const { return delivery_complete_; }
+  bool auto_progress() const { return auto_progress_; }
   const std::vector<RailFacts>& rail_facts() const { return rail_facts_; }
   const WorkerConfig& config() const { return config_; }
   bool region_staged(bool cuda) const;
@@ -309,6 +310,7 @@ class Worker {
   std::string provider_;
   bool hmem_ = false;
   bool delivery_complete_ = false;
+  bool auto_progress_ = false;
   std::vector<RailFacts> rail_facts_;
 
   // Commands from Python threads.

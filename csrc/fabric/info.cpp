@@ -26,7 +26,19 @@ uint32_t api_version() {
   return std::min<uint32_t>(fi_version(), FI_VERSION(1, 22));
 }
 
-InfoPtr hints(const std::string& provider, bool hmem, bool delivery_complete) {
+// NOTE: tcp moves every byte through the kernel on the thread that drives its progress, so
+// one progress thread caps an engine at about one TCP stream whatever its rail count. Asked
+// for FI_PROGRESS_AUTO (with FI_THREAD_SAFE), rxm runs a progress thread per endpoint that
+// sleeps in poll() on its sockets: one per rail, on both ends, and no dependence on the
+// target's worker polling. Only tcp: hinting AUTO drops EFA's `efa` fabric, and shm has none.
+// TORCH_P2P_PROGRESS=manual keeps progress on the engine's own thread (measurements).
+bool wants_auto_progress(const std::string& provider) {
+  const char* env = std::getenv("TORCH_P2P_PROGRESS");
+  if (env && std::string(env) == "manual") return false;
+  return provider.rfind("tcp", 0) == 0;
+}
+
+InfoPtr hints(const std::string& provider, bool hmem, bool delivery_complete, bool auto_progress) {
   InfoPtr h(fi_allocinfo());
   P2P_CHECK(h, ErrorKind::Generic, "fi_allocinfo failed");
   h->caps = FI_MSG | FI_RMA | FI_SEND | FI_RECV | FI_READ | FI_WRITE | FI_REMOTE_READ |
@@ -36,8 +48,9 @@ InfoPtr hints(const std::string& provider, bool hmem, bool delivery_complete) {
   // Every mr_mode bit this engine handles; each provider keeps the ones it needs.
   h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY |
                             FI_MR_ENDPOINT | (hmem ? FI_MR_HMEM : 0);
-  // The worker thread is the only user of a domain.
-  h->domain_attr->threading = FI_THREAD_DOMAIN;
+  // The worker thread is the only user of a domain, unless the provider progresses on its own.
+  h->domain_attr->threading = auto_progress ? FI_THREAD_SAFE : FI_THREAD_DOMAIN;
+  if (auto_progress) h->domain_attr->data_progress = FI_PROGRESS_AUTO;
   // Control messages and message fragments rely on send-after-send order per peer.
   h->tx_attr->msg_order = FI_ORDER_SAS;
   h->rx_attr->msg_order = FI_ORDER_SAS;
@@ -47,7 +60,7 @@ InfoPtr hints(const std::string& provider, bool hmem, bool delivery_complete) {
 }
 
 std::string available_providers() {
-  InfoPtr h = hints("", false, false);
+  InfoPtr h = hints("", false, false, false);
   fi_info* list = nullptr;
   std::set<std::string> names;
   if (fi_getinfo(api_version(), nullptr, nullptr, 0, h.get(), &list) == 0) {
@@ -93,22 +106,27 @@ Offer query(const std::string& provider, bool want_hmem) {
   for (const auto& name : candidates) {
     // Prefer FI_HMEM, then delivery-complete; drop each only when the provider refuses it.
     const std::vector<bool> hmem_options = want_hmem ? std::vector{true, false} : std::vector{false};
-    for (bool hmem : hmem_options) {
-      for (bool dc : {true, false}) {
-        InfoPtr h = hints(name, hmem, dc);
-        fi_info* list = nullptr;
-        if (fi_getinfo(version, nullptr, nullptr, 0, h.get(), &list) != 0) continue;
-        Offer offer;
-        offer.list.reset(list);
-        offer.provider = list->fabric_attr->prov_name;
-        offer.hmem = hmem;
-        offer.delivery_complete = dc;
-        offer.api_version = version;
-        if (!dc)
-          P2P_LOG(Warn, "provider ", offer.provider,
-                  " refuses FI_DELIVERY_COMPLETE: a completed write means the bytes left this "
-                  "host, not that they reached remote memory");
-        return offer;
+    const std::vector<bool> progress_options =
+        wants_auto_progress(name) ? std::vector{true, false} : std::vector{false};
+    for (bool automatic : progress_options) {
+      for (bool hmem : hmem_options) {
+        for (bool dc : {true, false}) {
+          InfoPtr h = hints(name, hmem, dc, automatic);
+          fi_info* list = nullptr;
+          if (fi_getinfo(version, nullptr, nullptr, 0, h.get(), &list) != 0) continue;
+          Offer offer;
+          offer.list.reset(list);
+          offer.provider = list->fabric_attr->prov_name;
+          offer.hmem = hmem;
+          offer.delivery_complete = dc;
+          offer.auto_progress = automatic;
+          offer.api_version = version;
+          if (!dc)
+            P2P_LOG(Warn, "provider ", offer.provider,
+                    " refuses FI_DELIVERY_COMPLETE: a completed write means the bytes left this "
+                    "host, not that they reached remote memory");
+          return offer;
+        }
       }
     }
   }

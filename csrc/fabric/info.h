@@ -30,6 +30,7 @@ struct Offer {
   std::string provider;            // the real stack, e.g. "tcp;ofi_rxm"
   bool hmem = false;               // FI_HMEM granted: CUDA memory can be registered
   bool delivery_complete = false;  // completions mean the data is in remote memory
+  bool auto_progress = false;      // the provider moves data on threads of its own
   uint32_t api_version = 0;
 
   std::vector<Nic> nics() const;   // one per distinct domain name, in libfabric's order
