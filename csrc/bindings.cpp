@@ -59,6 +59,7 @@ WorkerConfig make_config(const py::dict& d) {
   get("tx_depth", c.tx_depth);
   get("post_batch", c.batch);
   get("spin_us", c.spin_us);
+  get("rail_threads", c.rail_threads);
   for (size_t v : {c.slot_bytes, c.max_chunk, c.min_chunk, c.piece_bytes, c.batch})
     if (v == 0) throw Error(ErrorKind::Value, "sizes and batch must be positive");
   if (c.timeout_s <= 0 || c.peer_timeout_s <= 0) throw Error(ErrorKind::Value, "timeouts must be positive");

@@ -28,6 +28,7 @@ _ENV_TUNING = {  # environment variable -> engine setting, for benchmarks and te
     "TORCH_P2P_TX_DEPTH": "tx_depth",
     "TORCH_P2P_POST_BATCH": "post_batch",
     "TORCH_P2P_SPIN_US": "spin_us",
+    "TORCH_P2P_RAIL_THREADS": "rail_threads",
 }
 
 _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()

@@ -34,6 +34,7 @@ struct Op {
   uint16_t rail = 0;         // local rail it is posted on
   bool posted = false;
   bool orphaned = false;     // its peer was declared dead while it was posted
+  bool device = false;       // `local` is GPU memory (completion semantics differ on shm)
   OpOwner* owner = nullptr;
   Peer* peer = nullptr;
   Region* region = nullptr;  // user memory `local` lies in, if any (not slots or messages)

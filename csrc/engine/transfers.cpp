@@ -133,6 +133,7 @@ bool Worker::generate_direct(Transfer& t) {
     op->local = local;
     op->len = len;
     op->region = t.local[run.lreg].get();
+    op->device = lr.cuda_device >= 0;
     op->desc = lr.mrs[lpiece * L + lrail].desc;
     op->dest = p.fi[lrail * R + rrail];
     op->remote_addr = rr.base[rpiece * R + rrail] + (roff - rpiece * rr.piece_bytes);

@@ -27,6 +27,7 @@
 #include "engine/copier.h"
 #include "engine/messages.h"
 #include "engine/ops.h"
+#include "engine/rail_driver.h"
 #include "engine/runs.h"
 #include "fabric/info.h"
 #include "fabric/rail.h"
@@ -54,6 +55,8 @@ struct WorkerConfig {
   size_t recv_buffers = 256;
   size_t send_buffers = 256;
   int spin_us = 1000;
+  int rail_threads = -1;             // -1: one per rail where the provider is thread safe
+                                     // (auto progress), 0: none
 };
 
 struct RailFacts {
@@ -213,8 +216,9 @@ class Worker {
   struct RailState {
     std::unique_ptr<fabric::Rail> rail;
     Ring<Op*> pending{1024};
-    size_t inflight = 0;
+    size_t inflight = 0;  // posted, or handed to the driver
     size_t depth = 0;
+    RailDriver* driver = nullptr;  // posts and polls this rail, if any
   };
   struct Outgoing {
     Peer* peer;
@@ -232,11 +236,14 @@ class Worker {
   void probe_hmem();
   bool drain_commands();
   bool poll_rails();
-  void on_completion(RailState& rs, const fi_cq_data_entry& entry);
+  void on_completion(Op* op, size_t len);
   void on_error(RailState& rs);
+  void op_failed(Op* op, int err, int prov_errno, const std::string& message);
+  void start_drivers();
   void complete_op(Op* op, const Status& status);
   bool post_ops();
   bool post_one(RailState& rs, Op* op, uint64_t flags, ssize_t& rc);
+  bool hand_over(RailState& rs);
   void tick();
   void idle_wait();
   void shutdown();
@@ -324,6 +331,7 @@ class Worker {
 
   // Worker-thread state.
   std::vector<RailState> rails_;
+  std::vector<std::unique_ptr<RailDriver>> drivers_;
   std::unique_ptr<OpPool> pool_;
   std::vector<Op> recv_ops_;
   std::vector<uint8_t> control_;  // recv buffers then send buffers, kMessageBytes each

@@ -1,0 +1,179 @@
+#include "engine/rail_driver.h"
+
+#include <poll.h>
+#include <rdma/fi_errno.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <chrono>
+
+#include "common/log.h"
+
+namespace p2p::engine {
+namespace {
+
+double seconds() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+void wake(int fd) {
+  const uint64_t one = 1;
+  (void)!write(fd, &one, sizeof one);
+}
+
+}  // namespace
+
+RailDriver::RailDriver(const std::vector<fabric::Rail*>& rails, std::vector<uint16_t> mine, size_t capacity,
+                       size_t batch, int spin_us, int main_wake_fd, std::atomic<bool>* main_sleeping)
+    : rails_(rails.size(), nullptr),
+      mine_(std::move(mine)),
+      pending_(rails.size()),
+      in_(capacity),
+      out_(capacity),
+      batch_(batch),
+      spin_us_(spin_us),
+      main_wake_fd_(main_wake_fd),
+      main_sleeping_(main_sleeping) {
+  for (uint16_t r : mine_) rails_[r] = rails[r];
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+  for (uint16_t r : mine_)
+    if (rails_[r]->wait_fd() >= 0) epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, rails_[r]->wait_fd(), &ev);
+  thread_ = std::thread([this] { run(); });
+}
+
+RailDriver::~RailDriver() {
+  stop_.store(true);
+  wake(wake_fd_);
+  thread_.join();
+  close(epoll_fd_);
+  close(wake_fd_);
+}
+
+void RailDriver::kick() {
+  if (sleeping_.load(std::memory_order_acquire)) wake(wake_fd_);
+}
+
+void RailDriver::run() {
+  double idle_since = seconds();
+  while (!stop_.load(std::memory_order_relaxed)) {
+    bool busy = false;
+    Op* op;
+    while (in_.pop(op)) {
+      pending_[op->rail].push_back(op);
+      busy = true;
+    }
+    busy |= post_pending();
+    busy |= poll();
+    const double t = seconds();
+    if (busy || spin_us_ < 0)
+      idle_since = t;
+    else if ((t - idle_since) * 1e6 > spin_us_)
+      idle();
+  }
+}
+
+// The worker's posting loop, for our rails: FI_MORE on all but the last of a batch, and an op
+// refused with -FI_EAGAIN back at the front (lazy posting).
+bool RailDriver::post_pending() {
+  bool any = false;
+  for (uint16_t r : mine_) {
+    fabric::Rail& rail = *rails_[r];
+    Ring<Op*>& q = pending_[r];
+    const size_t n = std::min(q.size(), batch_);
+    for (size_t i = 0; i < n; ++i) {
+      Op* op = q.front();
+      const uint64_t flags = i + 1 < n ? FI_MORE : 0;
+      ssize_t rc = 0;
+      switch (op->kind) {
+        case OpKind::Write:
+          rc = rail.write(op->local, op->len, op->desc, op->dest, op->remote_addr, op->key, &op->ctx, flags,
+                          op->device);
+          break;
+        case OpKind::Read:
+          rc = rail.read(op->local, op->len, op->desc, op->dest, op->remote_addr, op->key, &op->ctx, flags);
+          break;
+        case OpKind::Send:
+          rc = rail.send(op->local, op->len, op->desc, op->dest, &op->ctx);
+          break;
+        case OpKind::Recv:
+          rc = rail.recv(op->local, op->len, op->desc, &op->ctx);
+          break;
+      }
+      if (rc == -FI_EAGAIN) break;
+      q.pop_front();
+      any = true;
+      if (rc < 0)
+        emit({op, static_cast<int>(-rc), 0, 0,
+              new std::string(cat("posting on ", rail.domain_name(), " failed: ", fi_error_name(-rc)))});
+    }
+  }
+  return any;
+}
+
+bool RailDriver::poll() {
+  bool any = false;
+  fi_cq_data_entry entries[64];
+  for (uint16_t r : mine_) {
+    fabric::Rail& rail = *rails_[r];
+    for (int round = 0; round < 4; ++round) {
+      const ssize_t n = rail.poll(entries, 64);
+      if (n == -FI_EAVAIL) {
+        fi_cq_err_entry err;
+        std::string message;
+        if (rail.read_error(err, message) && err.op_context)
+          emit({static_cast<Op*>(err.op_context), err.err, err.prov_errno, 0, new std::string(std::move(message))});
+        any = true;
+        continue;
+      }
+      if (n < 0) {
+        P2P_LOG(Error, "fi_cq_read on ", rail.domain_name(), ": ", fi_error_name(-n));
+        break;
+      }
+      for (ssize_t i = 0; i < n; ++i) {
+        if (entries[i].flags & (FI_REMOTE_WRITE | FI_REMOTE_READ) || !entries[i].op_context) continue;
+        emit({static_cast<Op*>(entries[i].op_context), 0, 0, entries[i].len, nullptr});
+      }
+      any |= n > 0;
+      if (n < 64) break;
+    }
+  }
+  return any;
+}
+
+void RailDriver::emit(const Event& e) {
+  // The ring holds more than the ops that can be in flight, so this does not spin in practice.
+  while (!out_.push(e)) std::this_thread::yield();
+  if (main_sleeping_->load(std::memory_order_acquire)) wake(main_wake_fd_);
+}
+
+void RailDriver::idle() {
+  sleeping_.store(true, std::memory_order_release);
+  bool can_sleep = !stop_.load();
+  Op* peek;
+  // Nothing may have arrived between the last pop and the flag: check again.
+  if (in_.pop(peek)) {
+    pending_[peek->rail].push_back(peek);
+    can_sleep = false;
+  }
+  for (uint16_t r : mine_) can_sleep = can_sleep && pending_[r].empty();
+  for (uint16_t r : mine_) can_sleep = can_sleep && rails_[r]->wait_fd() >= 0 && rails_[r]->trywait();
+  if (can_sleep) {
+    epoll_event events[8];
+    epoll_wait(epoll_fd_, events, 8, 10);
+  } else if (!stop_.load()) {
+    pollfd pfd{wake_fd_, POLLIN, 0};
+    timespec ts{0, 50 * 1000};
+    ppoll(&pfd, 1, &ts, nullptr);
+  }
+  uint64_t drained;
+  (void)!read(wake_fd_, &drained, sizeof drained);
+  sleeping_.store(false, std::memory_order_release);
+}
+
+}  // namespace p2p::engine

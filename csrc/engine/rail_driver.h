@@ -1,0 +1,112 @@
+// RailDriver: a thread that posts ops to, and reads completions from, a subset of an engine's
+// rails, so that providers which move bytes on the posting thread (tcp copies every send
+// into the kernel there) scale with rails. The worker keeps every decision: it hands ops over
+// through a lock-free single-producer ring and gets completions back through another.
+//
+// Thread model: submit()/kick()/drain() are called by the worker thread only; everything
+// else runs on the driver's thread. Only used with thread-safe domains (FI_THREAD_SAFE),
+// since the worker still registers memory and inserts addresses on them.
+#pragma once
+
+#include <rdma/fi_eq.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/ops.h"
+#include "fabric/rail.h"
+
+namespace p2p::engine {
+
+// Fixed-capacity lock-free queue for exactly one producer thread and one consumer thread.
+template <typename T>
+class SpscRing {
+ public:
+  explicit SpscRing(size_t capacity) {
+    size_t c = 1;
+    while (c < capacity) c <<= 1;
+    items_.resize(c);
+  }
+  bool push(const T& v) {
+    const size_t t = tail_.load(std::memory_order_relaxed);
+    if (t - head_.load(std::memory_order_acquire) == items_.size()) return false;
+    items_[t & (items_.size() - 1)] = v;
+    tail_.store(t + 1, std::memory_order_release);
+    return true;
+  }
+  bool empty() const {
+    return head_.load(std::memory_order_acquire) == tail_.load(std::memory_order_acquire);
+  }
+  bool pop(T& v) {
+    const size_t h = head_.load(std::memory_order_relaxed);
+    if (h == tail_.load(std::memory_order_acquire)) return false;
+    v = items_[h & (items_.size() - 1)];
+    head_.store(h + 1, std::memory_order_release);
+    return true;
+  }
+
+ private:
+  std::vector<T> items_;
+  alignas(64) std::atomic<size_t> head_{0};
+  alignas(64) std::atomic<size_t> tail_{0};
+};
+
+class RailDriver {
+ public:
+  // What came back for an op: its completion, or (error != 0) its failure.
+  struct Event {
+    Op* op;
+    int error;       // positive libfabric error number, 0 on success
+    int prov_errno;
+    size_t len;      // received bytes (Recv)
+    std::string* message;  // owned by the receiver of the event when error != 0
+  };
+
+  // rails: the engine's rails, indexed like Op::rail; `mine` the indices this driver owns.
+  RailDriver(const std::vector<fabric::Rail*>& rails, std::vector<uint16_t> mine, size_t capacity,
+             size_t batch, int spin_us, int main_wake_fd, std::atomic<bool>* main_sleeping);
+  ~RailDriver();
+  RailDriver(const RailDriver&) = delete;
+  RailDriver& operator=(const RailDriver&) = delete;
+
+  bool submit(Op* op) { return in_.push(op); }
+  void kick();  // after submits: wakes the driver if it sleeps
+  bool has_events() const { return !out_.empty(); }
+  template <typename F>
+  bool drain(F&& f) {
+    Event e;
+    bool any = false;
+    while (out_.pop(e)) {
+      f(e);
+      any = true;
+    }
+    return any;
+  }
+
+ private:
+  void run();
+  bool post_pending();
+  bool poll();
+  void emit(const Event& e);
+  void idle();
+
+  std::vector<fabric::Rail*> rails_;  // by global rail index; nullptr where not ours
+  std::vector<uint16_t> mine_;
+  std::vector<Ring<Op*>> pending_;    // by global rail index: taken but not yet accepted
+  SpscRing<Op*> in_;
+  SpscRing<Event> out_;
+  size_t batch_;
+  int spin_us_;
+  int main_wake_fd_;
+  std::atomic<bool>* main_sleeping_;
+  int wake_fd_ = -1, epoll_fd_ = -1;
+  std::atomic<bool> sleeping_{false};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace p2p::engine
