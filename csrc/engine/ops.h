@@ -4,6 +4,8 @@
 #pragma once
 
 #include <rdma/fabric.h>
+#include <rdma/fi_rma.h>
+#include <sys/uio.h>
 
 #include <cstdint>
 #include <memory>
@@ -28,23 +30,38 @@ struct OpOwner {
 
 enum class OpKind : uint8_t { Write, Read, Send, Recv };
 
+// Segments one op may carry (scatter-gather RMA), where the provider allows as many.
+constexpr size_t kMaxIov = 4;
+
 struct Op {
   fi_context2 ctx;  // first member: a completion's op_context is the Op itself
   OpKind kind = OpKind::Write;
   uint16_t rail = 0;         // local rail it is posted on
+  uint8_t niov = 0;
   bool posted = false;
   bool orphaned = false;     // its peer was declared dead while it was posted
-  bool device = false;       // `local` is GPU memory (completion semantics differ on shm)
+  bool device = false;       // local memory is GPU memory (completion semantics differ on shm)
   OpOwner* owner = nullptr;
   Peer* peer = nullptr;
-  Region* region = nullptr;  // user memory `local` lies in, if any (not slots or messages)
-  void* local = nullptr;
-  uint64_t len = 0;
-  void* desc = nullptr;
+  Region* region = nullptr;  // user memory the local segments lie in, if any (not slots or messages)
   fi_addr_t dest = FI_ADDR_UNSPEC;
-  uint64_t remote_addr = 0;
-  uint64_t key = 0;
+  iovec iov[kMaxIov];        // local segments (Send/Recv: the buffer)
+  void* desc[kMaxIov];
+  fi_rma_iov rma[kMaxIov];   // remote segments, as long as the local ones (Write/Read)
   int32_t buffer = -1;       // control-message buffer (Send, Recv)
+
+  void* local() const { return iov[0].iov_base; }
+  void set_buffer(void* buf, size_t len, void* d) {
+    iov[0] = {buf, len};
+    desc[0] = d;
+    niov = 1;
+  }
+  void add(void* buf, size_t len, void* d, uint64_t remote_addr, uint64_t key) {
+    iov[niov] = {buf, len};
+    desc[niov] = d;
+    rma[niov] = {remote_addr, len, key};
+    ++niov;
+  }
 };
 
 // FIFO with push_front for the lazy-posting requeue on -FI_EAGAIN.

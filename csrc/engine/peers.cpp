@@ -117,9 +117,7 @@ bool Worker::flush_outbox() {
     uint8_t* dst = control_.data() + static_cast<size_t>(buf) * kMessageBytes;
     std::copy(out.bytes.begin(), out.bytes.end(), dst);
     op->buffer = buf;
-    op->local = dst;
-    op->len = out.bytes.size();
-    op->desc = control_mr_[0].desc;
+    op->set_buffer(dst, out.bytes.size(), control_mr_[0].desc);
     op->dest = out.peer->fi[0];  // local rail 0 -> remote rail 0
     // A HELLO or BYE must reach a peer that is not (or no longer) Ready; everything else to
     // a failed peer is dropped by post_ops().

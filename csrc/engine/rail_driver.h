@@ -104,6 +104,7 @@ class RailDriver {
   int main_wake_fd_;
   std::atomic<bool>* main_sleeping_;
   int wake_fd_ = -1, epoll_fd_ = -1;
+  size_t outstanding_ = 0;  // ops other than receives, posted and not yet completed
   std::atomic<bool> sleeping_{false};
   std::atomic<bool> stop_{false};
   std::thread thread_;

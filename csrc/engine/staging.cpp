@@ -376,12 +376,8 @@ bool Worker::generate_job_ops(SlotJob& job) {
     if (rs.pending.size() >= 2 * rs.depth) return false;
     Op* op = new_op(kind, lrail, &job, &p);
     if (!op) return false;
-    op->local = job.slot->ptr + job.gen_slot;
-    op->len = len;
-    op->desc = job.slot->mrs[lrail].desc;
+    op->add(job.slot->ptr + job.gen_slot, len, job.slot->mrs[lrail].desc, remote_addr, key);
     op->dest = p.fi[lrail * R + rrail];
-    op->remote_addr = remote_addr;
-    op->key = key;
     rs.pending.push_back(op);
     ++job.ops_left;
     ++rr_cursor_;

@@ -107,45 +107,53 @@ bool Worker::generate() {
   return any;
 }
 
+// NOTE: segments below this share an op (scatter-gather, up to the rail's max_iov): on the
+// GPU machine 256 random 64 KiB pages ran at 64% of one contiguous 16 MiB view over tcp, the
+// difference being per-op cost.
+constexpr uint64_t kGatherBelow = 256 << 10;
+
 bool Worker::generate_direct(Transfer& t) {
   Peer& p = *t.peer;
   const size_t L = rails_.size(), R = p.remote_rails(), P = pairs(p);
   const OpKind kind = t.kind == TransferKind::Write ? OpKind::Write : OpKind::Read;
   while (t.next_run < t.runs.size()) {
-    const Run& run = t.runs[t.next_run];
-    const Region& lr = *t.local[run.lreg];
-    const RemoteRegion& rr = *t.remote[run.rreg];
-    uint8_t* local = reinterpret_cast<uint8_t*>(run.local) + t.run_pos;
-    const uint64_t roff = run.remote + t.run_pos;
-    const size_t lpiece = lr.piece_of(local);
-    const uint64_t rpiece = roff / rr.piece_bytes;
-    // One op never crosses a registration piece on either side.
-    uint64_t len = std::min<uint64_t>(run.len - t.run_pos, t.chunk);
-    len = std::min<uint64_t>(len, lr.ptr + (lpiece + 1) * lr.piece_bytes - local);
-    len = std::min<uint64_t>(len, (rpiece + 1) * rr.piece_bytes - roff);
-
     const size_t pair = rr_cursor_ % P;
     const uint16_t lrail = static_cast<uint16_t>(pair % L), rrail = static_cast<uint16_t>(pair % R);
     RailState& rs = rails_[lrail];
     if (rs.pending.size() >= 2 * rs.depth) return false;
     Op* op = new_op(kind, lrail, &t, &p);
     if (!op) return false;
-    op->local = local;
-    op->len = len;
-    op->region = t.local[run.lreg].get();
-    op->device = lr.cuda_device >= 0;
-    op->desc = lr.mrs[lpiece * L + lrail].desc;
     op->dest = p.fi[lrail * R + rrail];
-    op->remote_addr = rr.base[rpiece * R + rrail] + (roff - rpiece * rr.piece_bytes);
-    op->key = rr.key[rpiece * R + rrail];
+    uint64_t op_bytes = 0;
+    // One large segment, or up to max_iov small ones from one local region.
+    while (t.next_run < t.runs.size() && op->niov < rs.rail->max_iov()) {
+      const Run& run = t.runs[t.next_run];
+      const Region& lr = *t.local[run.lreg];
+      const RemoteRegion& rr = *t.remote[run.rreg];
+      uint8_t* local = reinterpret_cast<uint8_t*>(run.local) + t.run_pos;
+      const uint64_t roff = run.remote + t.run_pos;
+      const size_t lpiece = lr.piece_of(local);
+      const uint64_t rpiece = roff / rr.piece_bytes;
+      // A segment never crosses a registration piece on either side.
+      uint64_t len = std::min<uint64_t>(run.len - t.run_pos, t.chunk);
+      len = std::min<uint64_t>(len, lr.ptr + (lpiece + 1) * lr.piece_bytes - local);
+      len = std::min<uint64_t>(len, (rpiece + 1) * rr.piece_bytes - roff);
+      if (op->niov > 0 && (len >= kGatherBelow || op_bytes + len > t.chunk || op->region != &lr)) break;
+      op->region = t.local[run.lreg].get();
+      op->device = lr.cuda_device >= 0;
+      op->add(local, len, lr.mrs[lpiece * L + lrail].desc,
+              rr.base[rpiece * R + rrail] + (roff - rpiece * rr.piece_bytes), rr.key[rpiece * R + rrail]);
+      op_bytes += len;
+      t.run_pos += len;
+      if (t.run_pos == run.len) {
+        ++t.next_run;
+        t.run_pos = 0;
+      }
+      if (len >= kGatherBelow) break;
+    }
     rs.pending.push_back(op);
     ++t.pending;
     ++rr_cursor_;
-    t.run_pos += len;
-    if (t.run_pos == run.len) {
-      ++t.next_run;
-      t.run_pos = 0;
-    }
   }
   return true;
 }

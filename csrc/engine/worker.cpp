@@ -183,9 +183,7 @@ void Worker::open(std::promise<void>& ready) {
     Op& op = recv_ops_[i];
     op.kind = OpKind::Recv;
     op.buffer = static_cast<int32_t>(i);
-    op.local = control_.data() + i * kMessageBytes;
-    op.len = kMessageBytes;
-    op.desc = control_mr_[0].desc;
+    op.set_buffer(control_.data() + i * kMessageBytes, kMessageBytes, control_mr_[0].desc);
     post_receive(&op);
   }
   for (size_t i = config_.recv_buffers; i < nbuf; ++i) free_send_.push_back(static_cast<int32_t>(i));
@@ -234,7 +232,8 @@ void Worker::start_drivers() {
       mine.push_back(static_cast<uint16_t>(r));
       capacity += 2 * rails_[r].depth;
     }
-    drivers_.push_back(std::make_unique<RailDriver>(rails, mine, capacity, config_.batch, 1000, wake_fd_, &sleeping_));
+    drivers_.push_back(std::make_unique<RailDriver>(rails, mine, capacity, config_.batch,
+                                                    config_.spin_us < 0 ? -1 : 1000, wake_fd_, &sleeping_));
     for (uint16_t r : mine) rails_[r].driver = drivers_.back().get();
   }
 }
@@ -247,7 +246,7 @@ void Worker::post_receive(Op* op) {
     return;
   }
   ssize_t rc;
-  while ((rc = rails_[0].rail->recv(op->local, op->len, op->desc, &op->ctx)) == -FI_EAGAIN) {
+  while ((rc = rails_[0].rail->recv(op->iov[0].iov_base, op->iov[0].iov_len, op->desc[0], &op->ctx)) == -FI_EAGAIN) {
     fi_cq_data_entry entries[16];
     const ssize_t n = rails_[0].rail->poll(entries, 16);
     for (ssize_t i = 0; i < n; ++i)
@@ -383,7 +382,7 @@ bool Worker::poll_rails() {
 void Worker::on_completion(Op* op, size_t len) {
   if (!op) return;
   if (op->kind == OpKind::Recv) {
-    on_message(static_cast<const char*>(op->local), len);
+    on_message(static_cast<const char*>(op->local()), len);
     post_receive(op);
     return;
   }
@@ -521,14 +520,14 @@ bool Worker::post_one(RailState& rs, Op* op, uint64_t flags, ssize_t& rc) {
   fabric::Rail& rail = *rs.rail;
   switch (op->kind) {
     case OpKind::Write:
-      rc = rail.write(op->local, op->len, op->desc, op->dest, op->remote_addr, op->key, &op->ctx, flags,
+      rc = rail.write(op->iov, op->desc, op->niov, op->dest, op->rma, &op->ctx, flags,
                       op->device);
       break;
     case OpKind::Read:
-      rc = rail.read(op->local, op->len, op->desc, op->dest, op->remote_addr, op->key, &op->ctx, flags);
+      rc = rail.read(op->iov, op->desc, op->niov, op->dest, op->rma, &op->ctx, flags);
       break;
     case OpKind::Send:
-      rc = rail.send(op->local, op->len, op->desc, op->dest, &op->ctx);
+      rc = rail.send(op->iov[0].iov_base, op->iov[0].iov_len, op->desc[0], op->dest, &op->ctx);
       break;
     case OpKind::Recv:
       P2P_ASSERT(false);

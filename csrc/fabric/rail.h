@@ -9,6 +9,8 @@
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_eq.h>
+#include <rdma/fi_rma.h>
+#include <sys/uio.h>
 
 #include <string>
 #include <unordered_map>
@@ -49,11 +51,13 @@ class Rail {
   MrHandle register_memory(void* ptr, size_t len, uint64_t access, int cuda_device);
   void deregister(MrHandle& handle);
 
-  // device: the local buffer is GPU memory (it decides the completion semantics on shm).
-  ssize_t write(void* buf, size_t len, void* desc, fi_addr_t dest, uint64_t addr, uint64_t key,
+  // Scatter-gather RMA: n local segments to (or from) n remote segments of the same lengths,
+  // n <= max_iov(). device: the local memory is GPU memory (completion semantics on shm).
+  ssize_t write(const iovec* iov, void** desc, size_t n, fi_addr_t dest, const fi_rma_iov* rma,
                 void* context, uint64_t flags, bool device);
-  ssize_t read(void* buf, size_t len, void* desc, fi_addr_t dest, uint64_t addr, uint64_t key,
+  ssize_t read(const iovec* iov, void** desc, size_t n, fi_addr_t dest, const fi_rma_iov* rma,
                void* context, uint64_t flags);
+  size_t max_iov() const { return max_iov_; }
   ssize_t send(void* buf, size_t len, void* desc, fi_addr_t dest, void* context);
   ssize_t recv(void* buf, size_t len, void* desc, void* context);
 
@@ -79,6 +83,7 @@ class Rail {
   int wait_fd_ = -1;
   uint64_t completion_flags_ = 0;       // for writes from GPU memory
   uint64_t host_completion_flags_ = 0;  // for writes from host memory
+  size_t max_iov_ = 1;
   std::string address_;
   struct AvEntry {
     fi_addr_t addr;
