@@ -9,6 +9,7 @@
 #pragma once
 
 #include <rdma/fi_eq.h>
+#include <sched.h>
 
 #include <atomic>
 #include <cstdint>
@@ -67,8 +68,11 @@ class RailDriver {
   };
 
   // rails: the engine's rails, indexed like Op::rail; `mine` the indices this driver owns.
+  // cpus: the cores the driver may run on (the process's own set: a driver must not inherit
+  // the pinned worker's single core). name: the thread's name, for tools like top -H.
   RailDriver(const std::vector<fabric::Rail*>& rails, std::vector<uint16_t> mine, size_t capacity,
-             size_t batch, int spin_us, int main_wake_fd, std::atomic<bool>* main_sleeping);
+             size_t batch, int spin_us, int main_wake_fd, std::atomic<bool>* main_sleeping,
+             const cpu_set_t& cpus, const std::string& name);
   ~RailDriver();
   RailDriver(const RailDriver&) = delete;
   RailDriver& operator=(const RailDriver&) = delete;
@@ -107,6 +111,8 @@ class RailDriver {
   size_t outstanding_ = 0;  // ops other than receives, posted and not yet completed
   std::atomic<bool> sleeping_{false};
   std::atomic<bool> stop_{false};
+  cpu_set_t cpus_;
+  std::string name_;
   std::thread thread_;
 };
 

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 
 #include "common/log.h"
@@ -19,6 +20,33 @@
 
 namespace p2p::engine {
 namespace {
+
+// The cores of `cpu`'s NUMA node that `allowed` contains (all of `allowed` if unknown).
+cpu_set_t node_of(int cpu, const cpu_set_t& allowed) {
+  for (int node = 0; node < 1024; ++node) {
+    FILE* f = std::fopen(cat("/sys/devices/system/node/node", node, "/cpulist").c_str(), "r");
+    if (!f) {
+      if (node > 64) break;
+      continue;
+    }
+    char text[4096] = {0};
+    const size_t n = std::fread(text, 1, sizeof text - 1, f);
+    std::fclose(f);
+    text[n] = 0;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (char* part = std::strtok(text, ",\n"); part; part = std::strtok(nullptr, ",\n")) {
+      int first = 0, last = 0;
+      const int got = std::sscanf(part, "%d-%d", &first, &last);
+      if (got < 1) continue;
+      if (got == 1) last = first;
+      for (int c = first; c <= last && c < CPU_SETSIZE; ++c)
+        if (CPU_ISSET(c, &allowed)) CPU_SET(c, &set);
+    }
+    if (CPU_ISSET(cpu, &set)) return set;
+  }
+  return allowed;
+}
 
 bool is_connection_errno(int err) {
   switch (err) {
@@ -115,12 +143,16 @@ bool Worker::region_staged(bool cuda) const {
 // NUMA node (the seed program's "open domains after pinning").
 
 void Worker::open(std::promise<void>& ready) {
+  // Open everything on the worker core's NUMA node, so that libfabric's and CUDA's memory lands
+  // there (the seed program's "open domains after pinning"), and only then narrow the worker
+  // to its core. NOTE: threads inherit their creator's affinity: providers' own threads (tcp
+  // runs one per rail) and the rail drivers, created meanwhile, get the node, not one core.
+  sched_getaffinity(0, sizeof process_cpus_, &process_cpus_);
   if (config_.cpu >= 0) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(config_.cpu, &set);
-    if (const int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set))
-      P2P_LOG(Warn, "could not pin the progress thread to cpu ", config_.cpu, ": ", std::strerror(rc));
+    node_cpus_ = node_of(config_.cpu, process_cpus_);
+    pthread_setaffinity_np(pthread_self(), sizeof node_cpus_, &node_cpus_);
+  } else {
+    node_cpus_ = process_cpus_;
   }
   copier_ = make_copier(config_.cuda_device);
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -195,6 +227,14 @@ void Worker::open(std::promise<void>& ready) {
     if (rs.driver || rs.rail->wait_fd() < 0) continue;
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, rs.rail->wait_fd(), &ev);
   }
+  pthread_setname_np(pthread_self(), "p2p-worker");
+  if (config_.cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(config_.cpu, &set);
+    if (const int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set))
+      P2P_LOG(Warn, "could not pin the progress thread to cpu ", config_.cpu, ": ", std::strerror(rc));
+  }
   ready.set_value();
 }
 
@@ -232,8 +272,11 @@ void Worker::start_drivers() {
       mine.push_back(static_cast<uint16_t>(r));
       capacity += 2 * rails_[r].depth;
     }
+    cpu_set_t cpus = node_cpus_;
+    if (config_.cpu >= 0 && CPU_COUNT(&cpus) > 1) CPU_CLR(config_.cpu, &cpus);  // the worker's own core
     drivers_.push_back(std::make_unique<RailDriver>(rails, mine, capacity, config_.batch,
-                                                    config_.spin_us < 0 ? -1 : 1000, wake_fd_, &sleeping_));
+                                                    config_.spin_us < 0 ? -1 : 1000, wake_fd_, &sleeping_,
+                                                    cpus, cat("p2p-rail", d)));
     for (uint16_t r : mine) rails_[r].driver = drivers_.back().get();
   }
 }
@@ -318,6 +361,8 @@ void Worker::idle_wait() {
   }
   bool can_sleep = !pending && !stopping_.load();
   for (auto& d : drivers_) can_sleep = can_sleep && !d->has_events();
+  // Nothing wakes us when a CUDA copy or the caller's stream event completes: keep polling.
+  can_sleep = can_sleep && copying_.empty() && (gen_queue_.empty() || !gen_queue_.front()->cuda_event);
   bool all_fds = true;
   for (auto& rs : rails_) all_fds &= rs.driver || rs.rail->wait_fd() >= 0;
   if (can_sleep && all_fds) {

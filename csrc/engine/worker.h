@@ -12,6 +12,7 @@
 #pragma once
 
 #include <atomic>
+#include <sched.h>
 #include <functional>
 #include <future>
 #include <memory>
@@ -332,6 +333,8 @@ class Worker {
   // Worker-thread state.
   std::vector<RailState> rails_;
   std::vector<std::unique_ptr<RailDriver>> drivers_;
+  cpu_set_t process_cpus_;  // the process's cores, before the worker pinned itself
+  cpu_set_t node_cpus_;     // of those, the ones on the worker core's NUMA node
   std::unique_ptr<OpPool> pool_;
   std::vector<Op> recv_ops_;
   std::vector<uint8_t> control_;  // recv buffers then send buffers, kMessageBytes each
