@@ -14,6 +14,34 @@ def engine_kwargs(provider: str, **extra) -> dict:
     return {**PROVIDERS[provider], **extra}
 
 
+# The staged path on host memory drives the same protocol as GPU staging; small slots make
+# transfers cross many of them.
+STAGED = dict(data_path="staged", staging_bytes=1 << 20, staging_slot_bytes=128 << 10)
+DATA_PATHS = {"direct": {}, "staged": STAGED}
+
+
+@pytest.fixture(scope="module")
+def peer():
+    """One peer process per test module."""
+    from peer import Peer
+
+    with Peer() as b:
+        yield b
+
+
+@pytest.fixture(scope="module", params=[(p, d) for p in sorted(PROVIDERS) for d in DATA_PATHS],
+                ids=lambda pd: "-".join(pd))
+def link(request, peer):
+    """A pair of engines (here and in the module's peer) per provider and data path."""
+    import helpers
+
+    provider, path = request.param
+    link = helpers.Link(peer, provider, **DATA_PATHS[path])
+    link.path = path
+    yield link
+    link.close()
+
+
 @pytest.fixture(params=sorted(PROVIDERS))
 def provider(request) -> str:
     return request.param

@@ -14,30 +14,12 @@ import torch
 
 import helpers
 import torch_p2p as p2p
-from conftest import PROVIDERS, engine_kwargs
+from conftest import DATA_PATHS, PROVIDERS, engine_kwargs
 from peer import Peer
 
 pytestmark = pytest.mark.timeout(120)
 
-STAGED = dict(data_path="staged", staging_bytes=1 << 20, staging_slot_bytes=128 << 10)
-DATA_PATHS = {"direct": {}, "staged": STAGED}
 SHAPE = (8, 64)
-
-
-@pytest.fixture(scope="module")
-def peer():
-    with Peer() as b:
-        yield b
-
-
-@pytest.fixture(scope="module", params=[(p, d) for p in sorted(PROVIDERS) for d in DATA_PATHS],
-                ids=lambda pd: "-".join(pd))
-def link(request, peer):
-    provider, path = request.param
-    link = helpers.Link(peer, provider, **DATA_PATHS[path])
-    link.path = path
-    yield link
-    link.close()
 
 
 @pytest.fixture

@@ -16,15 +16,13 @@ import torch
 
 import helpers
 import torch_p2p as p2p
-from conftest import PROVIDERS
+from conftest import DATA_PATHS, PROVIDERS
 from peer import Peer
 
 pytestmark = pytest.mark.timeout(240)
 
 # A staging pool of 8 slots (4 for this engine's transfers, 4 for serving the peer's) of
 # 128 KiB: the larger cases below need several rounds of slots.
-STAGED = dict(data_path="staged", staging_bytes=1 << 20, staging_slot_bytes=128 << 10)
-DATA_PATHS = {"direct": {}, "staged": STAGED}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,23 +133,6 @@ def check_transfer(link: helpers.Link, case: Case, *, write: bool, mirror: bool,
     finally:
         region.close()
         link.drop(name)
-
-
-# -- One peer process per module; a pair of engines per provider and data path ---------------
-
-@pytest.fixture(scope="module")
-def peer():
-    with Peer() as b:
-        yield b
-
-
-@pytest.fixture(scope="module", params=[(p, d) for p in sorted(PROVIDERS) for d in DATA_PATHS],
-                ids=lambda pd: "-".join(pd))
-def link(request, peer):
-    provider, path = request.param
-    link = helpers.Link(peer, provider, **DATA_PATHS[path])
-    yield link
-    link.close()
 
 
 def _case_params(mirror: bool):

@@ -100,22 +100,7 @@ bool RailDriver::post_pending() {
     for (size_t i = 0; i < n; ++i) {
       Op* op = q.front();
       const uint64_t flags = i + 1 < n ? FI_MORE : 0;
-      ssize_t rc = 0;
-      switch (op->kind) {
-        case OpKind::Write:
-          rc = rail.write(op->iov, op->desc, op->niov, op->dest, op->rma, &op->ctx, flags,
-                          op->device);
-          break;
-        case OpKind::Read:
-          rc = rail.read(op->iov, op->desc, op->niov, op->dest, op->rma, &op->ctx, flags);
-          break;
-        case OpKind::Send:
-          rc = rail.send(op->iov[0].iov_base, op->iov[0].iov_len, op->desc[0], op->dest, &op->ctx);
-          break;
-        case OpKind::Recv:
-          rc = rail.recv(op->iov[0].iov_base, op->iov[0].iov_len, op->desc[0], &op->ctx);
-          break;
-      }
+      const ssize_t rc = post_op(rail, *op, flags);
       if (rc == -FI_EAGAIN) break;
       q.pop_front();
       any = true;

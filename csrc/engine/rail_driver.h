@@ -9,6 +9,7 @@
 #pragma once
 
 #include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
 #include <sched.h>
 
 #include <atomic>
@@ -22,6 +23,22 @@
 #include "fabric/rail.h"
 
 namespace p2p::engine {
+
+// Posts one op on its rail, as the worker and the rail threads both do. -FI_EAGAIN: nothing
+// was posted, try again later.
+inline ssize_t post_op(fabric::Rail& rail, Op& op, uint64_t flags) {
+  switch (op.kind) {
+    case OpKind::Write:
+      return rail.write(op.iov, op.desc, op.niov, op.dest, op.rma, &op.ctx, flags, op.device);
+    case OpKind::Read:
+      return rail.read(op.iov, op.desc, op.niov, op.dest, op.rma, &op.ctx, flags);
+    case OpKind::Send:
+      return rail.send(op.iov[0].iov_base, op.iov[0].iov_len, op.desc[0], op.dest, &op.ctx);
+    case OpKind::Recv:
+      return rail.recv(op.iov[0].iov_base, op.iov[0].iov_len, op.desc[0], &op.ctx);
+  }
+  return -FI_EINVAL;
+}
 
 // Fixed-capacity lock-free queue for exactly one producer thread and one consumer thread.
 template <typename T>

@@ -562,21 +562,8 @@ bool Worker::hand_over(RailState& rs) {
 
 // False when the provider said -FI_EAGAIN (nothing posted); rc holds any other error.
 bool Worker::post_one(RailState& rs, Op* op, uint64_t flags, ssize_t& rc) {
-  fabric::Rail& rail = *rs.rail;
-  switch (op->kind) {
-    case OpKind::Write:
-      rc = rail.write(op->iov, op->desc, op->niov, op->dest, op->rma, &op->ctx, flags,
-                      op->device);
-      break;
-    case OpKind::Read:
-      rc = rail.read(op->iov, op->desc, op->niov, op->dest, op->rma, &op->ctx, flags);
-      break;
-    case OpKind::Send:
-      rc = rail.send(op->iov[0].iov_base, op->iov[0].iov_len, op->desc[0], op->dest, &op->ctx);
-      break;
-    case OpKind::Recv:
-      P2P_ASSERT(false);
-  }
+  P2P_ASSERT(op->kind != OpKind::Recv);
+  rc = post_op(*rs.rail, *op, flags);
   if (rc == -FI_EAGAIN) return false;
   if (rc == 0) {
     op->posted = true;

@@ -183,8 +183,10 @@ MrHandle Rail::register_memory(void* ptr, size_t len, uint64_t access, int cuda_
 
 void Rail::deregister(MrHandle& handle) { close_fid(handle.mr); }
 
-ssize_t Rail::write(const iovec* iov, void** desc, size_t n, fi_addr_t dest, const fi_rma_iov* rma,
-                    void* context, uint64_t flags, bool device) {
+namespace {
+
+fi_msg_rma rma_message(const iovec* iov, void** desc, size_t n, fi_addr_t dest, const fi_rma_iov* rma,
+                       void* context) {
   fi_msg_rma msg{};
   msg.msg_iov = iov;
   msg.desc = desc;
@@ -193,19 +195,20 @@ ssize_t Rail::write(const iovec* iov, void** desc, size_t n, fi_addr_t dest, con
   msg.rma_iov = rma;
   msg.rma_iov_count = n;
   msg.context = context;
+  return msg;
+}
+
+}  // namespace
+
+ssize_t Rail::write(const iovec* iov, void** desc, size_t n, fi_addr_t dest, const fi_rma_iov* rma,
+                    void* context, uint64_t flags, bool device) {
+  const fi_msg_rma msg = rma_message(iov, desc, n, dest, rma, context);
   return fi_writemsg(ep_, &msg, flags | (device ? completion_flags_ : host_completion_flags_));
 }
 
 ssize_t Rail::read(const iovec* iov, void** desc, size_t n, fi_addr_t dest, const fi_rma_iov* rma,
                    void* context, uint64_t flags) {
-  fi_msg_rma msg{};
-  msg.msg_iov = iov;
-  msg.desc = desc;
-  msg.iov_count = n;
-  msg.addr = dest;
-  msg.rma_iov = rma;
-  msg.rma_iov_count = n;
-  msg.context = context;
+  const fi_msg_rma msg = rma_message(iov, desc, n, dest, rma, context);
   return fi_readmsg(ep_, &msg, flags);
 }
 
