@@ -165,17 +165,21 @@ void RailDriver::idle() {
   }
   for (uint16_t r : mine_) can_sleep = can_sleep && pending_[r].empty();
   for (uint16_t r : mine_) can_sleep = can_sleep && rails_[r]->wait_fd() >= 0 && rails_[r]->trywait();
-  if (can_sleep) {
+  if (!stop_.load()) doze(can_sleep ? epoll_fd_ : -1, wake_fd_, 1);
+  sleeping_.store(false, std::memory_order_release);
+}
+
+void doze(int epoll_fd, int wake_fd, int timeout_ms) {
+  if (epoll_fd >= 0) {
     epoll_event events[8];
-    epoll_wait(epoll_fd_, events, 8, 1);
-  } else if (!stop_.load()) {
-    pollfd pfd{wake_fd_, POLLIN, 0};
+    epoll_wait(epoll_fd, events, 8, timeout_ms);
+  } else {
+    pollfd pfd{wake_fd, POLLIN, 0};
     timespec ts{0, 50 * 1000};
     ppoll(&pfd, 1, &ts, nullptr);
   }
   uint64_t drained;
-  (void)!read(wake_fd_, &drained, sizeof drained);
-  sleeping_.store(false, std::memory_order_release);
+  (void)!read(wake_fd, &drained, sizeof drained);
 }
 
 }  // namespace p2p::engine

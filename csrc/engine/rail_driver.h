@@ -40,6 +40,11 @@ inline ssize_t post_op(fabric::Rail& rail, Op& op, uint64_t flags) {
   return -FI_EINVAL;
 }
 
+// Sleeps until wake_fd (an eventfd) or a descriptor in epoll_fd is ready, for at most
+// timeout_ms; with epoll_fd < 0 (rails without wait objects) a 50 us nap, which keeps a
+// waiting peer responsive without a full core. Then empties wake_fd.
+void doze(int epoll_fd, int wake_fd, int timeout_ms);
+
 // Fixed-capacity lock-free queue for exactly one producer thread and one consumer thread.
 template <typename T>
 class SpscRing {

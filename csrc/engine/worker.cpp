@@ -365,21 +365,11 @@ void Worker::idle_wait() {
   can_sleep = can_sleep && copying_.empty() && (gen_queue_.empty() || !gen_queue_.front()->cuda_event);
   bool all_fds = true;
   for (auto& rs : rails_) all_fds &= rs.driver || rs.rail->wait_fd() >= 0;
-  if (can_sleep && all_fds) {
+  // With wait fds, sleep only if no rail has events pending (trywait); without, nap.
+  if (can_sleep && all_fds)
     for (auto& rs : rails_) can_sleep = can_sleep && (rs.driver || rs.rail->trywait());
-    if (can_sleep) {
-      const int timeout_ms = std::clamp(static_cast<int>((next_tick_ - now()) * 1000) + 1, 1, 10);
-      epoll_event events[8];
-      epoll_wait(epoll_fd_, events, 8, timeout_ms);
-    }
-  } else if (can_sleep) {
-    // No wait object (shm): short naps keep a waiting peer responsive without a full core.
-    pollfd pfd{wake_fd_, POLLIN, 0};
-    timespec ts{0, 50 * 1000};
-    ppoll(&pfd, 1, &ts, nullptr);
-  }
-  uint64_t drained;
-  (void)!read(wake_fd_, &drained, sizeof drained);
+  if (can_sleep)
+    doze(all_fds ? epoll_fd_ : -1, wake_fd_, std::clamp(static_cast<int>((next_tick_ - now()) * 1000) + 1, 1, 10));
   sleeping_.store(false, std::memory_order_release);
 }
 
