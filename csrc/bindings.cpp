@@ -23,15 +23,14 @@ const char* exception_name(ErrorKind kind) {
   }
 }
 
+// Messages may quote bytes from peers or users: decode them leniently.
+py::str text(const std::string& message) { return py::bytes(message).attr("decode")("utf-8", "replace"); }
+
 void raise(const Error& e) {
-  if (e.kind() == ErrorKind::Value) {
-    PyErr_SetString(PyExc_ValueError, e.what());
-  } else if (e.kind() == ErrorKind::Index) {
-    PyErr_SetString(PyExc_IndexError, e.what());
-  } else {
-    py::object cls = py::module_::import("torch_p2p.errors").attr(exception_name(e.kind()));
-    PyErr_SetString(cls.ptr(), e.what());
-  }
+  py::object cls = e.kind() == ErrorKind::Value   ? py::reinterpret_borrow<py::object>(PyExc_ValueError)
+                   : e.kind() == ErrorKind::Index ? py::reinterpret_borrow<py::object>(PyExc_IndexError)
+                   : py::module_::import("torch_p2p.errors").attr(exception_name(e.kind()));
+  PyErr_SetObject(cls.ptr(), text(e.what()).ptr());
 }
 
 WorkerConfig make_config(const py::dict& d) {
@@ -72,7 +71,7 @@ py::tuple completion_tuple(Completion& c) {
     payload = py::bytes(c.payload);
     address = py::bytes(c.address);
   }
-  return py::make_tuple(c.id, static_cast<int>(c.status.kind), py::bytes(c.status.message).attr("decode")("utf-8", "replace"), payload, address);
+  return py::make_tuple(c.id, static_cast<int>(c.status.kind), text(c.status.message), payload, address);
 }
 
 }  // namespace

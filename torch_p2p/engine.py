@@ -357,10 +357,13 @@ def _dispatch(native, futures: dict) -> None:
             fut = futures.pop(fid, None)
             if fut is None or fut.done():
                 continue
-            if kind == 0:
-                fut.set_result(None if address is None else (address, payload))
-            else:
-                fut.set_exception(errors.from_kind(kind, message))
+            try:
+                if kind == 0:
+                    fut.set_result(None if address is None else (address, payload))
+                else:
+                    fut.set_exception(errors.from_kind(kind, message))
+            except Exception:  # noqa: BLE001 - one bad completion must not end the others
+                log.exception("torch_p2p: completing a future failed")
         if not batch and native.drained():
             return
 
