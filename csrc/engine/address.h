@@ -39,7 +39,7 @@ struct RemoteRegion {
   std::vector<uint64_t> base; // [piece * rails + rail]: remote address of the piece's byte 0
   std::vector<uint64_t> key;  // [piece * rails + rail]
 
-  size_t pieces() const { return staged ? 0 : (nbytes + piece_bytes - 1) / piece_bytes; }
+  size_t pieces() const { return staged ? 0 : nbytes / piece_bytes + (nbytes % piece_bytes != 0); }
   void encode(std::string& out) const;
   static std::shared_ptr<RemoteRegion> decode(std::string_view bytes);
 };
