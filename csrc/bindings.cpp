@@ -71,7 +71,7 @@ py::tuple completion_tuple(Completion& c) {
     payload = py::bytes(c.payload);
     address = py::bytes(c.address);
   }
-  return py::make_tuple(c.id, static_cast<int>(c.status.kind), c.status.message, payload, address);
+  return py::make_tuple(c.id, static_cast<int>(c.status.kind), py::bytes(c.status.message).attr("decode")("utf-8", "replace"), payload, address);
 }
 
 }  // namespace
