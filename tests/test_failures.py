@@ -145,6 +145,56 @@ def ph_failed():
     return (PeerFailed, TimeoutError, EOFError)
 
 
+SHM_HOL = ("BUG (shm provider, libfabric 1.17): one hung peer stalls our operations with every other "
+           "peer: with a delivery-complete operation to a stopped peer outstanding, later operations to "
+           "other peers do not complete until the stopped one progresses (responses are processed in "
+           "order); after peer_timeout the hung peer is declared dead but the others stay stalled")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_hung_peer_is_declared_dead(provider):
+    """b stops (SIGSTOP) with our write in flight: the write fails with PeerError within
+    peer_timeout + margin (pings go unanswered). Once b runs again, an explicit connect()
+    brings it back."""
+    with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=PEER_TIMEOUT)) as a, Peer() as b:
+        address = b.call(ph.start_engine, provider, peer_timeout=PEER_TIMEOUT)
+        rb = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", 8 << 20))
+        src = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8)
+        a.register(src)
+        p2p.wait(a.write_slices(src[:10], [rb[:10]]), 10)
+        with ph.stopped(b.pid, 15):
+            start = time.monotonic()
+            errors = ph.wait_all([a.write_slices(src, [rb])], PEER_TIMEOUT + MARGIN)
+            took = time.monotonic() - start
+        assert isinstance(errors[0], p2p.PeerError) and "silent" in str(errors[0]), errors
+        assert took <= PEER_TIMEOUT + MARGIN
+        p2p.wait(a.connect(address), 10)
+        p2p.wait(a.write_slices(src, [rb]), 20)
+        assert b.call(ph.checksum, "t") == ph.zlib.crc32(src.numpy().tobytes())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("provider", ["tcp", pytest.param("shm", marks=pytest.mark.xfail(strict=True, reason=SHM_HOL))])
+def test_hung_peer_does_not_stall_others(provider):
+    """While b is stopped with our write to it in flight, writes and messages to c go on."""
+    with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=30)) as a, Peer() as b, Peer() as c:
+        b.call(ph.start_engine, provider)
+        c_address = c.call(ph.start_engine, provider)
+        rb = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", 1 << 20))
+        rc = p2p.RemoteTensor.from_bytes(c.call(ph.target, "t", 1 << 20))
+        src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+        a.register(src)
+        p2p.wait(a.write_slices(src, [rb]), 10)
+        p2p.wait(a.write_slices(src, [rc]), 10)
+        with ph.stopped(b.pid, 20):
+            stuck = a.write_slices(src, [rb])
+            time.sleep(0.3)
+            errors = ph.wait_all([a.write_slices(src, [rc]), a.send(c_address, b"go on")], 5)
+        ph.wait_all([stuck], 20)
+        assert errors == [None, None], errors
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_nobody_listens(provider):
@@ -174,6 +224,44 @@ def test_nobody_listens(provider):
 def test_connect_to_engine_closed_in_same_process_shm():
     with Peer() as host:
         assert host.call(ph.connect_to_closed_sibling, "shm", PEER_TIMEOUT) == "PeerError"
+
+
+TCP_HOL = ("BUG: connect() to an address where nobody listens stalls every control message of the "
+           "engine for peer_timeout: the provider answers the HELLO with -FI_EAGAIN (tcp;ofi_rxm while it "
+           "retries the refused connection; shm for a closed endpoint), Worker::post_ops() puts the op back "
+           "at the front of rail 0's queue, and every later send (messages, pings, pongs, other peers' "
+           "HELLOs) waits behind it; busy live peers are declared dead ('silent'). Only connect_deadline "
+           "ends it")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.xfail(strict=True, reason=TCP_HOL)
+def test_unreachable_address_does_not_stall_other_peers(provider):
+    """While a connect() to an address where nobody listens is pending, messages and writes
+    to a live peer go on at their usual speed."""
+    with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=3)) as a, Peer() as b, Peer() as g:
+        address = b.call(ph.start_engine, provider)
+        rb = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", 1 << 20))
+        if provider == "tcp":
+            mine = ph.Address.parse(a.address)
+            rail = bytearray(mine.rails[0])
+            rail[2:4] = ph.free_port().to_bytes(2, "big")
+            dead = ph.Address(mine.provider, 4242, [bytes(rail)]).encode()
+        else:
+            dead = g.call(ph.start_engine, provider)
+            g.call(ph.close_engine)
+        src = torch.ones(1 << 20, dtype=torch.uint8)
+        a.register(src)
+        p2p.wait(a.connect(address), 10)
+        pending = a.connect(dead)
+        time.sleep(0.1)
+        start = time.monotonic()
+        errors = ph.wait_all([a.send(address, b"x"), a.write_slices(src, [rb])], 5)
+        took = time.monotonic() - start
+        ph.wait_all([pending], 10)
+        assert errors == [None, None], errors
+        assert took < 1.0, f"a live peer's operations took {took:.1f} s"
 
 
 @pytest.mark.timeout(60)

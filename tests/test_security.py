@@ -280,3 +280,27 @@ def test_staged_owner_refuses(staged_target, case):
         assert b.call(ph.buffer_bytes, name) == before
         good = p2p.RemoteTensor.from_bytes(b.call(ph.target, name + ".ok", 64))
         p2p.wait(a.write_slices(buf[:64], [good]), 10)
+
+
+# -- peer identity --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.xfail(strict=True, reason="BUG: peers are identified by incarnation alone "
+                   "(Worker::peer_for: peers_.find(a.incarnation)); the first address seen for an "
+                   "incarnation wins and later addresses with other rails are ignored, so one forged "
+                   "address or handle owner naming a real peer's incarnation (public: it is in its "
+                   "address) makes that peer unreachable from this engine for good")
+def test_forged_address_of_a_known_incarnation_does_not_hijack_the_peer(provider):
+    with _initiator(provider) as a, Peer() as b:
+        address = b.call(ph.start_engine, provider)
+        forged = ph.Address.parse(address)
+        if provider == "tcp":
+            rail = bytearray(forged.rails[0])
+            rail[2:4] = ph.free_port().to_bytes(2, "big")  # loopback, nobody listens
+            forged.rails = [bytes(rail)]
+        else:
+            forged.rails = [b"fi_shm://999999999:0:0\x00"]
+        ph.wait_all([a.connect(forged.encode())], PEER_TIMEOUT + 5)  # fails, as it should
+        errors = ph.wait_all([a.connect(address), a.send(address, b"the real one")], PEER_TIMEOUT + 5)
+        assert errors == [None, None], errors
+        assert b.call(ph.recv, 5)[1] == b"the real one"
