@@ -7,6 +7,7 @@ Bounds are asserted with a margin for a shared 2-core machine.
 """
 import builtins
 import inspect
+import os
 import threading
 import time
 
@@ -218,6 +219,8 @@ def test_nobody_listens(provider):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.skipif(bool(os.environ.get("TORCH_P2P_SANITIZED")),
+                    reason="crashes a child on purpose; scripts/sanitize.sh would count the SEGV as a report")
 @pytest.mark.xfail(strict=True, reason="BUG (shm provider, libfabric 1.17): fi_av_insert() of the address "
                    "of an shm endpoint that was closed in the same process segfaults (in Rail::insert "
                    "<- Worker::peer_for <- Worker::connect); the whole process dies")
