@@ -551,17 +551,23 @@ def usable_after_death_scenario(state, b_pid: int, rb_bytes: bytes, rc_bytes: by
     time.sleep(0.3)
     os.kill(b_pid, signal.SIGKILL)
     result = {"doomed": [type(x).__name__ if x else None for x in wait_all(doomed, budget)]}
+    step = "start"
     try:
         for _ in range(3):
+            step = "w"
             src.add_(1)
             out.zero_()
             p2p.wait(e.write_slices(src, [rc]), budget)
+            step = "r"
             p2p.wait(e.read_slices(out, [rc]), budget)
             assert torch.equal(out, src), "read back differs"
+        step = "send"
         p2p.wait(e.send(d_address, b"welcome"), budget)
         result["after"] = None
     except Exception as exc:  # noqa: BLE001 - reported to the parent
-        result["after"] = f"{type(exc).__name__}: {exc}"
+        incarnations = {name: f"{Address.parse(a).incarnation:016x}" for name, a in
+                        (("b", rb.owner), ("c", rc.owner), ("d", d_address))}
+        result["after"] = f"{type(exc).__name__} in step {step!r} (peers {incarnations}): {exc}"
     return result
 
 

@@ -229,17 +229,8 @@ def test_connect_to_engine_closed_in_same_process_shm():
         assert host.call(ph.connect_to_closed_sibling, "shm", PEER_TIMEOUT) == "PeerError"
 
 
-TCP_HOL = ("BUG: connect() to an address where nobody listens stalls every control message of the "
-           "engine for peer_timeout: the provider answers the HELLO with -FI_EAGAIN (tcp;ofi_rxm while it "
-           "retries the refused connection; shm for a closed endpoint), Worker::post_ops() puts the op back "
-           "at the front of rail 0's queue, and every later send (messages, pings, pongs, other peers' "
-           "HELLOs) waits behind it; busy live peers are declared dead ('silent'). Only connect_deadline "
-           "ends it")
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.xfail(strict=True, reason=TCP_HOL)
 def test_unreachable_address_does_not_stall_other_peers(provider):
     """While a connect() to an address where nobody listens is pending, messages and writes
     to a live peer go on at their usual speed."""
@@ -304,9 +295,6 @@ def test_peer_closing_fails_our_transfers_promptly(provider):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.xfail(strict=True, reason="BUG: disconnect() never says goodbye: finish_disconnect() queues "
-                   "the BYE and then fail_peer() marks the peer Left, so post_ops() drops the BYE; the "
-                   "peer keeps us as Ready and its later messages are reported sent but dropped by us")
 def test_disconnect_tells_the_peer(provider):
     with p2p.Engine("cpu", **engine_kwargs(provider)) as a, Peer() as b:
         address = b.call(ph.start_engine, provider)
@@ -427,9 +415,6 @@ def test_deregister_waits_for_local_operations(provider):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="BUG: Region.close() retried after a TimeoutError returns at once "
-                   "although the operation still runs: Worker::deregister_region() finds the region "
-                   "no longer in regions_ (it moved to closing_) and sets `done` immediately")
 def test_deregister_retry_still_waits():
     provider = "tcp"
     with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=60)) as a, Peer() as b:
@@ -464,9 +449,6 @@ def test_recv_and_notification_time_out():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="BUG: recv(timeout=0) and notification(timeout<=0) wait forever: "
-                   "engine.py passes the timeout through unchecked and Worker::recv/notification treat "
-                   "timeout_s <= 0 as 'no deadline' (transfers raise ValueError for the same values)")
 def test_zero_or_negative_timeout_does_not_wait_forever():
     with p2p.Engine("cpu", **engine_kwargs("shm")) as a:
         for start in (lambda: a.recv(timeout=0), lambda: a.notification(1, timeout=-1.0)):

@@ -88,21 +88,8 @@ def test_read_only_region_refuses_a_tampered_write(target):
     assert b.call(ph.buffer_bytes, "ro") == before
 
 
-SHM_READS = ("BUG (shm provider, libfabric 1.17, as the engine configures it): RMA reads are not "
-             "checked by the target at all: access bits, keys, bounds and deregistration are ignored, so "
-             "a peer with a forged handle reads any memory of the target process. The engine posts reads "
-             "without FI_DELIVERY_COMPLETE (rail.cpp Rail::read), and shm's 'fast RMA' path (enabled by "
-             "FI_MR_VIRT_ADDR without RMA ordering) then copies with process_vm_readv, unverified")
-
-
-def _shm_reads_unchecked(request, provider, write=False):
-    if provider == "shm" and not write:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=SHM_READS))
-
-
-def test_write_only_region_refuses_a_tampered_read(target, request):
+def test_write_only_region_refuses_a_tampered_read(target):
     provider, b = target
-    _shm_reads_unchecked(request, provider)
     wo, before = _guarded(b, "wo", access="w", fill=0x5E)
     forged = ph.tampered(wo, access=ph.READ | ph.WRITE)
     error, got, took = _attempt(provider, False, forged, N, fill=0)
@@ -154,13 +141,12 @@ CASES = {
 
 @pytest.mark.parametrize("op", ["write", "read"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_tampered_handle_is_refused_and_memory_outside_untouched(target, case, op, request):
+def test_tampered_handle_is_refused_and_memory_outside_untouched(target, case, op):
     """A handle claiming more than was registered, or naming another key: the initiator's own
     checks pass, the target's provider refuses, no byte of the buffer changes (neither the
     registered region nor the unregistered guard bytes around it) and, for reads, none of its
     bytes reaches the reader."""
     provider, b = target
-    _shm_reads_unchecked(request, provider, op == "write")
     name = f"tb-{case}-{op}"
     remote, before = _guarded(b, name, fill=0xAB)  # guard bytes are 0x5A
     changes, where = CASES[case]
@@ -172,9 +158,8 @@ def test_tampered_handle_is_refused_and_memory_outside_untouched(target, case, o
         assert not ((got == 0xAB) | (got == 0x5A)).any(), "the target's bytes reached the reader"
 
 
-def test_deregistered_region_cannot_be_read(target, request):
+def test_deregistered_region_cannot_be_read(target):
     provider, b = target
-    _shm_reads_unchecked(request, provider)
     remote, _ = _guarded(b, "drr", fill=0xAB)
     b.call(ph.close_region, "drr")
     error, got, took = _attempt(provider, False, remote, N, fill=0)
@@ -275,7 +260,9 @@ def test_staged_owner_refuses(staged_target, case):
         a.register(buf)
         start = time.monotonic()
         errors = ph.wait_all([a.write_slices(buf, [forged])], 10)
-        assert isinstance(errors[0], p2p.RemoteError), errors
+        # A deregistered region may be known as such on connecting (the owner's census).
+        refusal = (p2p.RemoteError, p2p.ClosedError) if case == "deregistered" else p2p.RemoteError
+        assert isinstance(errors[0], refusal), errors
         assert time.monotonic() - start < 2
         assert b.call(ph.buffer_bytes, name) == before
         good = p2p.RemoteTensor.from_bytes(b.call(ph.target, name + ".ok", 64))

@@ -232,7 +232,7 @@ class Engine:
             raise ValueError(f"notify must be a 32-bit unsigned tag, not {notify}")
         tag = -1 if notify is None else int(notify)
         return self._call(lambda fid: self._c.submit(fid, write, local, [r._v for r in remote], mirror, tag,
-                                                     self._timeout(timeout)))
+                                                     _worker_timeout(timeout)))
 
     # -- peers and messages --------------------------------------------------------------------
     def connect(self, address: bytes) -> torch.futures.Future:
@@ -248,19 +248,19 @@ class Engine:
         """Sends a message (any size up to 1 GiB); per-peer order is kept."""
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"payload must be bytes, not {type(payload).__name__}")
-        return self._call(lambda fid: self._c.send(fid, _address(address), bytes(payload), self._timeout(timeout)))
+        return self._call(lambda fid: self._c.send(fid, _address(address), bytes(payload), _worker_timeout(timeout)))
 
     def recv(self, *, timeout: float | None = None) -> torch.futures.Future:
         """The next message from any peer, as (sender address, payload). Without a timeout it
         waits until a message arrives, ``cancel()`` or ``close()``."""
-        return self._call(lambda fid: self._c.recv(fid, 0.0 if timeout is None else float(timeout)))
+        return self._call(lambda fid: self._c.recv(fid, _worker_timeout(timeout)))
 
     def notification(self, tag: int, *, timeout: float | None = None) -> torch.futures.Future:
         """Completes when a peer's ``write_slices(..., notify=tag)`` has all its bytes here
         (or fails with the sender's error). Arrivals are counted: each call consumes one."""
         if not 0 <= int(tag) < 1 << 32:
             raise ValueError(f"tag must be a 32-bit unsigned integer, not {tag}")
-        return self._call(lambda fid: self._c.notification(fid, int(tag), 0.0 if timeout is None else float(timeout)))
+        return self._call(lambda fid: self._c.notification(fid, int(tag), _worker_timeout(timeout)))
 
     def cancel(self, future: torch.futures.Future) -> None:
         """Fails a pending recv, notification or transfer with CancelledError."""
@@ -322,13 +322,6 @@ class Engine:
         if self._closed:
             raise errors.ClosedError("the engine is closed")
 
-    def _timeout(self, timeout):
-        if timeout is None:
-            return 0.0
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive, not {timeout}")
-        return float(timeout)
-
     def _call(self, start) -> torch.futures.Future:
         """Registers a future under a fresh id, then starts the operation that completes it."""
         self._check_open()
@@ -375,3 +368,15 @@ def _close_all():
             engine.close()
         except Exception:
             pass
+
+
+def _positive(timeout) -> float:
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, not {timeout}")
+    return float(timeout)
+
+
+def _worker_timeout(timeout) -> float:
+    """A timeout as the worker takes it; None is 0: the engine's default for transfers and
+    messages, no deadline for recv() and notification()."""
+    return 0.0 if timeout is None else _positive(timeout)

@@ -133,7 +133,12 @@ class RemoteTensor:
                 n = len(range(start, stop, step))
                 offset += start * strides[dim]  # also for an empty slice, as torch does
                 out_shape.append(n)
-                out_strides.append(strides[dim] * step)
+                stride = strides[dim] * step  # as torch has it
+                if not -2 ** 63 <= stride < 2 ** 63:
+                    if n > 1:
+                        raise ValueError(f"slice step {step} makes the stride of dimension {dim} overflow")
+                    stride = strides[dim]  # one element or none: the stride is never used
+                out_strides.append(stride)
                 dim += 1
             else:
                 if isinstance(item, bool) or (isinstance(item, torch.Tensor) and item.dtype == torch.bool):

@@ -28,7 +28,9 @@ struct OpOwner {
   virtual bool abandoned() const = 0;
 };
 
-enum class OpKind : uint8_t { Write, Read, Send, Recv };
+// Forget is never posted: it tells a rail thread to drop the ops to `peer` that it holds
+// and the provider has not taken yet (the peer failed; their owners heard already).
+enum class OpKind : uint8_t { Write, Read, Send, Recv, Forget };
 
 // Segments one op may carry (scatter-gather RMA), where the provider allows as many.
 constexpr size_t kMaxIov = 4;
@@ -40,6 +42,7 @@ struct Op {
   uint8_t niov = 0;
   bool posted = false;
   bool orphaned = false;     // its peer was declared dead while it was posted
+  bool farewell = false;     // a BYE: posted although its peer is marked Left
   bool device = false;       // local memory is GPU memory (completion semantics differ on shm)
   OpOwner* owner = nullptr;
   Peer* peer = nullptr;

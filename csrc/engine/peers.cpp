@@ -92,7 +92,8 @@ void Worker::disconnect(uint64_t id, const std::string& address) {
 void Worker::finish_disconnect(Peer& p) {
   const uint64_t id = p.disconnect_id;
   p.disconnect_id = 0;
-  if (p.state == PeerState::Ready || p.state == PeerState::Connecting) send_control(p, message(MsgType::Bye, p));
+  if (p.state == PeerState::Ready || p.state == PeerState::Connecting)
+    send_control(p, message(MsgType::Bye, p), nullptr, true);
   fail_peer(p, Status::error(ErrorKind::Peer, cat(describe(p), " was disconnected by this engine")),
             PeerState::Left);
   p.revivable = true;
@@ -100,9 +101,9 @@ void Worker::finish_disconnect(Peer& p) {
 }
 
 // Control messages wait in the outbox for a free send buffer and op.
-void Worker::send_control(Peer& p, ByteWriter&& w, OpOwner* owner) {
+void Worker::send_control(Peer& p, ByteWriter&& w, OpOwner* owner, bool farewell) {
   P2P_ASSERT(w.str().size() <= kMessageBytes);
-  outbox_.push_back({&p, std::move(w.str()), owner});
+  outbox_.push_back({&p, std::move(w.str()), owner, farewell});
 }
 
 bool Worker::flush_outbox() {
@@ -119,6 +120,7 @@ bool Worker::flush_outbox() {
     op->buffer = buf;
     op->set_buffer(dst, out.bytes.size(), control_mr_[0].desc);
     op->dest = out.peer->fi[0];  // local rail 0 -> remote rail 0
+    op->farewell = out.farewell;
     // A HELLO or BYE must reach a peer that is not (or no longer) Ready; everything else to
     // a failed peer is dropped by post_ops().
     rs.pending.push_back(op);
@@ -266,6 +268,7 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
     op.owner = nullptr;
     if (owner) owner->op_done(*this, op, why);
   });
+  for (auto& d : drivers_) forgets_.push_back({d.get(), &p});
   p.partial.clear();
   for (auto& c : closing_) c.unreleased.erase(p.incarnation);
   if (p.disconnect_id && state == PeerState::Dead) {

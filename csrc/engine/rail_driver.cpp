@@ -72,10 +72,7 @@ void RailDriver::run() {
   while (!stop_.load(std::memory_order_relaxed)) {
     bool busy = false;
     Op* op;
-    while (in_.pop(op)) {
-      pending_[op->rail].push_back(op);
-      busy = true;
-    }
+    while (in_.pop(op)) busy |= take(op);
     busy |= post_pending();
     busy |= poll();
     const double t = seconds();
@@ -89,26 +86,40 @@ void RailDriver::run() {
   }
 }
 
-// The worker's posting loop, for our rails: FI_MORE on all but the last of a batch, and an op
-// refused with -FI_EAGAIN back at the front (lazy posting).
+// An op from the worker joins its rail's queue. A Forget marker takes the ops to its peer out
+// of every queue here (ops handed over after it, to the peer revived, stay) and goes back.
+bool RailDriver::take(Op* op) {
+  if (op->kind != OpKind::Forget) {
+    pending_[op->rail].push_back(op);
+    return true;
+  }
+  for (uint16_t r : mine_) {
+    Ring<Op*>& q = pending_[r];
+    for (size_t i = q.size(); i > 0; --i) {
+      Op* queued = q.front();
+      q.pop_front();
+      if (queued->peer == op->peer)
+        emit({queued, FI_ECANCELED, 0, 0, new std::string("dropped unposted: the peer failed")});
+      else
+        q.push_back(queued);
+    }
+  }
+  emit({op, 0, 0, 0, nullptr});
+  return true;
+}
+
+// The worker's posting, for our rails.
 bool RailDriver::post_pending() {
   bool any = false;
   for (uint16_t r : mine_) {
     fabric::Rail& rail = *rails_[r];
-    Ring<Op*>& q = pending_[r];
-    const size_t n = std::min(q.size(), batch_);
-    for (size_t i = 0; i < n; ++i) {
-      Op* op = q.front();
-      const uint64_t flags = i + 1 < n ? FI_MORE : 0;
-      const ssize_t rc = post_op(rail, *op, flags);
-      if (rc == -FI_EAGAIN) break;
-      q.pop_front();
+    post_queue(rail, pending_[r], batch_, [](Op&) { return true; }, [&](Op& op, ssize_t rc) {
       any = true;
-      if (rc == 0 && op->kind != OpKind::Recv) ++outstanding_;
+      if (rc == 0 && op.kind != OpKind::Recv) ++outstanding_;
       if (rc < 0)
-        emit({op, static_cast<int>(-rc), 0, 0,
+        emit({&op, static_cast<int>(-rc), 0, 0,
               new std::string(cat("posting on ", rail.domain_name(), " failed: ", fi_error_name(-rc)))});
-    }
+    });
   }
   return any;
 }
@@ -159,10 +170,7 @@ void RailDriver::idle() {
   bool can_sleep = !stop_.load();
   Op* peek;
   // Nothing may have arrived between the last pop and the flag: check again.
-  if (in_.pop(peek)) {
-    pending_[peek->rail].push_back(peek);
-    can_sleep = false;
-  }
+  if (in_.pop(peek)) can_sleep = !take(peek);
   for (uint16_t r : mine_) can_sleep = can_sleep && pending_[r].empty();
   for (uint16_t r : mine_) can_sleep = can_sleep && rails_[r]->wait_fd() >= 0 && rails_[r]->trywait();
   if (!stop_.load()) doze(can_sleep ? epoll_fd_ : -1, wake_fd_, 1);

@@ -12,6 +12,7 @@
 #include <rdma/fi_errno.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -36,8 +37,45 @@ inline ssize_t post_op(fabric::Rail& rail, Op& op, uint64_t flags) {
       return rail.send(op.iov[0].iov_base, op.iov[0].iov_len, op.desc[0], op.dest, &op.ctx);
     case OpKind::Recv:
       return rail.recv(op.iov[0].iov_base, op.iov[0].iov_len, op.desc[0], &op.ctx);
+    case OpKind::Forget:
+      break;
   }
   return -FI_EINVAL;
+}
+
+// Posts ops from the front of `queue`, at most `budget`, FI_MORE on all but the last (lazy
+// posting). An op refused with -FI_EAGAIN stays queued, and so do the later ops to its
+// destination, in order; ops to other destinations go on, so a peer that stops taking data
+// (its connection is full) does not stall the others. `usable(op)` may take an op out
+// instead (false); `done(op, rc)` hears of each op that left the queue, rc 0 (posted) or a
+// libfabric error.
+template <typename Usable, typename Done>
+void post_queue(fabric::Rail& rail, Ring<Op*>& queue, size_t budget, Usable&& usable, Done&& done) {
+  constexpr size_t kMaxRefused = 8;   // more refusing destinations: the rail itself is full
+  constexpr size_t kMaxKept = 256;    // ops looked at past refused ones, per call
+  fi_addr_t refused[kMaxRefused];
+  Op* kept[kMaxKept];
+  size_t posted = 0, nrefused = 0, nkept = 0;
+  while (posted < budget && !queue.empty() && nkept < kMaxKept) {
+    Op* op = queue.front();
+    queue.pop_front();
+    if (std::find(refused, refused + nrefused, op->dest) != refused + nrefused) {
+      kept[nkept++] = op;
+      continue;
+    }
+    if (!usable(*op)) continue;
+    const bool more = posted + 1 < budget && !queue.empty();
+    const ssize_t rc = post_op(rail, *op, more ? FI_MORE : 0);
+    if (rc != -FI_EAGAIN) {
+      ++posted;
+      done(*op, rc);
+      continue;
+    }
+    kept[nkept++] = op;
+    if (nrefused == kMaxRefused) break;
+    refused[nrefused++] = op->dest;
+  }
+  while (nkept > 0) queue.push_front(kept[--nkept]);
 }
 
 // Sleeps until wake_fd (an eventfd) or a descriptor in epoll_fd is ready, for at most
@@ -115,6 +153,7 @@ class RailDriver {
 
  private:
   void run();
+  bool take(Op* op);
   bool post_pending();
   bool poll();
   void emit(const Event& e);

@@ -66,15 +66,18 @@ void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> 
   it->second->closing = true;
   Closing c{std::move(it->second), {std::move(done)}, {}, now() + config_.peer_timeout_s};
   regions_.erase(it);
-  // Every peer that knows us hears of it and answers once none of its transfers flows into
-  // the region any more. Only then do the registrations go: on shm a write lands by CMA
-  // straight into our memory, unchecked, and must not reach memory the user may reuse.
+  // Every peer that knows us hears of it (its new transfers to the region fail at once) and
+  // answers once none of its transfers flows into the region any more. The registrations go
+  // when local operations are done; where our provider does not check peers' RMA (the shm
+  // fast path writes by CMA straight into our memory) only once every peer has answered, or
+  // peer_timeout passed: such a write must not reach memory the user may reuse.
+  const bool unchecked = std::any_of(rails_.begin(), rails_.end(), [](auto& rs) { return !rs.rail->target_checks(); });
   for (auto& [inc, p] : peers_) {
     if (p->state != PeerState::Ready) continue;
     ByteWriter w = message(MsgType::RegionClosed, *p);
     w.put(id);
     send_control(*p, std::move(w));
-    c.unreleased.insert(inc);
+    if (unchecked) c.unreleased.insert(inc);
   }
   closing_.push_back(std::move(c));
 }

@@ -80,6 +80,7 @@ const char* op_name(OpKind kind) {
     case OpKind::Read: return "RMA read";
     case OpKind::Send: return "message";
     case OpKind::Recv: return "receive";
+    case OpKind::Forget: return "forget";
   }
   return "op";
 }
@@ -416,6 +417,7 @@ bool Worker::poll_rails() {
 
 void Worker::on_completion(Op* op, size_t len) {
   if (!op) return;
+  if (op->kind == OpKind::Forget) return pool_->release(op);
   if (op->kind == OpKind::Recv) {
     on_message(static_cast<const char*>(op->local()), len);
     post_receive(op);
@@ -478,66 +480,60 @@ void Worker::complete_op(Op* op, const Status& status) {
 
 // ---------------------------------------------------------------------------------------------
 // Posting: per rail, up to `batch` ops, FI_MORE on all but the last (the doorbell rings on
-// the last one); an op refused with -FI_EAGAIN goes back to the front of its queue.
+// the last one); an op refused with -FI_EAGAIN goes back to the front of its queue, and ops to
+// other peers pass it (post_queue).
 //
 // NOTE: a batch never exceeds the rail's free credits (our count of posted ops against its
 // tx queue size), so -FI_EAGAIN after FI_MORE posts, which could leave a batch without its
-// doorbell on some providers, should not happen in practice; TORCH_P2P_POST_BATCH=1 turns
-// batching off.
+// doorbell until the next post, comes only from a peer whose connection is full;
+// TORCH_P2P_POST_BATCH=1 turns batching off.
 
 bool Worker::post_ops() {
-  bool any = false;
-  Op* batch[256];
+  bool any = send_forgets();
   for (auto& rs : rails_) {
     if (rs.driver) {
       any |= hand_over(rs);
       continue;
     }
-    size_t budget = std::min({config_.batch, rs.depth - std::min(rs.depth, rs.inflight), size_t{256}});
-    size_t n = 0;
-    while (n < budget && !rs.pending.empty()) {
-      Op* op = rs.pending.front();
-      rs.pending.pop_front();
-      if (op->peer && op->peer->failed()) {
-        complete_op(op, op->peer->failure);
-      } else if (op->owner && op->owner->abandoned()) {
-        complete_op(op, Status::error(ErrorKind::Cancelled, "abandoned"));
-      } else {
-        batch[n++] = op;
-      }
-    }
-    for (size_t i = 0; i < n; ++i) {
-      Op* op = batch[i];
-      ssize_t rc = 0;
-      if (!post_one(rs, op, i + 1 < n ? FI_MORE : 0, rc)) {
-        for (size_t j = n; j-- > i;) rs.pending.push_front(batch[j]);
-        break;
-      }
+    const size_t budget = std::min(config_.batch, rs.depth - std::min(rs.depth, rs.inflight));
+    post_queue(*rs.rail, rs.pending, budget, [&](Op& op) { return usable(&op); }, [&](Op& op, ssize_t rc) {
       any = true;
-      if (rc < 0) {
-        std::string who = op->peer ? cat(" to peer ", hex(op->peer->incarnation)) : std::string();
-        complete_op(op, Status::error(ErrorKind::Generic,
-                                      cat("posting a ", op_name(op->kind), who, " on ",
-                                          rs.rail->domain_name(), " failed: ", fi_error_name(-rc))));
+      if (rc == 0) {
+        op.posted = true;
+        ++rs.inflight;
+        return;
       }
-    }
+      std::string who = op.peer ? cat(" to peer ", hex(op.peer->incarnation)) : std::string();
+      complete_op(&op, Status::error(ErrorKind::Generic, cat("posting a ", op_name(op.kind), who, " on ",
+                                                             rs.rail->domain_name(), " failed: ", fi_error_name(-rc))));
+    });
   }
   return any;
 }
 
-// Ops for a driven rail go to its driver, as many as the rail has credits for.
+// False (and the op completed) when it must not be posted: its peer failed or its owner gave up.
+bool Worker::usable(Op* op) {
+  if (op->peer && op->peer->failed() && !op->farewell) {
+    complete_op(op, op->peer->failure);
+    return false;
+  }
+  if (op->owner && op->owner->abandoned()) {
+    complete_op(op, Status::error(ErrorKind::Cancelled, "abandoned"));
+    return false;
+  }
+  return true;
+}
+
+// Ops for a driven rail go to its driver, as many as the rail has credits for; not while the
+// driver still has to hear that a peer failed (it would drop ops to the peer revived).
 bool Worker::hand_over(RailState& rs) {
+  for (auto& f : forgets_)
+    if (f.first == rs.driver) return false;
   bool any = false;
   while (rs.inflight < rs.depth && !rs.pending.empty()) {
     Op* op = rs.pending.front();
-    if (op->peer && op->peer->failed()) {
+    if (!usable(op)) {
       rs.pending.pop_front();
-      complete_op(op, op->peer->failure);
-      continue;
-    }
-    if (op->owner && op->owner->abandoned()) {
-      rs.pending.pop_front();
-      complete_op(op, Status::error(ErrorKind::Cancelled, "abandoned"));
       continue;
     }
     if (!rs.driver->submit(op)) break;
@@ -550,16 +546,21 @@ bool Worker::hand_over(RailState& rs) {
   return any;
 }
 
-// False when the provider said -FI_EAGAIN (nothing posted); rc holds any other error.
-bool Worker::post_one(RailState& rs, Op* op, uint64_t flags, ssize_t& rc) {
-  P2P_ASSERT(op->kind != OpKind::Recv);
-  rc = post_op(*rs.rail, *op, flags);
-  if (rc == -FI_EAGAIN) return false;
-  if (rc == 0) {
-    op->posted = true;
-    ++rs.inflight;
+// Tells the rail threads about failed peers (Forget markers), in order with the ops handed over.
+bool Worker::send_forgets() {
+  size_t kept = 0;
+  for (auto& [driver, peer] : forgets_) {
+    Op* marker = new_op(OpKind::Forget, 0, nullptr, peer);
+    if (marker && driver->submit(marker)) {
+      driver->kick();
+      continue;
+    }
+    if (marker) pool_->release(marker);
+    forgets_[kept++] = {driver, peer};
   }
-  return true;
+  const bool any = kept < forgets_.size();
+  forgets_.resize(kept);
+  return any;
 }
 
 Op* Worker::new_op(OpKind kind, uint16_t rail, OpOwner* owner, Peer* peer) {

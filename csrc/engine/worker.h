@@ -225,6 +225,7 @@ class Worker {
     Peer* peer;
     std::string bytes;
     OpOwner* owner;
+    bool farewell;
   };
   struct Waiter {
     uint64_t id;
@@ -243,8 +244,9 @@ class Worker {
   void start_drivers();
   void complete_op(Op* op, const Status& status);
   bool post_ops();
-  bool post_one(RailState& rs, Op* op, uint64_t flags, ssize_t& rc);
+  bool usable(Op* op);
   bool hand_over(RailState& rs);
+  bool send_forgets();
   void tick();
   void idle_wait();
   void shutdown();
@@ -267,7 +269,8 @@ class Worker {
   // peers.cpp: connection, control messages, user messages, notifications, failure.
   Peer* peer_for(const std::string& address_bytes, bool explicit_connect);
   void send_hello(Peer& p);
-  void send_control(Peer& p, ByteWriter&& w, OpOwner* owner = nullptr);
+  // farewell: sent even though the peer is already marked Left (a BYE).
+  void send_control(Peer& p, ByteWriter&& w, OpOwner* owner = nullptr, bool farewell = false);
   bool flush_outbox();
   void on_message(const char* data, size_t len);
   void on_hello(const MsgHeader& h, ByteReader& r, bool ack);
@@ -333,6 +336,7 @@ class Worker {
   // Worker-thread state.
   std::vector<RailState> rails_;
   std::vector<std::unique_ptr<RailDriver>> drivers_;
+  std::vector<std::pair<RailDriver*, Peer*>> forgets_;  // failed peers the drivers must hear of
   cpu_set_t process_cpus_;  // the process's cores, before the worker pinned itself
   cpu_set_t node_cpus_;     // of those, the ones on the worker core's NUMA node
   std::unique_ptr<OpPool> pool_;

@@ -38,6 +38,15 @@ bool wants_auto_progress(const std::string& provider) {
   return provider.rfind("tcp", 0) == 0;
 }
 
+}  // namespace
+
+bool shm_fast_rma() {
+  const char* env = std::getenv("TORCH_P2P_SHM_FAST");
+  return env && std::string(env) == "1";
+}
+
+namespace {
+
 InfoPtr hints(const std::string& provider, bool hmem, bool delivery_complete, bool auto_progress) {
   InfoPtr h(fi_allocinfo());
   P2P_CHECK(h, ErrorKind::Generic, "fi_allocinfo failed");
@@ -54,6 +63,12 @@ InfoPtr hints(const std::string& provider, bool hmem, bool delivery_complete, bo
   // Control messages and message fragments rely on send-after-send order per peer.
   h->tx_attr->msg_order = FI_ORDER_SAS;
   h->rx_attr->msg_order = FI_ORDER_SAS;
+  // NOTE: shm has a "fast RMA" path for host memory: the initiator copies into (or out of) the
+  // target with CMA and completes without asking it, so the target's provider checks no key,
+  // access right or bound, and a write to a stopped peer completes. Asking for any RMA
+  // ordering turns that path off for the domain (smr_fast_rma_enabled, libfabric 1.17 to 2.6):
+  // RMA then goes through the target's command queue, which verifies it.
+  if (provider == "shm" && !shm_fast_rma()) h->tx_attr->msg_order |= FI_ORDER_RAW;
   if (delivery_complete) h->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
   if (!provider.empty()) h->fabric_attr->prov_name = strdup(provider.c_str());
   return h;

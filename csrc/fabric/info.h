@@ -37,6 +37,9 @@ struct Offer {
   const fi_info* domain(const std::string& name) const;  // nullptr when absent
 };
 
+// TORCH_P2P_SHM_FAST=1: shm may take its unchecked "fast RMA" path (see hints()).
+bool shm_fast_rma();
+
 // Resolves "efa", "verbs", "tcp", "shm", a full stack such as "tcp;ofi_rxm", or "" (the best
 // of efa, verbs, tcp) and queries it. Throws a ValueError-kind Error naming what this machine
 // offers when nothing matches.

@@ -103,16 +103,16 @@ Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port) : info_(with_port
   FI_CHECK(fi_getname(&ep_->fid, name, &len), "fi_getname(", dom, ")");
   address_.assign(name, len);
   if (info_->tx_attr->op_flags & FI_DELIVERY_COMPLETE) completion_flags_ = FI_DELIVERY_COMPLETE;
-  // NOTE: shm writes host memory on its "fast RMA" path: the initiator copies into the target
-  // with CMA before it completes the op, so the data is in place without asking. Asking for
-  // FI_DELIVERY_COMPLETE (or remote CQ data) sends the write through the target's command
-  // queue instead, which the target must progress: 10k 4 KiB writes took seconds, not tens
-  // of ms, here (libfabric 1.17 and 2.6 prov/shm/src/smr_rma.c).
+  // NOTE: with TORCH_P2P_SHM_FAST=1, shm writes host memory on its unchecked "fast RMA" path
+  // (info.cpp hints()) only without FI_DELIVERY_COMPLETE: through the target's command queue,
+  // which the target must progress, 10k 4 KiB writes took seconds, not tens of ms, here.
   const std::string prov = info_->fabric_attr->prov_name;
-  host_completion_flags_ = prov == "shm" ? 0 : completion_flags_;
-  // Several segments per op cut the per-op cost of small pages (tcp allows 4). Not on shm: its
-  // fast path takes one remote segment only.
-  max_iov_ = prov == "shm" ? 1 : std::max<size_t>(1, std::min(info_->tx_attr->iov_limit, info_->tx_attr->rma_iov_limit));
+  const bool shm_fast = prov == "shm" && shm_fast_rma();
+  host_completion_flags_ = shm_fast ? 0 : completion_flags_;
+  target_checks_ = !shm_fast;
+  // Several segments per op cut the per-op cost of small pages (tcp allows 4). Not on the shm
+  // fast path: it takes one remote segment only.
+  max_iov_ = shm_fast ? 1 : std::max<size_t>(1, std::min(info_->tx_attr->iov_limit, info_->tx_attr->rma_iov_limit));
 }
 
 Rail::~Rail() {

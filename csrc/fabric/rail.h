@@ -58,6 +58,9 @@ class Rail {
   ssize_t read(const iovec* iov, void** desc, size_t n, fi_addr_t dest, const fi_rma_iov* rma,
                void* context, uint64_t flags);
   size_t max_iov() const { return max_iov_; }
+  // False where peers' RMA lands unchecked by our provider (the shm fast path): keys,
+  // access and deregistration do not protect our memory from them.
+  bool target_checks() const { return target_checks_; }
   ssize_t send(void* buf, size_t len, void* desc, fi_addr_t dest, void* context);
   ssize_t recv(void* buf, size_t len, void* desc, void* context);
 
@@ -84,6 +87,7 @@ class Rail {
   uint64_t completion_flags_ = 0;       // for writes from GPU memory
   uint64_t host_completion_flags_ = 0;  // for writes from host memory
   size_t max_iov_ = 1;
+  bool target_checks_ = true;
   std::string address_;
   struct AvEntry {
     fi_addr_t addr;
