@@ -182,31 +182,24 @@ def test_deregistered_region_cannot_be_written(target):
     assert b.call(ph.buffer_bytes, "dr") == after_valid
 
 
-@pytest.mark.parametrize("provider", [
-    pytest.param("tcp", marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG: tcp;ofi_rxm tears the connection down on a refused RMA (FI_ECANCELED) and the engine "
-        "classifies that as a connection error (worker.cpp is_connection_error/on_error -> fail_peer): "
-        "the refused write surfaces as PeerError, not RemoteError, every other transfer to that healthy "
-        "peer fails too, and the peer stays Dead until an explicit connect()"))),
-    pytest.param("shm", marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG (shm provider, libfabric 1.17): a refused RMA never completes at the initiator; the engine "
-        "only learns of it from peer_timeout ('silent'), and the initiator's channel to that peer stays "
-        "wedged: later transfers and even an explicit connect() to it fail")))])
+@pytest.mark.parametrize("provider", PROVIDERS)
 def test_refused_write_fails_alone(provider):
-    """A write with a stale handle (its region was deregistered by the owner) fails with
-    RemoteError, and transfers to the owner's other regions keep working."""
+    """A write the target's provider refuses (a forged key) fails with RemoteError, and
+    transfers to the same peer keep working on the same engine."""
     with Peer() as b, _initiator(provider) as a:
         b.call(ph.start_engine, provider, peer_timeout=PEER_TIMEOUT)
-        stale, _ = _guarded(b, "stale")
         good, _ = _guarded(b, "good")
+        target, before = _guarded(b, "target")
+        forged = ph.tampered(target, entries=[(base, key ^ 0x9E3779B97F4A7C15)
+                                              for base, key in ph.Tensor.of(target).region.entries])
         data = torch.full((N,), 0x33, dtype=torch.uint8)
         a.register(data)
-        p2p.wait(a.write_slices(data, [stale]), 10)
-        b.call(ph.close_region, "stale")
-        errors = ph.wait_all([a.write_slices(data, [stale])], PEER_TIMEOUT + 10)
-        later = ph.wait_all([a.write_slices(data, [good])], PEER_TIMEOUT + 10)
+        p2p.wait(a.write_slices(data, [good]), 10)
+        errors = ph.wait_all([a.write_slices(data, [forged])], PEER_TIMEOUT + 10)
+        later = ph.wait_all([a.write_slices(data, [good]), a.read_slices(data, [good])], PEER_TIMEOUT + 10)
         assert isinstance(errors[0], p2p.RemoteError), errors
-        assert later == [None], later
+        assert later == [None, None], later
+        assert b.call(ph.buffer_bytes, "target") == before
 
 
 # -- keys ------------------------------------------------------------------------------------------
