@@ -35,14 +35,18 @@ echo "   built in $((built - start)) s"
 
 LIBASAN=$(gcc -print-file-name=libasan.so)
 [ -f "$LIBASAN" ] || { echo "libasan.so not found (gcc -print-file-name=libasan.so gave $LIBASAN)"; exit 2; }
-ldd torch_p2p/_C*.so | grep -q libasan || { echo "the extension is not linked with ASan"; exit 2; }
+ldd torch_p2p/_C*.so > "$WORK/ldd.txt" || true
+grep -q libasan "$WORK/ldd.txt" || { echo "the extension is not linked with ASan"; exit 2; }
 
-export LD_PRELOAD=$LIBASAN
+# libstdc++ too: the python binary does not link it, and ASan's __cxa_throw interceptor must
+# find the real one when it starts ("CHECK failed: real___cxa_throw != 0" otherwise).
+LIBSTDCXX=$(gcc -print-file-name=libstdc++.so.6)
+export LD_PRELOAD="$LIBASAN $LIBSTDCXX"
 export ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:log_path=$WORK/reports/asan:${ASAN_OPTIONS:-}
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$WORK/reports/ubsan:${UBSAN_OPTIONS:-}
 export TORCH_P2P_SANITIZED=1
 
-echo "== running the tests (LD_PRELOAD=$LIBASAN)"
+echo "== running the tests (LD_PRELOAD=$LD_PRELOAD)"
 if [ $# -eq 0 ]; then set -- tests -m "not slow and not cuda"; fi
 set +e
 python -m pytest -q -p no:cacheprovider "$@"

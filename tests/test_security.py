@@ -182,7 +182,12 @@ def test_deregistered_region_cannot_be_written(target):
     assert b.call(ph.buffer_bytes, "dr") == after_valid
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("provider", ["tcp", pytest.param("shm", marks=pytest.mark.xfail(strict=True, reason=(
+    "BUG (shm provider, libfabric 1.17, prov/shm/src/smr_progress.c smr_progress_cmd_rma): when "
+    "ofi_mr_map_verify() refuses an RMA the target discards the command without writing the "
+    "initiator's response, so the refused write never completes and, responses being read in order, "
+    "nothing after it to that peer does: the peer is declared dead after peer_timeout. The target's "
+    "memory is safe (test_tampered_handle_is_refused_and_memory_outside_untouched)")))])
 def test_refused_write_fails_alone(provider):
     """A write the target's provider refuses (a forged key) fails with RemoteError, and
     transfers to the same peer keep working on the same engine."""

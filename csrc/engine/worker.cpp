@@ -451,11 +451,18 @@ void Worker::op_failed(Op* op, int err, int prov_errno, const std::string& messa
   const bool control = op->kind == OpKind::Send;
   complete_op(op, status);
   if (!peer || stopping_.load()) return;
-  // A failed control message means the connection is gone. A failed RMA only fails its
-  // transfer: the owner may have refused it (a deregistered region); a ping tells whether the
-  // peer itself still answers.
+  // A failed control message means the connection is gone: we introduce ourselves again,
+  // and the peer is dead if that fails too or goes unanswered for peer_timeout. (tcp;ofi_rxm
+  // drops the connection when the target refuses an RMA, a forged key say: the peer lives.)
+  // A failed RMA only fails its transfer: the owner may have refused it; a ping tells whether
+  // the peer itself still answers.
   if (control && kind == ErrorKind::Peer) {
-    fail_peer(*peer, status);
+    if (peer->state == PeerState::Ready) {
+      P2P_LOG(Info, "reconnecting to peer ", hex(peer->incarnation), " after: ", status.message);
+      revive(*peer);
+    } else {
+      fail_peer(*peer, status);
+    }
   } else if (peer->state == PeerState::Ready) {
     ping(*peer);
   }
