@@ -68,16 +68,15 @@ void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> 
   regions_.erase(it);
   // Every peer that knows us hears of it (its new transfers to the region fail at once) and
   // answers once none of its transfers flows into the region any more. The registrations go
-  // when local operations are done; where our provider does not check peers' RMA (the shm
-  // fast path writes by CMA straight into our memory) only once every peer has answered, or
-  // peer_timeout passed: such a write must not reach memory the user may reuse.
-  const bool unchecked = std::any_of(rails_.begin(), rails_.end(), [](auto& rs) { return !rs.rail->target_checks(); });
+  // when local operations are done; on shm (Rail::peers_must_release) only once every peer
+  // has answered, or peer_timeout passed.
+  const bool wait = std::any_of(rails_.begin(), rails_.end(), [](auto& rs) { return rs.rail->peers_must_release(); });
   for (auto& [inc, p] : peers_) {
     if (p->state != PeerState::Ready) continue;
     ByteWriter w = message(MsgType::RegionClosed, *p);
     w.put(id);
     send_control(*p, std::move(w));
-    if (unchecked) c.unreleased.insert(inc);
+    if (wait) c.unreleased.insert(inc);
   }
   closing_.push_back(std::move(c));
 }

@@ -109,7 +109,7 @@ Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port) : info_(with_port
   const std::string prov = info_->fabric_attr->prov_name;
   const bool shm_fast = prov == "shm" && shm_fast_rma();
   host_completion_flags_ = shm_fast ? 0 : completion_flags_;
-  target_checks_ = !shm_fast;
+  peers_must_release_ = prov == "shm";
   // Several segments per op cut the per-op cost of small pages (tcp allows 4). Not on the shm
   // fast path: it takes one remote segment only.
   max_iov_ = shm_fast ? 1 : std::max<size_t>(1, std::min(info_->tx_attr->iov_limit, info_->tx_attr->rma_iov_limit));

@@ -58,9 +58,10 @@ class Rail {
   ssize_t read(const iovec* iov, void** desc, size_t n, fi_addr_t dest, const fi_rma_iov* rma,
                void* context, uint64_t flags);
   size_t max_iov() const { return max_iov_; }
-  // False where peers' RMA lands unchecked by our provider (the shm fast path): keys,
-  // access and deregistration do not protect our memory from them.
-  bool target_checks() const { return target_checks_; }
+  // True where deregistering must wait until peers have stopped using the region: on shm
+  // (libfabric 1.17), whose fast RMA path checks nothing at the target, and whose checked
+  // path, refusing an RMA, never completes it at the initiator (its channel to us wedges).
+  bool peers_must_release() const { return peers_must_release_; }
   ssize_t send(void* buf, size_t len, void* desc, fi_addr_t dest, void* context);
   ssize_t recv(void* buf, size_t len, void* desc, void* context);
 
@@ -87,7 +88,7 @@ class Rail {
   uint64_t completion_flags_ = 0;       // for writes from GPU memory
   uint64_t host_completion_flags_ = 0;  // for writes from host memory
   size_t max_iov_ = 1;
-  bool target_checks_ = true;
+  bool peers_must_release_ = false;
   std::string address_;
   struct AvEntry {
     fi_addr_t addr;
