@@ -448,16 +448,17 @@ void Worker::op_failed(Op* op, int err, int prov_errno, const std::string& messa
   const ErrorKind kind = classify(err, prov_errno);
   std::string who = peer ? cat(" to peer ", hex(peer->incarnation)) : std::string();
   Status status = Status::error(kind, cat(op_name(op->kind), who, " failed: ", message));
-  const bool control = op->kind == OpKind::Send;
+  const bool control = op->kind == OpKind::Send, orphaned = op->orphaned;
   complete_op(op, status);
-  if (!peer || stopping_.load()) return;
-  // A failed control message means the connection is gone: we introduce ourselves again,
-  // and the peer is dead if that fails too or goes unanswered for peer_timeout. (tcp;ofi_rxm
-  // drops the connection when the target refuses an RMA, a forged key say: the peer lives.)
-  // A failed RMA only fails its transfer: the owner may have refused it; a ping tells whether
-  // the peer itself still answers.
+  if (!peer || orphaned || stopping_.load()) return;
+  // A failed control message means the connection is gone and so, usually, is the peer. But
+  // tcp;ofi_rxm drops the connection when the target refuses an RMA (a forged key, say): after
+  // a refusal we introduce ourselves again, and the peer is dead if that fails too or goes
+  // unanswered for peer_timeout. A failed RMA only fails its transfer: the owner may have
+  // refused it; a ping tells whether the peer itself still answers.
+  if (!control && kind == ErrorKind::Remote) peer->refused_at = now();
   if (control && kind == ErrorKind::Peer) {
-    if (peer->state == PeerState::Ready) {
+    if (peer->state == PeerState::Ready && now() - peer->refused_at < config_.peer_timeout_s) {
       P2P_LOG(Info, "reconnecting to peer ", hex(peer->incarnation), " after: ", status.message);
       revive(*peer);
     } else {

@@ -150,6 +150,7 @@ struct Peer {
   uint64_t disconnect_id = 0;
   uint32_t next_message = 0;
   bool revivable = false;          // left by our own disconnect(): a later use reconnects
+  double refused_at = -1e300;      // when it last refused one of our RMAs
   std::unordered_set<uint64_t> closed_regions;  // its regions it told us it deregistered
   std::unordered_set<uint64_t> to_release;      // of those, the ones we still owe a release
   // Its live regions when it introduced itself: ids up to census_last not listed were gone.
