@@ -490,10 +490,12 @@ def loop_status(state) -> dict:
 
 
 def stop_loops(state, keys, timeout: float = 30) -> dict:
+    """Stops the loops, waiting `timeout` in all; a loop still running shows as alive."""
+    deadline = time.monotonic() + timeout
     for k in keys:
         state["loops"][k]["stop"].set()
     for k in keys:
-        state["loops"][k]["thread"].join(timeout)
+        state["loops"][k]["thread"].join(max(0.0, deadline - time.monotonic()))
     return loop_status(state)
 
 

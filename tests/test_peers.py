@@ -348,7 +348,7 @@ def test_join_and_leave_while_others_transfer(provider, leave):
         d.call(ph.start_loop, "to-a", _slot(inbox, 2, nbytes), nbytes, 12)
         a.call(ph.start_loop, "d", rd, nbytes, 3)
         time.sleep(3.0)
-        status = a.call(ph.stop_loops, ["b", "d"], timeout=30)
+        status = a.call(ph.stop_loops, ["b", "d"], 30, timeout=45)
         for key in "bd":
             assert status[key]["error"] is None and not status[key]["alive"], status
         assert status["b"]["rounds"] > before["b"]["rounds"] and status["d"]["rounds"] > 0, status
