@@ -149,7 +149,8 @@ def ph_failed():
 SHM_HOL = ("BUG (shm provider, libfabric 1.17): one hung peer stalls our operations with every other "
            "peer: with a delivery-complete operation to a stopped peer outstanding, later operations to "
            "other peers do not complete until the stopped one progresses (responses are processed in "
-           "order); after peer_timeout the hung peer is declared dead but the others stay stalled")
+           "order); after peer_timeout the hung peer is declared dead but the others stay stalled. "
+           "Timing-dependent: the engine no longer holds ops to other peers behind it (post_queue)")
 
 
 @pytest.mark.timeout(120)
@@ -176,7 +177,7 @@ def test_hung_peer_is_declared_dead(provider):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("provider", ["tcp", pytest.param("shm", marks=pytest.mark.xfail(strict=True, reason=SHM_HOL))])
+@pytest.mark.parametrize("provider", ["tcp", pytest.param("shm", marks=pytest.mark.xfail(strict=False, reason=SHM_HOL))])
 def test_hung_peer_does_not_stall_others(provider):
     """While b is stopped with our write to it in flight, writes and messages to c go on."""
     with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=30)) as a, Peer() as b, Peer() as c:
