@@ -10,6 +10,7 @@ if it does not leave in time, so no test leaves processes behind.
 """
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import os
 import signal
@@ -97,6 +98,14 @@ class Peer:
         if self.proc.is_alive():
             self.kill()
         self._conn.close()
+        # A child killed with shm endpoints open leaves their files (the engine names them
+        # p2p-<pid>-<random>): tests kill many, so remove them.
+        if not self.proc.is_alive():
+            for leftover in glob.glob(f"/dev/shm/p2p-{self.proc.pid}-*"):
+                try:
+                    os.unlink(leftover)
+                except OSError:
+                    pass
 
     def __enter__(self):
         return self

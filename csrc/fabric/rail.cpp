@@ -7,6 +7,7 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 #include <sys/random.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -45,9 +46,23 @@ uint64_t hmem_flags() {
   return env && std::string(env) == "1" ? FI_HMEM_DEVICE_ONLY : 0;
 }
 
-InfoPtr with_port(const fi_info* info, uint16_t port) {
+// NOTE: shm names an endpoint's shared-memory file after the process id ("<pid>:<uid>:<n>" in
+// /dev/shm), and a process killed with SIGKILL leaves its file behind: a later process that
+// gets the same pid could not open its endpoint (fi_enable: FI_EBUSY, seen in CI). Our own
+// name carries 64 random bits.
+void name_shm_endpoint(fi_info* info) {
+  if (std::string(info->fabric_attr->prov_name) != "shm" || info->addr_format != FI_ADDR_STR) return;
+  const std::string name = cat("fi_shm://p2p-", getpid(), "-", hex(random_key(8)));
+  free(info->src_addr);
+  info->src_addr = strdup(name.c_str());
+  info->src_addrlen = name.size() + 1;
+}
+
+// The provider's info for one rail: our own shm name, the requested port for IP providers.
+InfoPtr for_rail(const fi_info* info, uint16_t port) {
   InfoPtr copy(fi_dupinfo(info));
   P2P_CHECK(copy, ErrorKind::Generic, "fi_dupinfo failed");
+  name_shm_endpoint(copy.get());
   if (!port) return copy;
   auto* sa = static_cast<sockaddr*>(copy->src_addr);
   P2P_CHECK(sa && (sa->sa_family == AF_INET || sa->sa_family == AF_INET6), ErrorKind::Value,
@@ -62,7 +77,7 @@ InfoPtr with_port(const fi_info* info, uint16_t port) {
 
 }  // namespace
 
-Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port) : info_(with_port(info, port)) {
+Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port) : info_(for_rail(info, port)) {
   const char* dom = info_->domain_attr->name;
   FI_CHECK(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric(", dom, ")");
   FI_CHECK(fi_domain(fabric_, info_.get(), &domain_, nullptr), "fi_domain(", dom, ")");
