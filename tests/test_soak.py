@@ -67,19 +67,24 @@ class Soak:
         rows, cols = index
         return buf_t[cell][cols, rows].t()  # same shape, transposed strides
 
-    def write(self, k):
+    def _views(self, buf, buf_t, k):
+        """k random remote cells, each paired with a view of the same index in another random
+        cell of buf (or of its transposed twin). Returns [(cell, index, local, remote)] and
+        the local cells used."""
         cells = self.rng.sample(range(CELLS), k)
-        sources = self.rng.sample(range(CELLS), k)
-        locals_, remotes, applied = [], [], []
-        for cell, source in zip(cells, sources):
+        others = self.rng.sample(range(CELLS), k)
+        views = []
+        for cell, other in zip(cells, others):
             index, transposed = _spec(self.rng)
-            local = self._local(self.src, self.src_t, source, index, transposed)
-            locals_.append(local)
-            remotes.append(self.remote[(cell,) + index])
-            applied.append((cell, index, local))
+            local = self._local(buf, buf_t, other, index, transposed)
+            views.append((cell, index, local, self.remote[(cell,) + index]))
             self.bytes += local.numel()
-        p2p.wait(self.e.write_slices(locals_, remotes), 60)
-        for cell, index, local in applied:
+        return views, others
+
+    def write(self, k):
+        views, sources = self._views(self.src, self.src_t, k)
+        p2p.wait(self.e.write_slices([v[2] for v in views], [v[3] for v in views]), 60)
+        for cell, index, local, _ in views:
             self.mirror[cell][index] = local
         # Fresh source bytes for the cells just used, so that stale data would show.
         for source in sources[:8]:
@@ -89,20 +94,13 @@ class Soak:
         self.calls += 1
 
     def read(self, k):
-        cells = self.rng.sample(range(CELLS), k)
-        targets = self.rng.sample(range(CELLS), k)
-        locals_, remotes, expected = [], [], []
-        for cell, target in zip(cells, targets):
-            index, transposed = _spec(self.rng)
-            local = self._local(self.dst, self.dst_t, target, index, transposed)
+        views, _ = self._views(self.dst, self.dst_t, k)
+        for _, _, local, _ in views:
             local.fill_(0)
-            locals_.append(local)
-            remotes.append(self.remote[(cell,) + index])
-            expected.append((local, self.mirror[cell][index]))
-            self.bytes += local.numel()
-        p2p.wait(self.e.read_slices(locals_, remotes), 60)
-        for i, (local, want) in enumerate(expected):
-            assert torch.equal(local, want), f"call {self.calls}: read view {i} differs from what was written"
+        p2p.wait(self.e.read_slices([v[2] for v in views], [v[3] for v in views]), 60)
+        for i, (cell, index, local, _) in enumerate(views):
+            assert torch.equal(local, self.mirror[cell][index]), \
+                f"call {self.calls}: read view {i} differs from what was written"
         self.ops += k
         self.calls += 1
 
