@@ -121,6 +121,36 @@ def test_read_follows_the_callers_stream(pair):
     assert (dst == 5.0).all()
 
 
+def fill_target(state, name: str, value: float) -> None:
+    state[name].fill_(value)
+    torch.cuda.synchronize()
+
+
+def target_equals(state, name: str, value: float) -> bool:
+    return bool((state[name] == value).all())
+
+
+def test_completion_means_the_bytes_are_in_place(pair):
+    """A read's bytes are in place when its future completes, and a writer may reuse its
+    buffer at once: shm's CUDA IPC copies finish after the RMA completes (the engine fences
+    them; without the fence a quarter to a half of each 256 MiB had landed)."""
+    a, b, _ = pair
+    n = 64 << 20
+    remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (n,), fill=0.0, device=PEER_GPU))
+    out = torch.zeros(n, device="cuda:0")
+    src = torch.zeros(n, device="cuda:0")
+    a.register(out)
+    a.register(src)
+    for k in (1.0, 2.0, 3.0):
+        b.call(fill_target, "t", k)
+        a.read_slices(out, remote).wait()
+        assert (out == k).all()  # on this process's stream, right after completion
+        src.fill_(-k)
+        a.write_slices(src, remote).wait()
+        src.fill_(0.0)  # reused at once
+        assert b.call(target_equals, "t", -k)
+
+
 def test_staging_pool_much_smaller_than_the_transfer():
     with Peer() as b, p2p.Engine("cuda:0", **engine_kwargs("tcp", staging_bytes=512 << 10,
                                                         staging_slot_bytes=256 << 10)) as a:
@@ -181,3 +211,21 @@ def test_vmm_memory_registers_or_says_what_to_change():
         b.call(helpers.start_engine, provider, device="cuda:0")
         outcome = b.call(register_vmm)
         assert outcome == "registered" or "expandable" in outcome, outcome
+
+
+@pytest.mark.skipif(not shm_has_hmem(), reason="this libfabric has no CUDA support for shm")
+@pytest.mark.parametrize("first", ["staged", "direct"])
+def test_target_with_a_second_engine_takes_host_writes_into_gpu(first):
+    """benchmarks/remote_gpu.py's server: an engine closed, another opened in the same process,
+    then host memory written into its GPU memory over shm."""
+    with Peer() as b, p2p.Engine("cuda:0", **engine_kwargs("shm")) as a:
+        b.call(helpers.start_engine, "shm", device=PEER_GPU, data_path=first)
+        old = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "old", (1 << 14,), fill=POISON, device=PEER_GPU))
+        src = random_like((1 << 14,), "cpu", 8)
+        a.register(src)
+        a.write_slices(src, old).wait()
+        b.call(helpers.close_engine)
+        b.call(helpers.start_engine, "shm", device=PEER_GPU)
+        remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (1 << 14,), fill=POISON, device=PEER_GPU))
+        a.write_slices(src, remote).wait()
+        assert torch.equal(b.call(helpers.fetch, "t"), src)

@@ -29,6 +29,8 @@ _ENV_TUNING = {  # environment variable -> engine setting, for benchmarks and te
     "TORCH_P2P_POST_BATCH": "post_batch",
     "TORCH_P2P_SPIN_US": "spin_us",
     "TORCH_P2P_RAIL_THREADS": "rail_threads",
+    "TORCH_P2P_STAGING_BYTES": "staging_bytes",
+    "TORCH_P2P_STAGING_SLOT_BYTES": "staging_slot_bytes",
 }
 
 _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()

@@ -81,6 +81,13 @@ class CudaCopier final : public Copier {
   }
   void destroy_event(void* event) override { cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
 
+  void* record_provider_event() override {
+    cudaEvent_t ev;
+    CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    note(cudaEventRecord(ev, cudaStreamLegacy));
+    return ev;
+  }
+
   void* alloc_pinned(size_t bytes) override {
     void* p = nullptr;
     CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped),

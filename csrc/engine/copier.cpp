@@ -22,6 +22,7 @@ class HostCopier final : public Copier {
   std::string error() const override { return {}; }
   bool event_done(void*) override { return true; }
   void destroy_event(void*) override {}
+  void* record_provider_event() override { return nullptr; }
   void* alloc_pinned(size_t bytes) override {
     void* p = nullptr;
     P2P_CHECK(posix_memalign(&p, 4096, bytes) == 0, ErrorKind::Generic, "cannot allocate ",

@@ -31,6 +31,9 @@ class Copier {
   // The caller's event, recorded at submit time: has its work finished? Frees nothing.
   virtual bool event_done(void* event) = 0;
   virtual void destroy_event(void* event) = 0;
+  // An event after the copies this thread's provider queued on the legacy default stream
+  // (shm's CUDA IPC path), for event_done(); null where there can be none (host engines).
+  virtual void* record_provider_event() = 0;
   // Page-aligned memory that NICs and (for CUDA) DMA engines can use.
   virtual void* alloc_pinned(size_t bytes) = 0;
   virtual void free_pinned(void* ptr) = 0;

@@ -24,6 +24,9 @@ enum class MsgType : uint8_t {
   StageAck = 9,  // body: request id, status kind, status message
   RegionClosed = 10,     // body: region id. The owner is deregistering it: refuse new transfers
   RegionReleased = 11,   // body: region id. Nothing of the sender's still flows into it
+  Fence = 12,     // body: transfer id. Answered once the CUDA copies the receiver's provider
+                  // queued for the sender's RMA have finished (shm CUDA IPC, see fence())
+  FenceAck = 13,  // body: transfer id
 };
 
 // Every message starts with the sender's incarnation and the incarnation it is meant for, so a

@@ -167,6 +167,12 @@ void Worker::on_message(const char* data, size_t len) {
       case MsgType::StageAck:
         on_stage_ack(r);
         break;
+      case MsgType::Fence:
+        on_fence(p, r);
+        break;
+      case MsgType::FenceAck:
+        on_fence_ack(p, r);
+        break;
       case MsgType::RegionClosed:
         on_region_closed(p, r.get<uint64_t>());
         break;

@@ -187,8 +187,61 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
   if (!t.status.ok() && !t.reported) {
     finish(t, t.status);  // fail fast; what is still in flight drains in the background
   } else if (t.generated && t.pending == 0) {
+    if (t.status.ok() && !t.fenced && needs_fence(t)) return fence(t);
     finish(t, t.status);
   }
+  maybe_free(t);
+}
+
+// NOTE: shm's CUDA IPC path (libfabric 2.6) completes an RMA once the target has queued its
+// cudaMemcpy, which CUDA runs asynchronously for device-to-device copies. Measured on the
+// GPU machine, 256 MiB at a time: at completion 25-58% of a read had landed, and a writer
+// reusing its buffer at once changed 28-77% of what the target got (libfabric issue 11231 is
+// the same bug). So the transfer completes only when the peer answers a Fence, which it does
+// once the copies its provider queued before it are done; the Fence comes after the RMA in
+// the peer's command queue.
+bool Worker::needs_fence(const Transfer& t) const {
+  if (t.kind == TransferKind::Message || t.staged || !rails_[0].rail->cuda_ipc()) return false;
+  return std::any_of(t.local.begin(), t.local.end(), [](const auto& r) { return r->cuda_device >= 0; });
+}
+
+void Worker::fence(Transfer& t) {
+  t.fenced = t.fencing = true;  // stays in transfers_: a failing peer or the deadline fails it
+  ByteWriter w = message(MsgType::Fence, *t.peer);
+  w.put(t.id);
+  send_control(*t.peer, std::move(w));
+}
+
+void Worker::on_fence(Peer& p, ByteReader& r) {
+  fences_.push_back({copier_->record_provider_event(), p.incarnation, r.get<uint64_t>()});
+}
+
+void Worker::poll_fences() {
+  for (size_t i = 0; i < fences_.size();) {
+    PendingFence& f = fences_[i];
+    if (f.event && !copier_->event_done(f.event)) {
+      ++i;
+      continue;
+    }
+    if (f.event) copier_->destroy_event(f.event);
+    auto it = peers_.find(f.peer);
+    if (it != peers_.end() && it->second->state == PeerState::Ready) {
+      ByteWriter w = message(MsgType::FenceAck, *it->second);
+      w.put(f.transfer);
+      send_control(*it->second, std::move(w));
+    }
+    fences_[i] = fences_.back();
+    fences_.pop_back();
+  }
+}
+
+void Worker::on_fence_ack(Peer& p, ByteReader& r) {
+  auto it = transfers_.find(r.get<uint64_t>());
+  if (it == transfers_.end()) return;
+  Transfer& t = *it->second;
+  if (t.peer != &p || !t.fencing) return;
+  t.fencing = false;
+  finish(t, t.status);
   maybe_free(t);
 }
 

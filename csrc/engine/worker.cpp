@@ -320,6 +320,7 @@ void Worker::run(std::promise<void>& ready) {
     bool busy = drain_commands();
     busy |= poll_rails();
     poll_copies();
+    poll_fences();
     busy |= generate();
     busy |= flush_outbox();
     busy |= post_ops();
@@ -363,7 +364,7 @@ void Worker::idle_wait() {
   bool can_sleep = !pending && !stopping_.load();
   for (auto& d : drivers_) can_sleep = can_sleep && !d->has_events();
   // Nothing wakes us when a CUDA copy or the caller's stream event completes: keep polling.
-  can_sleep = can_sleep && copying_.empty() && (gen_queue_.empty() || !gen_queue_.front()->cuda_event);
+  can_sleep = can_sleep && copying_.empty() && fences_.empty() && (gen_queue_.empty() || !gen_queue_.front()->cuda_event);
   bool all_fds = true;
   for (auto& rs : rails_) all_fds &= rs.driver || rs.rail->wait_fd() >= 0;
   // With wait fds, sleep only if no rail has events pending (trywait); without, nap.

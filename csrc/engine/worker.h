@@ -48,7 +48,7 @@ struct WorkerConfig {
   double peer_timeout_s = 10;        // silence after which a peer with work is dead
   size_t staging_bytes = 64 << 20;   // pinned host memory for the staged path, both halves
   size_t slot_bytes = 4 << 20;
-  size_t max_chunk = 4 << 20;        // largest single RMA
+  size_t max_chunk = 4 << 20;        // largest single RMA (64 MiB on shm: bindings.cpp)
   size_t min_chunk = 64 << 10;       // a run is split over rails only above this
   size_t piece_bytes = size_t{2} << 30;  // largest single registration
   size_t tx_depth = 0;               // posted ops per rail, 0 = the provider's tx size
@@ -126,6 +126,8 @@ struct Transfer final : OpOwner {
   bool queued = false;     // in the generation queue
   bool reported = false;   // the future has its result
   bool notify_sent = false;
+  bool fenced = false;   // a Fence went to the peer (fence())
+  bool fencing = false;  // its FenceAck is still due
   Status status;
 
   void op_done(Worker& worker, Op& op, const Status& status) override;
@@ -210,6 +212,11 @@ class Worker {
 
   // Used by op owners (worker thread).
   void transfer_op_done(Transfer& t, const Status& status);
+  bool needs_fence(const Transfer& t) const;
+  void fence(Transfer& t);
+  void on_fence(Peer& p, ByteReader& r);
+  void on_fence_ack(Peer& p, ByteReader& r);
+  void poll_fences();
   void job_op_done(SlotJob& job, const Status& status);
   double now() const;
   void report(uint64_t id, Status status, std::string payload = {}, std::string address = {});
@@ -382,6 +389,12 @@ class Worker {
   Ring<uint64_t> serve_queue_;        // ids of requests waiting for a serve slot
   Ring<Transfer*> slot_waiters_;      // staged transfers waiting for an initiator slot
   std::vector<SlotJob*> copying_;
+  struct PendingFence {
+    void* event;  // after the provider's copies (Copier::record_provider_event)
+    uint64_t peer;
+    uint64_t transfer;
+  };
+  std::vector<PendingFence> fences_;  // peers' Fences, answered when their event is done
   Ring<SlotJob*> job_gen_queue_;
   uint64_t next_request_ = 1;
   void* slot_memory_ = nullptr;

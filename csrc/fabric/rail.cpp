@@ -36,14 +36,13 @@ uint64_t random_key(size_t key_size) {
   return key;
 }
 
-// NOTE: FI_HMEM_DEVICE_ONLY (what fabtests passes) makes shm move GPU memory by CUDA IPC:
-// 292 GB/s for 64 MiB GPU-to-GPU writes on the GPU machine against 2 GB/s through its host
-// bounce buffers. But in that run a test of strided GPU views failed its data check and the
-// remote-GPU benchmark saw FI_EIO, unexplained: opt-in (TORCH_P2P_HMEM_DEVICE_ONLY=1) until
-// it is understood.
-uint64_t hmem_flags() {
+// NOTE: FI_HMEM_DEVICE_ONLY on CUDA registrations (what fabtests passes) makes shm move GPU
+// memory by CUDA IPC: over 290 GB/s GPU to GPU on the GPU machine, against 2 GB/s through
+// its host bounce buffers. Its RMA completes before the data lands (see Worker::fence()).
+// TORCH_P2P_HMEM_DEVICE_ONLY=0 turns it off.
+bool wants_cuda_ipc(const std::string& prov) {
   const char* env = std::getenv("TORCH_P2P_HMEM_DEVICE_ONLY");
-  return env && std::string(env) == "1" ? FI_HMEM_DEVICE_ONLY : 0;
+  return prov == "shm" && !(env && std::string(env) == "0");
 }
 
 // NOTE: shm names an endpoint's shared-memory file after the process id ("<pid>:<uid>:<n>" in
@@ -125,6 +124,7 @@ Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port) : info_(for_rail(
   const bool shm_fast = prov == "shm" && shm_fast_rma();
   host_completion_flags_ = shm_fast ? 0 : completion_flags_;
   peers_must_release_ = prov == "shm";
+  cuda_ipc_ = wants_cuda_ipc(prov);
   // Several segments per op cut the per-op cost of small pages (tcp allows 4). Not on the shm
   // fast path: it takes one remote segment only.
   max_iov_ = shm_fast ? 1 : std::max<size_t>(1, std::min(info_->tx_attr->iov_limit, info_->tx_attr->rma_iov_limit));
@@ -181,7 +181,7 @@ MrHandle Rail::register_memory(void* ptr, size_t len, uint64_t access, int cuda_
   // duplicate with -FI_ENOKEY): draw another on collision.
   for (int attempt = 0; attempt < 8; ++attempt) {
     attr.requested_key = random_key(info_->domain_attr->mr_key_size);
-    rc = fi_mr_regattr(domain_, &attr, cuda_device >= 0 ? hmem_flags() : 0, &h.mr);
+    rc = fi_mr_regattr(domain_, &attr, cuda_device >= 0 && cuda_ipc_ ? FI_HMEM_DEVICE_ONLY : 0, &h.mr);
     if (rc != -FI_ENOKEY) break;
   }
   FI_CHECK(rc, "registering ", len, " bytes of ", cuda_device >= 0 ? "CUDA" : "host",

@@ -62,6 +62,9 @@ class Rail {
   // (libfabric 1.17), whose fast RMA path checks nothing at the target, and whose checked
   // path, refusing an RMA, never completes it at the initiator (its channel to us wedges).
   bool peers_must_release() const { return peers_must_release_; }
+  // True where an RMA from or to CUDA memory may complete before the target's CUDA copy has
+  // landed: shm moving GPU memory by CUDA IPC.
+  bool cuda_ipc() const { return cuda_ipc_; }
   ssize_t send(void* buf, size_t len, void* desc, fi_addr_t dest, void* context);
   ssize_t recv(void* buf, size_t len, void* desc, void* context);
 
@@ -89,6 +92,7 @@ class Rail {
   uint64_t host_completion_flags_ = 0;  // for writes from host memory
   size_t max_iov_ = 1;
   bool peers_must_release_ = false;
+  bool cuda_ipc_ = false;
   std::string address_;
   struct AvEntry {
     fi_addr_t addr;
