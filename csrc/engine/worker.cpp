@@ -657,7 +657,13 @@ void Worker::shutdown() {
   drivers_.clear();  // joins the rail threads before their rails go
   for (auto& rs : rails_) rs.driver = nullptr;
   rails_.clear();  // closes the endpoints: nothing posted completes after this
+  // CUDA events still held: transfers' stream events and peers' unanswered fences.
+  for (auto& [id, t] : transfers_)
+    if (t->cuda_event) copier_->destroy_event(t->cuda_event);
   transfers_.clear();
+  for (const PendingFence& f : fences_)
+    if (f.event) copier_->destroy_event(f.event);
+  fences_.clear();
   jobs_.clear();
   if (slot_memory_) copier_->free_pinned(slot_memory_);
   slots_.clear();
