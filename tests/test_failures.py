@@ -157,7 +157,7 @@ SHM_HOL = ("BUG (shm provider, libfabric 1.17): one hung peer stalls our operati
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_hung_peer_is_declared_dead(provider):
     """b stops (SIGSTOP) with our write in flight: the write fails with PeerError within
-    peer_timeout + margin (pings go unanswered). Once b runs again, an explicit connect()
+    peer_timeout + margin (its checks go unanswered). Once b runs again, an explicit connect()
     brings it back."""
     with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=PEER_TIMEOUT)) as a, Peer() as b:
         address = b.call(ph.start_engine, provider, peer_timeout=PEER_TIMEOUT)

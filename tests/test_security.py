@@ -270,12 +270,10 @@ def test_staged_owner_refuses(staged_target, case):
 # -- peer identity --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.xfail(strict=True, reason="BUG: peers are identified by incarnation alone "
-                   "(Worker::peer_for: peers_.find(a.incarnation)); the first address seen for an "
-                   "incarnation wins and later addresses with other rails are ignored, so one forged "
-                   "address or handle owner naming a real peer's incarnation (public: it is in its "
-                   "address) makes that peer unreachable from this engine for good")
 def test_forged_address_of_a_known_incarnation_does_not_hijack_the_peer(provider):
+    """An incarnation is public (it is in the address). A forged address naming b's incarnation
+    at other endpoints, used first, must not make b unreachable; used once b has answered, it is
+    refused with a ValueError and b is not disturbed; a handle whose owner is forged likewise."""
     with _initiator(provider) as a, Peer() as b:
         address = b.call(ph.start_engine, provider)
         forged = ph.Address.parse(address)
@@ -289,3 +287,15 @@ def test_forged_address_of_a_known_incarnation_does_not_hijack_the_peer(provider
         errors = ph.wait_all([a.connect(address), a.send(address, b"the real one")], PEER_TIMEOUT + 5)
         assert errors == [None, None], errors
         assert b.call(ph.recv, 5)[1] == b"the real one"
+        # b has answered from its endpoints: the forgery is now refused outright.
+        with pytest.raises(ValueError, match="other endpoints"):
+            p2p.wait(a.connect(forged.encode()), 5)
+        real = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", 64))
+        buf = torch.arange(64, dtype=torch.uint8)
+        a.register(buf)
+        with pytest.raises(ValueError, match="other endpoints"):
+            p2p.wait(a.write_slices(buf, [ph.tampered(real, owner=forged.encode())]), 5)
+        p2p.wait(a.write_slices(buf, [real]), 10)
+        assert b.call(ph.checksum, "t") == ph.zlib.crc32(bytes(range(64)))
+        p2p.wait(a.send(address, b"still the real one"), 10)
+        assert b.call(ph.recv, 5)[1] == b"still the real one"

@@ -247,7 +247,9 @@ class Engine:
         return self._call(lambda fid: self._c.disconnect(fid, _address(address)))
 
     def send(self, address: bytes, payload: bytes, *, timeout: float | None = None) -> torch.futures.Future:
-        """Sends a message (any size up to 1 GiB); per-peer order is kept."""
+        """Sends a message (any size up to 1 GiB); per-peer order is kept. The future completes
+        once the peer's engine has the message (it answers), so a message that a restarted
+        peer's new process drops fails with ``PeerError`` instead of passing as sent."""
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"payload must be bytes, not {type(payload).__name__}")
         return self._call(lambda fid: self._c.send(fid, _address(address), bytes(payload), _worker_timeout(timeout)))

@@ -16,16 +16,16 @@ enum class MsgType : uint8_t {
   Hello = 1,     // body: sender address. Introduces the sender (target AV insert) first.
   HelloAck = 2,  // body: responder address, echoed expected incarnation
   Bye = 3,       // the sender leaves; nothing follows
-  Ping = 4,
-  Pong = 5,
+  // 4, 5: retired (Ping, Pong); a HELLO checks a peer, since anyone at its address can answer one
   User = 6,      // body: message id, total length, offset, fragment bytes
   Notify = 7,    // body: tag, status kind, status message
   StageReq = 8,  // body: see staging.cpp
   StageAck = 9,  // body: request id, status kind, status message
   RegionClosed = 10,     // body: region id. The owner is deregistering it: refuse new transfers
   RegionReleased = 11,   // body: region id. Nothing of the sender's still flows into it
-  Fence = 12,     // body: transfer id. Answered once the CUDA copies the receiver's provider
-                  // queued for the sender's RMA have finished (shm CUDA IPC, see fence())
+  Fence = 12,     // body: transfer id, whether to wait for CUDA copies. Answered once the
+                  // receiver has handled what the sender sent before it and, if asked, once the
+                  // CUDA copies its provider queued for the sender's RMA are done (see fence())
   FenceAck = 13,  // body: transfer id
 };
 
@@ -61,6 +61,8 @@ inline MsgHeader read_header(ByteReader& r) {
 }
 
 constexpr size_t kHeaderBytes = 4 + 1 + 1 + 8 + 8;
+
+inline MsgType type_of(std::string_view message) { return static_cast<MsgType>(message.at(5)); }
 constexpr size_t kUserFragmentBytes = kMessageBytes - kHeaderBytes - 4 - 8 - 8 - 4;
 
 }  // namespace p2p::engine

@@ -43,6 +43,7 @@ struct Op {
   bool posted = false;
   bool orphaned = false;     // its peer was declared dead while it was posted
   bool farewell = false;     // a BYE: posted although its peer is marked Left
+  bool hello = false;        // a HELLO: whether it got through decides its peer's fate
   bool device = false;       // local memory is GPU memory (completion semantics differ on shm)
   OpOwner* owner = nullptr;
   Peer* peer = nullptr;

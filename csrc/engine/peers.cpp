@@ -2,6 +2,7 @@
 // liveness and failure. No world: a peer is whoever we were given an address of, or whoever
 // introduced itself.
 #include <algorithm>
+#include <cerrno>
 
 #include "common/log.h"
 #include "engine/staging.h"
@@ -22,6 +23,9 @@ ByteWriter Worker::message(MsgType type, const Peer& to) const {
 
 // Finds or creates the peer behind an engine address. A new peer gets its rails inserted in
 // every local rail's address vector, then a HELLO; transfers to it wait for the answer.
+// An incarnation is one process, at one set of rails. Once it has answered from its rails, an
+// address naming it at others is forged or corrupt and is refused; until then, addresses are
+// only claims (the first one may have been the forgery), and the newest is tried.
 Peer* Worker::peer_for(const std::string& address_bytes, bool explicit_connect) {
   EngineAddress a = EngineAddress::decode(address_bytes);
   P2P_CHECK(a.provider == provider_, ErrorKind::Value, "the peer uses provider ", a.provider,
@@ -29,27 +33,42 @@ Peer* Worker::peer_for(const std::string& address_bytes, bool explicit_connect) 
   auto it = peers_.find(a.incarnation);
   if (it != peers_.end()) {
     Peer& p = *it->second;
-    if (p.failed() && (explicit_connect || p.revivable)) revive(p);
+    if (p.address.rails != a.rails) {
+      P2P_CHECK(!p.confirmed, ErrorKind::Value, "the address names ", describe(p), ", which answered "
+                "this engine from other endpoints: a forged or corrupt address or handle");
+      readdress(p, std::move(a), address_bytes);
+      revive(p);
+    } else if (p.failed() && (explicit_connect || p.revivable)) {
+      revive(p);
+    }
     return &p;
   }
   auto owned = std::make_unique<Peer>();
   Peer& p = *owned;
-  p.address = std::move(a);
-  p.address_bytes = address_bytes;
-  p.incarnation = p.address.incarnation;
-  const size_t R = p.remote_rails();
-  p.fi.reserve(rails_.size() * R);
-  for (auto& rs : rails_)
-    for (size_t r = 0; r < R; ++r) p.fi.push_back(rs.rail->insert(p.address.rails[r]));
+  p.incarnation = a.incarnation;
+  readdress(p, std::move(a), address_bytes);
   peers_.emplace(p.incarnation, std::move(owned));
   revive(p);
   return &p;
+}
+
+void Worker::readdress(Peer& p, EngineAddress a, const std::string& address_bytes) {
+  std::vector<fi_addr_t> fi;
+  fi.reserve(rails_.size() * a.rails.size());
+  for (auto& rs : rails_)
+    for (const std::string& rail : a.rails) fi.push_back(rs.rail->insert(rail));
+  p.fi = std::move(fi);
+  p.address = std::move(a);
+  p.address_bytes = address_bytes;
 }
 
 void Worker::revive(Peer& p) {
   p.state = PeerState::Connecting;
   p.failure = Status{};
   p.revivable = false;
+  p.checking = false;
+  p.hello_failures = 0;
+  p.hello_again = 0;
   p.last_heard = now();
   p.connect_deadline = p.last_heard + config_.peer_timeout_s;
   send_hello(p);
@@ -60,6 +79,35 @@ void Worker::send_hello(Peer& p) {
   w.put_bytes(address_);
   put_census(w);
   send_control(p, std::move(w));
+}
+
+// Asks a Ready peer to introduce itself again, after one of our ops to it failed (a refusal
+// or a lost connection) or after a silence: the answer says whether it is still there and
+// still the same process. A HELLO rather than a ping, since a process that replaced it at
+// its address does not know us and can answer only a message that carries our address.
+void Worker::check(Peer& p, double deadline) {
+  if (p.state != PeerState::Ready || p.checking) return;
+  p.checking = true;
+  p.hello_failures = 0;
+  p.hello_again = 0;
+  p.check_deadline = deadline;
+  send_hello(p);
+}
+
+// NOTE: on tcp;ofi_rxm every peer named by one network address shares a connection, and a
+// refused RMA makes the provider drop it: HELLOs posted during the teardown fail with
+// FI_ENOTCONN / EPIPE (measured, test_restart_old_handle_used_first: about 1 run in 6, and
+// four HELLOs in a row when sent at once). Those are sent again after a growing pause until
+// the peer's deadline; any other failure (nobody listening, say) is final.
+void Worker::on_hello_failed(Peer& p, int err, int prov_errno, const Status& status) {
+  const auto tearing_down = [](int e) { return e == FI_ENOTCONN || e == EPIPE || e == FI_ECONNRESET || e == FI_ECONNABORTED; };
+  const bool transient = tearing_down(err) || (err == FI_ECANCELED && tearing_down(prov_errno));
+  if (p.failed() || !p.waits()) return;
+  const double t = now(), deadline = p.checking ? p.check_deadline : p.connect_deadline;
+  const double pause = std::min(0.5, 0.01 * (1 << std::min(p.hello_failures++, 6)));
+  if (!transient || t + pause >= deadline) return fail_peer(p, status);
+  P2P_LOG(Info, "introducing ourselves to ", describe(p), " again in ", pause, " s after: ", status.message);
+  p.hello_again = t + pause;
 }
 
 void Worker::connect(uint64_t id, const std::string& address) {
@@ -121,6 +169,7 @@ bool Worker::flush_outbox() {
     op->set_buffer(dst, out.bytes.size(), control_mr_[0].desc);
     op->dest = out.peer->fi[0];  // local rail 0 -> remote rail 0
     op->farewell = out.farewell;
+    op->hello = type_of(out.bytes) == MsgType::Hello;
     // A HELLO or BYE must reach a peer that is not (or no longer) Ready; everything else to
     // a failed peer is dropped by post_ops().
     rs.pending.push_back(op);
@@ -137,7 +186,8 @@ void Worker::on_message(const char* data, size_t len) {
   try {
     const MsgHeader h = read_header(r);
     if (h.type == MsgType::Hello || h.type == MsgType::HelloAck) return on_hello(h, r, h.type == MsgType::HelloAck);
-    if (h.to != incarnation_) return;  // meant for an earlier process at this address
+    if (h.to != incarnation_) return;  // meant for an earlier process at this address: its
+                                       // sender finds out by a check (check())
     auto it = peers_.find(h.from);
     if (it == peers_.end()) return;    // never introduced: drop
     Peer& p = *it->second;
@@ -146,14 +196,6 @@ void Worker::on_message(const char* data, size_t len) {
     switch (h.type) {
       case MsgType::Bye:
         fail_peer(p, Status::error(ErrorKind::Peer, cat(describe(p), " left")), PeerState::Left);
-        break;
-      case MsgType::Ping: {
-        ByteWriter w = message(MsgType::Pong, p);
-        w.put(r.get<uint64_t>());
-        send_control(p, std::move(w));
-        break;
-      }
-      case MsgType::Pong:
         break;
       case MsgType::User:
         on_user(p, r);
@@ -197,15 +239,20 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
   if (a.incarnation != h.from) r.fail("sender does not match its address");
   if (ack) {
     auto it = peers_.find(expected);
-    if (it == peers_.end() || it->second->state != PeerState::Connecting) return;
+    if (it == peers_.end() || !it->second->waits()) return;
     Peer& p = *it->second;
-    read_census(p, r);
     if (h.from != expected) {
+      if (a.rails[0] != p.address.rails[0]) return;  // from an address it no longer has
       return fail_peer(p, Status::error(ErrorKind::Peer,
                                         cat(describe(p), " restarted: the process at its address is now "
                                             "incarnation ", hex(h.from),
                                             "; handles from the old process are void")));
     }
+    if (a.rails != p.address.rails) {  // the process itself says where it is
+      if (p.confirmed) return;
+      readdress(p, std::move(a), address);
+    }
+    read_census(p, r);
     p.last_heard = now();
     return peer_ready(p);
   }
@@ -229,13 +276,24 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
   w.put(h.to);
   put_census(w);
   send_control(*p, std::move(w));
-  if (p->state != PeerState::Ready) peer_ready(*p);
+  if (p->waits()) peer_ready(*p);
 }
 
+// The peer answered as itself: what waited on that goes on, and transfers held for a check
+// report their own failure (the peer did not restart).
 void Worker::peer_ready(Peer& p) {
   p.state = PeerState::Ready;
+  p.checking = false;
+  p.confirmed = true;
   for (uint64_t id : p.connect_waiters) report(id, Status{});
   p.connect_waiters.clear();
+  std::vector<Transfer*> held;
+  for (auto& [id, t] : transfers_)
+    if (t->peer == &p && t->held) held.push_back(t.get());
+  for (Transfer* t : held) {
+    t->held = false;
+    fail(*t, t->status);
+  }
   std::vector<Transfer*> waiting;
   waiting.swap(p.waiting);
   for (Transfer* t : waiting) {
@@ -252,12 +310,16 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   P2P_LOG(Info, "peer ", hex(p.incarnation), " is gone: ", why.message);
   p.state = state;
   p.failure = why;
+  p.checking = false;
   for (uint64_t id : p.connect_waiters) report(id, why);
   p.connect_waiters.clear();
   std::vector<Transfer*> affected;
   for (auto& [id, t] : transfers_)
     if (t->peer == &p && !t->reported) affected.push_back(t.get());
-  for (Transfer* t : affected) fail(*t, why);
+  for (Transfer* t : affected) {
+    if (t->held) t->status = why;  // what the check found out is the answer
+    fail(*t, why);
+  }
   fail_jobs_of(p, why);
   // Posted ops to a dead peer may never complete (shm): their owners hear now and the credits
   // return; a completion that still arrives only frees the op.
@@ -283,31 +345,24 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   }
 }
 
-void Worker::ping(Peer& p) {
-  const double t = now();
-  if (t - p.last_ping < 0.05) return;  // one probe in flight is enough
-  ByteWriter w = message(MsgType::Ping, p);
-  w.put(++ping_nonce_);
-  send_control(p, std::move(w));
-  p.last_ping = t;
-}
-
 void Worker::check_peers() {
   const double t = now(), timeout = config_.peer_timeout_s;
   std::vector<std::pair<Peer*, Status>> dead;
   for (auto& [inc, owned] : peers_) {
     Peer& p = *owned;
+    if (p.hello_again > 0 && t >= p.hello_again) {
+      p.hello_again = 0;
+      if (p.waits()) send_hello(p);
+    }
     if (p.state == PeerState::Connecting && t > p.connect_deadline) {
       dead.push_back({&p, Status::error(ErrorKind::Peer, cat(describe(p), " did not answer within ",
                                                               timeout, " s (peer_timeout)"))});
-    } else if (p.state == PeerState::Ready && p.busy > 0) {
+    } else if (p.checking && t > p.check_deadline) {
+      dead.push_back({&p, Status::error(ErrorKind::Peer, cat(describe(p), " was silent for ", timeout,
+                                                              " s (peer_timeout): a check went unanswered"))});
+    } else if (p.state == PeerState::Ready && p.busy > 0 && t - p.last_heard > timeout / 4) {
       // Only a peer that something waits on is watched; an idle one costs nothing.
-      if (t - p.last_heard > timeout) {
-        dead.push_back({&p, Status::error(ErrorKind::Peer, cat(describe(p), " was silent for ",
-                                                                timeout, " s (peer_timeout)"))});
-      } else if (t - p.last_heard > timeout / 4 && t - p.last_ping > timeout / 4) {
-        ping(p);
-      }
+      check(p, p.last_heard + timeout);
     }
   }
   for (auto& [p, why] : dead) fail_peer(*p, why);

@@ -172,7 +172,7 @@ void Worker::on_stage_ack(ByteReader& r) {
 // Serving side.
 
 void Worker::send_ack(Peer& p, uint64_t request, const Status& status) {
-  if (p.state != PeerState::Ready) return;
+  if (p.failed()) return;
   ByteWriter w = message(MsgType::StageAck, p);
   w.put(request);
   w.put(static_cast<uint8_t>(status.kind));

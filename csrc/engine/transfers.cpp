@@ -35,7 +35,7 @@ void Worker::start(Transfer* raw) {
   Peer& p = *t.peer;
   ++p.busy;
   if (p.failed()) return fail(t, p.failure);
-  if (p.state == PeerState::Connecting) {
+  if (p.waits()) {
     p.waiting.push_back(&t);  // the census comes with the peer's answer
     return;
   }
@@ -183,9 +183,16 @@ Gen Worker::generate_message(Transfer& t) {
 void Worker::transfer_op_done(Transfer& t, const Status& status) {
   P2P_ASSERT(t.pending > 0);
   --t.pending;
-  if (!status.ok() && t.status.ok()) t.status = status;
+  if (!status.ok() && t.status.ok()) {
+    t.status = status;
+    // The peer may have refused the op, lost a connection, or been replaced at its address by
+    // a new process: the caller hears once a check of the peer tells which (op_failed()).
+    const bool telling = status.kind == ErrorKind::Peer || status.kind == ErrorKind::Remote;
+    t.held = telling && t.peer && !t.peer->failed();
+    if (t.held) check(*t.peer, now() + config_.peer_timeout_s);
+  }
   if (!t.status.ok() && !t.reported) {
-    finish(t, t.status);  // fail fast; what is still in flight drains in the background
+    if (!t.held) finish(t, t.status);  // fail fast; what is still in flight drains in the background
   } else if (t.generated && t.pending == 0) {
     if (t.status.ok() && !t.fenced && needs_fence(t)) return fence(t);
     finish(t, t.status);
@@ -193,14 +200,20 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
   maybe_free(t);
 }
 
-// NOTE: shm's CUDA IPC path (libfabric 2.6) completes an RMA once the target has queued its
-// cudaMemcpy, which CUDA runs asynchronously for device-to-device copies. Measured on the
-// GPU machine, 256 MiB at a time: at completion 25-58% of a read had landed, and a writer
-// reusing its buffer at once changed 28-77% of what the target got (libfabric issue 11231 is
-// the same bug). So the transfer completes only when the peer answers a Fence, which it does
-// once the copies its provider queued before it are done; the Fence comes after the RMA in
-// the peer's command queue.
-bool Worker::needs_fence(const Transfer& t) const {
+// A transfer completes only when the peer answers a Fence sent after it, where "sent" is not
+// enough:
+//  - A message: the future says the peer's engine has it. A process that took the peer's
+//    address drops it (it is meant for the old incarnation), and the unanswered Fence leads
+//    to a check that names the restart.
+//  - NOTE: shm's CUDA IPC path (libfabric 2.6) completes an RMA once the target has queued
+//    its cudaMemcpy, which CUDA runs asynchronously for device-to-device copies. Measured on
+//    the GPU machine, 256 MiB at a time: at completion 25-58% of a read had landed, and a
+//    writer reusing its buffer at once changed 28-77% of what the target got (libfabric issue
+//    11231 is the same bug). The peer answers such a Fence once the copies its provider
+//    queued before it are done; the Fence comes after the RMA in its command queue.
+bool Worker::needs_fence(const Transfer& t) const { return t.kind == TransferKind::Message || waits_for_copies(t); }
+
+bool Worker::waits_for_copies(const Transfer& t) const {
   if (t.kind == TransferKind::Message || t.staged || !rails_[0].rail->cuda_ipc()) return false;
   return std::any_of(t.local.begin(), t.local.end(), [](const auto& r) { return r->cuda_device >= 0; });
 }
@@ -209,11 +222,14 @@ void Worker::fence(Transfer& t) {
   t.fenced = t.fencing = true;  // stays in transfers_: a failing peer or the deadline fails it
   ByteWriter w = message(MsgType::Fence, *t.peer);
   w.put(t.id);
+  w.put<uint8_t>(waits_for_copies(t));
   send_control(*t.peer, std::move(w));
 }
 
 void Worker::on_fence(Peer& p, ByteReader& r) {
-  fences_.push_back({copier_->record_provider_event(), p.incarnation, r.get<uint64_t>()});
+  const uint64_t transfer = r.get<uint64_t>();
+  const bool copies = r.get<uint8_t>() != 0;
+  fences_.push_back({copies ? copier_->record_provider_event() : nullptr, p.incarnation, transfer});
 }
 
 void Worker::poll_fences() {
@@ -225,7 +241,7 @@ void Worker::poll_fences() {
     }
     if (f.event) copier_->destroy_event(f.event);
     auto it = peers_.find(f.peer);
-    if (it != peers_.end() && it->second->state == PeerState::Ready) {
+    if (it != peers_.end() && !it->second->failed()) {
       ByteWriter w = message(MsgType::FenceAck, *it->second);
       w.put(f.transfer);
       send_control(*it->second, std::move(w));
@@ -249,7 +265,7 @@ void Worker::finish(Transfer& t, Status status) {
   if (t.reported) return;
   if (t.status.ok() && !status.ok()) t.status = std::move(status);
   Peer* p = t.peer;
-  const bool peer_alive = p && p->state == PeerState::Ready;
+  const bool peer_alive = p && !p->failed();
   if (t.notify && !t.notify_sent && peer_alive) {
     // The receiver's notification completes with this status. On success the future waits
     // for the notice to leave, so "future done" implies "notice sent".

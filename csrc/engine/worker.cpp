@@ -449,25 +449,14 @@ void Worker::op_failed(Op* op, int err, int prov_errno, const std::string& messa
   const ErrorKind kind = classify(err, prov_errno);
   std::string who = peer ? cat(" to peer ", hex(peer->incarnation)) : std::string();
   Status status = Status::error(kind, cat(op_name(op->kind), who, " failed: ", message));
-  const bool control = op->kind == OpKind::Send, orphaned = op->orphaned;
+  const bool hello = op->hello, orphaned = op->orphaned;
   complete_op(op, status);
   if (!peer || orphaned || stopping_.load()) return;
-  // A failed control message means the connection is gone and so, usually, is the peer. But
-  // tcp;ofi_rxm drops the connection when the target refuses an RMA (a forged key, say): after
-  // a refusal we introduce ourselves again, and the peer is dead if that fails too or goes
-  // unanswered for peer_timeout. A failed RMA only fails its transfer: the owner may have
-  // refused it; a ping tells whether the peer itself still answers.
-  if (!control && kind == ErrorKind::Remote) peer->refused_at = now();
-  if (control && kind == ErrorKind::Peer) {
-    if (peer->state == PeerState::Ready && now() - peer->refused_at < config_.peer_timeout_s) {
-      P2P_LOG(Info, "reconnecting to peer ", hex(peer->incarnation), " after: ", status.message);
-      revive(*peer);
-    } else {
-      fail_peer(*peer, status);
-    }
-  } else if (peer->state == PeerState::Ready) {
-    ping(*peer);
-  }
+  // A failed op does not say whether its peer is gone: the owner may have refused an RMA (and
+  // tcp;ofi_rxm then drops the connection), or a new process may have taken its address. A
+  // HELLO finds out (check()); the peer is dead if that fails or goes unanswered.
+  if (hello) return on_hello_failed(*peer, err, prov_errno, status);
+  check(*peer, now() + config_.peer_timeout_s);
 }
 
 void Worker::complete_op(Op* op, const Status& status) {

@@ -128,6 +128,8 @@ struct Transfer final : OpOwner {
   bool notify_sent = false;
   bool fenced = false;   // a Fence went to the peer (fence())
   bool fencing = false;  // its FenceAck is still due
+  bool held = false;     // failed; the caller hears once a check of the peer tells whether it
+                         // restarted (check()), which then is the error reported
   Status status;
 
   void op_done(Worker& worker, Op& op, const Status& status) override;
@@ -144,15 +146,20 @@ struct Peer {
   Status failure;                // why Dead or Left
   std::vector<fi_addr_t> fi;     // [local rail * remote rails + remote rail]
   double last_heard = 0;
-  double last_ping = 0;
   double connect_deadline = 0;
+  // A HELLO to a Ready peer whose silence or failed op needs explaining. New transfers wait
+  // for the answer, as while Connecting; a different incarnation answering means it restarted.
+  bool checking = false;
+  double check_deadline = 0;
+  int hello_failures = 0;          // HELLOs lost to a connection being torn down, in a row
+  double hello_again = 0;          // when to send the next one, 0 = none due
+  bool confirmed = false;          // it answered from these rails: its address is settled
   std::vector<uint64_t> connect_waiters;
   std::vector<Transfer*> waiting;  // until Ready
   size_t busy = 0;                 // transfers, jobs and messages involving it
   uint64_t disconnect_id = 0;
   uint32_t next_message = 0;
   bool revivable = false;          // left by our own disconnect(): a later use reconnects
-  double refused_at = -1e300;      // when it last refused one of our RMAs
   std::unordered_set<uint64_t> closed_regions;  // its regions it told us it deregistered
   std::unordered_set<uint64_t> to_release;      // of those, the ones we still owe a release
   // Its live regions when it introduced itself: ids up to census_last not listed were gone.
@@ -164,6 +171,7 @@ struct Peer {
 
   uint16_t remote_rails() const { return static_cast<uint16_t>(address.rails.size()); }
   bool failed() const { return state == PeerState::Dead || state == PeerState::Left; }
+  bool waits() const { return state == PeerState::Connecting || checking; }  // new transfers wait
 };
 
 class Worker {
@@ -213,6 +221,7 @@ class Worker {
   // Used by op owners (worker thread).
   void transfer_op_done(Transfer& t, const Status& status);
   bool needs_fence(const Transfer& t) const;
+  bool waits_for_copies(const Transfer& t) const;
   void fence(Transfer& t);
   void on_fence(Peer& p, ByteReader& r);
   void on_fence_ack(Peer& p, ByteReader& r);
@@ -276,6 +285,7 @@ class Worker {
 
   // peers.cpp: connection, control messages, user messages, notifications, failure.
   Peer* peer_for(const std::string& address_bytes, bool explicit_connect);
+  void readdress(Peer& p, EngineAddress a, const std::string& address_bytes);
   void send_hello(Peer& p);
   // farewell: sent even though the peer is already marked Left (a BYE).
   void send_control(Peer& p, ByteWriter&& w, OpOwner* owner = nullptr, bool farewell = false);
@@ -290,7 +300,8 @@ class Worker {
   void finish_disconnect(Peer& p);
   void revive(Peer& p);
   void check_peers();
-  void ping(Peer& p);
+  void check(Peer& p, double deadline);
+  void on_hello_failed(Peer& p, int err, int prov_errno, const Status& status);
   void on_region_closed(Peer& p, uint64_t region);
   void put_census(ByteWriter& w) const;
   void read_census(Peer& p, ByteReader& r);
@@ -379,7 +390,6 @@ class Worker {
   std::unordered_map<uint32_t, NotifyState> notify_;
   double next_tick_ = 0;
   double idle_since_ = 0;
-  uint64_t ping_nonce_ = 0;
 
   // Staging (staging.cpp).
   std::unique_ptr<Copier> copier_;
