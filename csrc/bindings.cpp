@@ -95,6 +95,11 @@ PYBIND11_MODULE(_C, m) {
   m.attr("with_cuda") = false;
 #endif
 
+  m.def("libfabric_version", [] {
+    const uint32_t v = fi_version();
+    return py::make_tuple(FI_MAJOR(v), FI_MINOR(v));
+  }, "(major, minor) of the libfabric loaded at run time.");
+
   m.def("list_nics", [](const std::string& provider, bool want_hmem) {
     fabric::Offer offer = fabric::query(provider, want_hmem);
     py::list nics;

@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+import torch_p2p as p2p
+
 # Only loopback traffic in tests: tcp runs on the "lo" domain.
 PROVIDERS = {
     "tcp": dict(provider="tcp", domains=["lo"]),
@@ -12,6 +14,17 @@ PROVIDERS = {
 
 def engine_kwargs(provider: str, **extra) -> dict:
     return {**PROVIDERS[provider], **extra}
+
+
+# The shm bugs the tests mark were found in libfabric 1.17 (Debian's and Ubuntu's, what CI
+# runs). With a libfabric 2.6.0 built for a check they did not show, but shm crashed (SIGSEGV
+# in smr_ep_progress) in two cases: SHM_1 makes the former expected failures on 1.x only, and
+# SHM_2_CRASH skips the latter on 2.x.
+SHM_1 = p2p._C.libfabric_version() < (2, 0)
+SHM_2_CRASH_REASON = ("shm, libfabric 2.6.0: SIGSEGV in smr_ep_progress (it would kill the test run) "
+                      "when two engines of one process talk to each other, or when a peer's engine "
+                      "closed before we first addressed it. Not diagnosed: a libfabric bug or our use")
+SHM_2_CRASH = pytest.mark.skipif(not SHM_1, reason=SHM_2_CRASH_REASON)
 
 
 # The staged path on host memory drives the same protocol as GPU staging; small slots make

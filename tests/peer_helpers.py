@@ -207,8 +207,25 @@ def pattern(seed: int, nbytes: int) -> torch.Tensor:
 
 
 def stop(pid: int) -> None:
-    """SIGSTOP: the peer keeps its sockets and memory but makes no progress."""
+    """SIGSTOP: the peer keeps its sockets and memory but makes no progress. Returns once it
+    has stopped: kill() returns before that, and a write posted in between could still be
+    taken (seen: test_engine_usable_after_peer_died_mid_transfer, a "doomed" write that
+    succeeded, about 1 run in 6)."""
     os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if all(_task_state(pid, task) in ("T", "t", None) for task in os.listdir(f"/proc/{pid}/task")):
+            return
+        time.sleep(0.001)
+    raise TimeoutError(f"process {pid} did not stop within 5 s of SIGSTOP")
+
+
+def _task_state(pid: int, task: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # the thread exited
+        return None
 
 
 def resume(pid: int) -> None:

@@ -6,6 +6,9 @@ import torch
 
 with_cuda: bool
 
+def libfabric_version() -> tuple[int, int]:
+    """(major, minor) of the libfabric loaded at run time."""
+
 def list_nics(provider: str, want_hmem: bool) -> tuple[str, bool, list[dict[str, Any]]]:
     """(resolved provider, FI_HMEM granted, [{domain, fabric, pci, speed_bps}])."""
 

@@ -24,9 +24,13 @@ ByteWriter Worker::message(MsgType type, const Peer& to) const {
 // Finds or creates the peer behind an engine address. A new peer gets its rails inserted in
 // every local rail's address vector, then a HELLO; transfers to it wait for the answer.
 // An incarnation is one process, at one set of rails. Once it has answered from its rails, an
-// address naming it at others is forged or corrupt and is refused; until then, addresses are
-// only claims (the first one may have been the forgery), and the newest is tried.
-Peer* Worker::peer_for(const std::string& address_bytes, bool explicit_connect) {
+// address naming it at others is forged or corrupt and is refused. Until then addresses are
+// only claims (the first one may have been the forgery): another is tried once the attempt
+// under way has failed, or at once when the process itself introduces itself from it. One
+// attempt at a time: a fuzz run that handed connect() thousands of addresses of two
+// incarnations at dead ports, each starting a new HELLO, kept rail 0's 256 send buffers busy
+// and held up a real peer's introduction past peer_timeout (test_connect_survives_mutated_addresses).
+Peer* Worker::peer_for(const std::string& address_bytes, Contact how) {
   EngineAddress a = EngineAddress::decode(address_bytes);
   P2P_CHECK(a.provider == provider_, ErrorKind::Value, "the peer uses provider ", a.provider,
             " but this engine uses ", provider_, "; both ends need the same provider");
@@ -36,9 +40,12 @@ Peer* Worker::peer_for(const std::string& address_bytes, bool explicit_connect) 
     if (p.address.rails != a.rails) {
       P2P_CHECK(!p.confirmed, ErrorKind::Value, "the address names ", describe(p), ", which answered "
                 "this engine from other endpoints: a forged or corrupt address or handle");
+      P2P_CHECK(p.failed() || how == Contact::Introduction, ErrorKind::Value, "the address names ",
+                describe(p), " at other endpoints than the ones this engine is trying now; try it "
+                "again once that attempt has ended (within peer_timeout)");
       readdress(p, std::move(a), address_bytes);
       revive(p);
-    } else if (p.failed() && (explicit_connect || p.revivable)) {
+    } else if (p.failed() && (how != Contact::Implicit || p.revivable)) {
       revive(p);
     }
     return &p;
@@ -113,7 +120,7 @@ void Worker::on_hello_failed(Peer& p, int err, int prov_errno, const Status& sta
 void Worker::connect(uint64_t id, const std::string& address) {
   Peer* p;
   try {
-    p = peer_for(address, true);
+    p = peer_for(address, Contact::Connect);
   } catch (const Error& e) {
     return report(id, Status::error(e.kind(), e.what()));
   }
@@ -264,7 +271,7 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
   }
   Peer* p;
   try {
-    p = peer_for(address, true);  // no-op for a known peer; for a new one this sends our HELLO too
+    p = peer_for(address, Contact::Introduction);  // for a new peer this sends our HELLO too
   } catch (const Error& e) {
     P2P_LOG(Warn, "ignored an introduction: ", e.what());
     return;
@@ -343,6 +350,14 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
     report(p.disconnect_id, Status{});
     p.disconnect_id = 0;
   }
+}
+
+// Something now waits on the peer. Its silence counts from here, not from before: a peer idle
+// for longer than peer_timeout would otherwise be checked at once, with its deadline already
+// past (seen: test_restart_message_to_old_incarnation_fails under the sanitizers, with the
+// peer idle for over 3 s while the test started another process).
+void Worker::occupy(Peer& p) {
+  if (p.busy++ == 0) p.last_heard = std::max(p.last_heard, now());
 }
 
 void Worker::check_peers() {

@@ -239,7 +239,7 @@ void Worker::on_stage_request(Peer& p, ByteReader& r) {
     job.steps[1] = Step::RmaSlot;
   }
   job.steps[2] = Step::Ack;
-  ++p.busy;
+  occupy(p);
   jobs_.emplace(job.id, std::move(owned));
   ensure_slots();
   job.slot = take_slot(true);

@@ -28,12 +28,12 @@ void Worker::start(Transfer* raw) {
   }
   for (const auto& r : t.remote) t.staged |= r->staged;
   try {
-    t.peer = peer_for(t.peer_address, false);
+    t.peer = peer_for(t.peer_address, Contact::Implicit);
   } catch (const Error& e) {
     return fail(t, Status::error(e.kind(), e.what()));
   }
   Peer& p = *t.peer;
-  ++p.busy;
+  occupy(p);
   if (p.failed()) return fail(t, p.failure);
   if (p.waits()) {
     p.waiting.push_back(&t);  // the census comes with the peer's answer

@@ -145,7 +145,7 @@ struct Peer {
   PeerState state = PeerState::Connecting;
   Status failure;                // why Dead or Left
   std::vector<fi_addr_t> fi;     // [local rail * remote rails + remote rail]
-  double last_heard = 0;
+  double last_heard = 0;            // its last sign of life, or when we began waiting on it (occupy())
   double connect_deadline = 0;
   // A HELLO to a Ready peer whose silence or failed op needs explaining. New transfers wait
   // for the answer, as while Connecting; a different incarnation answering means it restarted.
@@ -284,7 +284,9 @@ class Worker {
   Op* new_op(OpKind kind, uint16_t rail, OpOwner* owner, Peer* peer);
 
   // peers.cpp: connection, control messages, user messages, notifications, failure.
-  Peer* peer_for(const std::string& address_bytes, bool explicit_connect);
+  // How an address reached peer_for(): a transfer's handle, connect(), or the process's own HELLO.
+  enum class Contact : uint8_t { Implicit, Connect, Introduction };
+  Peer* peer_for(const std::string& address_bytes, Contact how);
   void readdress(Peer& p, EngineAddress a, const std::string& address_bytes);
   void send_hello(Peer& p);
   // farewell: sent even though the peer is already marked Left (a BYE).
@@ -300,6 +302,7 @@ class Worker {
   void finish_disconnect(Peer& p);
   void revive(Peer& p);
   void check_peers();
+  void occupy(Peer& p);
   void check(Peer& p, double deadline);
   void on_hello_failed(Peer& p, int err, int prov_errno, const Status& status);
   void on_region_closed(Peer& p, uint64_t region);
