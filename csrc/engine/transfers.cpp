@@ -186,7 +186,7 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
   if (!status.ok() && t.status.ok()) {
     t.status = status;
     // The peer may have refused the op, lost a connection, or been replaced at its address by
-    // a new process: the caller hears once a check of the peer tells which (op_failed()).
+    // a new process: the caller hears once a check of the peer tells which (check()).
     const bool telling = status.kind == ErrorKind::Peer || status.kind == ErrorKind::Remote;
     t.held = telling && t.peer && !t.peer->failed();
     if (t.held) check(*t.peer, now() + config_.peer_timeout_s);
@@ -211,7 +211,9 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
 //    writer reusing its buffer at once changed 28-77% of what the target got (libfabric issue
 //    11231 is the same bug). The peer answers such a Fence once the copies its provider
 //    queued before it are done; the Fence comes after the RMA in its command queue.
-bool Worker::needs_fence(const Transfer& t) const { return t.kind == TransferKind::Message || waits_for_copies(t); }
+bool Worker::needs_fence(const Transfer& t) const {
+  return t.kind == TransferKind::Message || waits_for_copies(t);
+}
 
 bool Worker::waits_for_copies(const Transfer& t) const {
   if (t.kind == TransferKind::Message || t.staged || !rails_[0].rail->cuda_ipc()) return false;
