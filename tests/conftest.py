@@ -21,9 +21,11 @@ def engine_kwargs(provider: str, **extra) -> dict:
 # in smr_ep_progress) in two cases: SHM_1 makes the former expected failures on 1.x only, and
 # SHM_2_CRASH skips the latter on 2.x.
 SHM_1 = p2p._C.libfabric_version() < (2, 0)
-SHM_2_CRASH_REASON = ("shm, libfabric 2.6.0: SIGSEGV in smr_ep_progress (it would kill the test run) "
-                      "when two engines of one process talk to each other, or when a peer's engine "
-                      "closed before we first addressed it. Not diagnosed: a libfabric bug or our use")
+SHM_2_CRASH_REASON = ("shm, libfabric 2.6.0: SIGSEGV in shm's progress (it would kill the test run) "
+                      "when two engines of one process talk to each other (a returned command's "
+                      "address is built from the receiver's mapping of the sender before it has one: "
+                      "the pointer is a bare offset), or when a peer's engine closed before we first "
+                      "addressed it (not followed)")
 SHM_2_CRASH = pytest.mark.skipif(not SHM_1, reason=SHM_2_CRASH_REASON)
 
 
