@@ -23,10 +23,10 @@ enum class MsgType : uint8_t {
   StageAck = 9,  // body: request id, status kind, status message
   RegionClosed = 10,     // body: region id. The owner is deregistering it: refuse new transfers
   RegionReleased = 11,   // body: region id. Nothing of the sender's still flows into it
-  Fence = 12,     // body: transfer id, whether to wait for CUDA copies. Answered once the
-                  // receiver has handled what the sender sent before it and, if asked, once the
-                  // CUDA copies its provider queued for the sender's RMA are done (see fence())
+  Fence = 12,     // body: transfer id. Answered once the CUDA copies the receiver's provider
+                  // queued for the sender's RMA have finished (shm CUDA IPC, see fence())
   FenceAck = 13,  // body: transfer id
+  UserAck = 14,   // body: message id. The receiver has the whole User message (on_user)
 };
 
 // Every message starts with the sender's incarnation and the incarnation it is meant for, so a

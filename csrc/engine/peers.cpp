@@ -207,6 +207,9 @@ void Worker::on_message(const char* data, size_t len) {
       case MsgType::User:
         on_user(p, r);
         break;
+      case MsgType::UserAck:
+        on_user_ack(p, r);
+        break;
       case MsgType::Notify:
         on_notify(r);
         break;
@@ -345,6 +348,7 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   });
   for (auto& d : drivers_) forgets_.push_back({d.get(), &p});
   p.partial.clear();
+  p.unacked.clear();
   for (auto& c : closing_) c.unreleased.erase(p.incarnation);
   if (p.disconnect_id && state == PeerState::Dead) {
     report(p.disconnect_id, Status{});
@@ -403,12 +407,31 @@ void Worker::on_user(Peer& p, ByteReader& r) {
   if (buf.size() < total) return;
   std::string payload = std::move(buf);
   p.partial.erase(id);
+  // Acknowledged here, in the step that takes it: a close() that the delivery itself triggers
+  // (a recv callback) comes later and sends this first.
+  ByteWriter ack = message(MsgType::UserAck, p);
+  ack.put(id);
+  send_control(p, std::move(ack));
   if (!recv_waiters_.empty()) {
     const uint64_t waiter = recv_waiters_.front().id;
     recv_waiters_.erase(recv_waiters_.begin());
     return report(waiter, Status{}, std::move(payload), p.address_bytes);
   }
   inbox_.emplace_back(p.address_bytes, std::move(payload));
+}
+
+void Worker::on_user_ack(Peer& p, ByteReader& r) {
+  auto entry = p.unacked.find(r.get<uint32_t>());
+  if (entry == p.unacked.end()) return;
+  auto it = transfers_.find(entry->second);
+  p.unacked.erase(entry);
+  if (it == transfers_.end() || it->second->peer != &p) return;
+  Transfer& t = *it->second;
+  t.acked = true;
+  if (!t.fencing) return;  // the send's own completion comes later
+  t.fencing = false;
+  finish(t, t.status);
+  maybe_free(t);
 }
 
 void Worker::recv(uint64_t id, double timeout_s) {

@@ -161,7 +161,11 @@ bool Worker::generate_direct(Transfer& t) {
 Gen Worker::generate_message(Transfer& t) {
   // Fragments go out in order on one rail pair (send-after-send order); the receiver
   // reassembles by message id.
+  // The future completes once the receiver acknowledges the whole message (on_user_ack): a
+  // process that took the peer's address drops it, being meant for its predecessor, and the
+  // missing acknowledgement leads to a check that names the restart.
   const uint32_t id = t.peer->next_message++;
+  t.peer->unacked[id] = t.id;
   const uint64_t total = t.payload.size();
   uint64_t offset = 0;
   do {
@@ -194,28 +198,24 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
   if (!t.status.ok() && !t.reported) {
     if (!t.held) finish(t, t.status);  // fail fast; what is still in flight drains in the background
   } else if (t.generated && t.pending == 0) {
+    if (t.status.ok() && t.kind == TransferKind::Message && !t.acked) {
+      t.fencing = true;  // sent, not yet acknowledged (on_user_ack)
+      return;
+    }
     if (t.status.ok() && !t.fenced && needs_fence(t)) return fence(t);
     finish(t, t.status);
   }
   maybe_free(t);
 }
 
-// A transfer completes only when the peer answers a Fence sent after it, where "sent" is not
-// enough:
-//  - A message: the future says the peer's engine has it. A process that took the peer's
-//    address drops it (it is meant for the old incarnation), and the unanswered Fence leads
-//    to a check that names the restart.
-//  - NOTE: shm's CUDA IPC path (libfabric 2.6) completes an RMA once the target has queued
-//    its cudaMemcpy, which CUDA runs asynchronously for device-to-device copies. Measured on
-//    the GPU machine, 256 MiB at a time: at completion 25-58% of a read had landed, and a
-//    writer reusing its buffer at once changed 28-77% of what the target got (libfabric issue
-//    11231 is the same bug). The peer answers such a Fence once the copies its provider
-//    queued before it are done; the Fence comes after the RMA in its command queue.
+// NOTE: shm's CUDA IPC path (libfabric 2.6) completes an RMA once the target has queued its
+// cudaMemcpy, which CUDA runs asynchronously for device-to-device copies. Measured on the
+// GPU machine, 256 MiB at a time: at completion 25-58% of a read had landed, and a writer
+// reusing its buffer at once changed 28-77% of what the target got (libfabric issue 11231 is
+// the same bug). So the transfer completes only when the peer answers a Fence, which it does
+// once the copies its provider queued before it are done; the Fence comes after the RMA in
+// the peer's command queue.
 bool Worker::needs_fence(const Transfer& t) const {
-  return t.kind == TransferKind::Message || waits_for_copies(t);
-}
-
-bool Worker::waits_for_copies(const Transfer& t) const {
   if (t.kind == TransferKind::Message || t.staged || !rails_[0].rail->cuda_ipc()) return false;
   return std::any_of(t.local.begin(), t.local.end(), [](const auto& r) { return r->cuda_device >= 0; });
 }
@@ -224,14 +224,11 @@ void Worker::fence(Transfer& t) {
   t.fenced = t.fencing = true;  // stays in transfers_: a failing peer or the deadline fails it
   ByteWriter w = message(MsgType::Fence, *t.peer);
   w.put(t.id);
-  w.put<uint8_t>(waits_for_copies(t));
   send_control(*t.peer, std::move(w));
 }
 
 void Worker::on_fence(Peer& p, ByteReader& r) {
-  const uint64_t transfer = r.get<uint64_t>();
-  const bool copies = r.get<uint8_t>() != 0;
-  fences_.push_back({copies ? copier_->record_provider_event() : nullptr, p.incarnation, transfer});
+  fences_.push_back({copier_->record_provider_event(), p.incarnation, r.get<uint64_t>()});
 }
 
 void Worker::poll_fences() {

@@ -127,7 +127,8 @@ struct Transfer final : OpOwner {
   bool reported = false;   // the future has its result
   bool notify_sent = false;
   bool fenced = false;   // a Fence went to the peer (fence())
-  bool fencing = false;  // its FenceAck is still due
+  bool fencing = false;  // its FenceAck (or a message's UserAck) is still due
+  bool acked = false;    // a message the receiver has acknowledged
   bool held = false;     // failed; the caller hears once a check of the peer tells whether it
                          // restarted (check()), which then is the error reported
   Status status;
@@ -168,6 +169,7 @@ struct Peer {
 
   bool region_gone(uint64_t id) const;
   std::unordered_map<uint32_t, std::string> partial;  // user messages being reassembled
+  std::unordered_map<uint32_t, uint64_t> unacked;     // our messages to it: id -> transfer
 
   uint16_t remote_rails() const { return static_cast<uint16_t>(address.rails.size()); }
   bool failed() const { return state == PeerState::Dead || state == PeerState::Left; }
@@ -221,7 +223,6 @@ class Worker {
   // Used by op owners (worker thread).
   void transfer_op_done(Transfer& t, const Status& status);
   bool needs_fence(const Transfer& t) const;
-  bool waits_for_copies(const Transfer& t) const;
   void fence(Transfer& t);
   void on_fence(Peer& p, ByteReader& r);
   void on_fence_ack(Peer& p, ByteReader& r);
@@ -297,6 +298,7 @@ class Worker {
   void peer_ready(Peer& p);
   void fail_peer(Peer& p, Status why, PeerState state = PeerState::Dead);
   void on_user(Peer& p, ByteReader& r);
+  void on_user_ack(Peer& p, ByteReader& r);
   void on_notify(ByteReader& r);
   void deliver_user(Peer& p, std::string payload);
   void finish_disconnect(Peer& p);
