@@ -60,9 +60,9 @@ inline MsgHeader read_header(ByteReader& r) {
   return h;
 }
 
-constexpr size_t kHeaderBytes = 4 + 1 + 1 + 8 + 8;
-
 inline MsgType type_of(std::string_view message) { return static_cast<MsgType>(message.at(5)); }
+
+constexpr size_t kHeaderBytes = 4 + 1 + 1 + 8 + 8;
 constexpr size_t kUserFragmentBytes = kMessageBytes - kHeaderBytes - 4 - 8 - 8 - 4;
 
 }  // namespace p2p::engine

@@ -109,7 +109,7 @@ void Worker::check(Peer& p, double deadline) {
 void Worker::on_hello_failed(Peer& p, int err, int prov_errno, const Status& status) {
   const auto tearing_down = [](int e) { return e == FI_ENOTCONN || e == EPIPE || e == FI_ECONNRESET || e == FI_ECONNABORTED; };
   const bool transient = tearing_down(err) || (err == FI_ECANCELED && tearing_down(prov_errno));
-  if (p.failed() || !p.waits()) return;
+  if (!p.waits()) return;  // answered, or failed, meanwhile
   const double t = now(), deadline = p.checking ? p.check_deadline : p.connect_deadline;
   const double pause = std::min(0.5, 0.01 * (1 << std::min(p.hello_failures++, 6)));
   if (!transient || t + pause >= deadline) return fail_peer(p, status);
@@ -223,7 +223,7 @@ void Worker::on_message(const char* data, size_t len) {
         on_fence(p, r);
         break;
       case MsgType::FenceAck:
-        on_fence_ack(p, r);
+        acknowledged(p, r.get<uint64_t>());
         break;
       case MsgType::RegionClosed:
         on_region_closed(p, r.get<uint64_t>());
@@ -423,15 +423,9 @@ void Worker::on_user(Peer& p, ByteReader& r) {
 void Worker::on_user_ack(Peer& p, ByteReader& r) {
   auto entry = p.unacked.find(r.get<uint32_t>());
   if (entry == p.unacked.end()) return;
-  auto it = transfers_.find(entry->second);
+  const uint64_t transfer = entry->second;
   p.unacked.erase(entry);
-  if (it == transfers_.end() || it->second->peer != &p) return;
-  Transfer& t = *it->second;
-  t.acked = true;
-  if (!t.fencing) return;  // the send's own completion comes later
-  t.fencing = false;
-  finish(t, t.status);
-  maybe_free(t);
+  acknowledged(p, transfer);
 }
 
 void Worker::recv(uint64_t id, double timeout_s) {

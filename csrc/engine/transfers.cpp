@@ -190,16 +190,16 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
   if (!status.ok() && t.status.ok()) {
     t.status = status;
     // The peer may have refused the op, lost a connection, or been replaced at its address by
-    // a new process: the caller hears once a check of the peer tells which (check()).
+    // a new process: the caller hears once a check of the peer tells which (check(), which
+    // op_failed() starts).
     const bool telling = status.kind == ErrorKind::Peer || status.kind == ErrorKind::Remote;
     t.held = telling && t.peer && !t.peer->failed();
-    if (t.held) check(*t.peer, now() + config_.peer_timeout_s);
   }
   if (!t.status.ok() && !t.reported) {
     if (!t.held) finish(t, t.status);  // fail fast; what is still in flight drains in the background
   } else if (t.generated && t.pending == 0) {
     if (t.status.ok() && t.kind == TransferKind::Message && !t.acked) {
-      t.fencing = true;  // sent, not yet acknowledged (on_user_ack)
+      t.fencing = true;  // sent, not yet acknowledged (acknowledged())
       return;
     }
     if (t.status.ok() && !t.fenced && needs_fence(t)) return fence(t);
@@ -250,11 +250,13 @@ void Worker::poll_fences() {
   }
 }
 
-void Worker::on_fence_ack(Peer& p, ByteReader& r) {
-  auto it = transfers_.find(r.get<uint64_t>());
-  if (it == transfers_.end()) return;
+// The peer answered a Fence, or acknowledged a message (on_user_ack).
+void Worker::acknowledged(Peer& p, uint64_t transfer) {
+  auto it = transfers_.find(transfer);
+  if (it == transfers_.end() || it->second->peer != &p) return;
   Transfer& t = *it->second;
-  if (t.peer != &p || !t.fencing) return;
+  t.acked = true;
+  if (!t.fencing) return;  // a message whose own send completion comes later
   t.fencing = false;
   finish(t, t.status);
   maybe_free(t);

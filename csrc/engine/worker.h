@@ -225,7 +225,7 @@ class Worker {
   bool needs_fence(const Transfer& t) const;
   void fence(Transfer& t);
   void on_fence(Peer& p, ByteReader& r);
-  void on_fence_ack(Peer& p, ByteReader& r);
+  void acknowledged(Peer& p, uint64_t transfer);
   void poll_fences();
   void job_op_done(SlotJob& job, const Status& status);
   double now() const;
