@@ -13,7 +13,9 @@ from __future__ import annotations
 import glob
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import subprocess
 import traceback
 
 
@@ -42,6 +44,24 @@ def _serve(conn) -> None:
                 close()
             except Exception:
                 pass
+
+
+def stacks(pid: int) -> str:
+    """What a child that stopped answering was doing: its Python threads (py-spy) and every
+    native thread, the engine's workers included (gdb); each where it is installed."""
+    tools = (["py-spy", "dump", "--native", "--pid", str(pid)],
+             ["gdb", "-nx", "-batch", "-p", str(pid), "-ex", "set print frame-arguments none",
+              "-ex", "thread apply all bt 30"])
+    out = []
+    for cmd in tools:
+        if shutil.which(cmd[0]) is None:
+            continue
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            out.append(f"--- {cmd[0]}:\n{run.stdout}{run.stderr}")
+        except subprocess.TimeoutExpired:
+            out.append(f"--- {cmd[0]} timed out")
+    return "".join("\n" + o for o in out)
 
 
 class Peer:
@@ -76,7 +96,7 @@ class Peer:
 
     def result(self, timeout: float = 60):
         if not self._conn.poll(timeout):
-            raise TimeoutError(f"peer {self.pid} did not answer within {timeout} s")
+            raise TimeoutError(f"peer {self.pid} did not answer within {timeout} s{stacks(self.pid)}")
         ok, value = self._conn.recv()
         if not ok:
             raise PeerFailed(value)

@@ -521,6 +521,36 @@ def wait_loop_ended(state, key: str, timeout: float) -> dict:
     return loop_status(state)
 
 
+def register_churn_beside_writes(state, seconds: float) -> dict:
+    """For `seconds`, a thread registers tensors and deregisters them while this one writes
+    into the engine's own region. Returns how many of each were done."""
+    import threading
+    e = state["engine"]
+    src, dst = torch.ones(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    regions = [e.register(src), e.register(dst)]
+    counts = {"churned": 0, "writes": 0}
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            e.register(torch.zeros(1024)).close(timeout=5)
+            counts["churned"] += 1
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            p2p.wait(e.write_slices(src, [regions[1].remote]), 10)
+            counts["writes"] += 1
+    finally:
+        stop.set()
+        thread.join(30)
+        for r in regions:
+            r.close(timeout=5)
+    return counts
+
+
 # -- failure scenarios, run inside a host child --------------------------------------------------
 # NOTE: an engine whose shm peer was killed can spin forever inside libfabric (see
 # test_failures.py); the engine under test then lives in a child that the parent can kill.

@@ -325,6 +325,33 @@ def test_disconnect_tells_the_peer(provider):
         assert sent is not None or got is None, f"b's send: {sent}; our recv: {got!r}"
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_peer_closed_after_disconnect_is_not_contacted(provider):
+    """We disconnect from c, then c closes: c still says goodbye, so a later write to c's
+    handle or connect() to it fails at once instead of sending c a HELLO. On shm (libfabric
+    1.17) that HELLO was never answered and stalled our endpoint: b, which was fine, was then
+    declared dead after peer_timeout."""
+    with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=PEER_TIMEOUT)) as a, \
+            Peer() as b, Peer() as c:
+        b.call(ph.start_engine, provider)
+        c_address = c.call(ph.start_engine, provider)
+        rb = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", 1 << 20))
+        rc = p2p.RemoteTensor.from_bytes(c.call(ph.target, "t", 1 << 20))
+        buf = torch.ones(1 << 20, dtype=torch.uint8)
+        a.register(buf)
+        ph.wait_all([a.write_slices(buf, [rb]), a.write_slices(buf, [rc])], 10)
+        p2p.wait(a.disconnect(c_address), 10)
+        time.sleep(0.3)  # c takes our goodbye
+        c.call(ph.close_engine)
+        time.sleep(0.3)  # and we take c's
+        start = time.monotonic()
+        errors = ph.wait_all([a.write_slices(buf, [rc]), a.connect(c_address)], 10)
+        assert all(isinstance(e, p2p.PeerError) and "closed" in str(e) for e in errors), errors
+        assert time.monotonic() - start < 1
+        assert ph.wait_all([a.write_slices(buf, [rb]) for _ in range(5)], 10) == [None] * 5
+
+
 def test_default_peer_timeout_is_at_most_10_s():
     assert inspect.signature(p2p.Engine).parameters["peer_timeout"].default <= 10
 
@@ -458,6 +485,18 @@ def test_deregister_retry_still_waits():
             with pytest.raises(p2p.TimeoutError):
                 region.close(timeout=0.5)  # the write is still in flight
             ph.wait_all([fut], 20)
+
+
+@pytest.mark.timeout(120)
+def test_deregister_beside_a_submitting_thread():
+    """One thread registers and deregisters tensors while another submits writes. Regression:
+    the engine dropped its reference to a deregistered tensor under the lock that submit()
+    takes with the GIL held, and PyTorch takes the GIL for that, so the two threads waited for
+    each other forever (within a second, here). Runs in a child: a hang holds the GIL."""
+    with Peer() as host:
+        host.call(ph.start_engine, "tcp")
+        done = host.call(ph.register_churn_beside_writes, 3.0, timeout=60)
+        assert done["churned"] > 10 and done["writes"] > 10, done
 
 
 # -- timeouts and cancel ---------------------------------------------------------------------------------

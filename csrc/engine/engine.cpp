@@ -49,8 +49,9 @@ void Engine::close() {
   }
   worker_->stop();
   completions_.close();
+  decltype(regions_) gone;  // released after the lock (see LocalRegion)
   std::lock_guard<std::mutex> lock(mu_);
-  regions_.clear();
+  gone.swap(regions_);
 #ifdef WITH_CUDA
   flags_.reset();
 #endif
@@ -88,6 +89,8 @@ std::pair<uint64_t, std::shared_ptr<RemoteView>> Engine::register_tensor(const a
   const uint64_t nbytes = storage.nbytes();
   P2P_CHECK(ptr && nbytes > 0, ErrorKind::Value, "cannot register a tensor with an empty storage");
   const uintptr_t start = reinterpret_cast<uintptr_t>(ptr), end = start + nbytes;
+  // Reserved, closed to transfers, until the worker has registered it and named it.
+  LocalRegion reservation{0, start, end, tensor, true};
   {
     std::lock_guard<std::mutex> lock(mu_);
     P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
@@ -99,12 +102,12 @@ std::pair<uint64_t, std::shared_ptr<RemoteView>> Engine::register_tensor(const a
       P2P_THROW(ErrorKind::Value, "this tensor's storage overlaps region ", other.id,
                 ", registered already; use views of that region's RemoteTensor instead");
     }
-    // Reserved, closed to transfers, until the worker has registered it and named it.
-    regions_.emplace(start, LocalRegion{0, start, end, tensor, true});
+    regions_.emplace(start, std::move(reservation));
   }
   auto unreserve = [&] {
+    decltype(regions_)::node_type gone;
     std::lock_guard<std::mutex> lock(mu_);
-    regions_.erase(start);
+    gone = regions_.extract(start);
   };
   const int device = tensor.is_cuda() ? tensor.get_device() : -1;
   Worker::RegionSpec spec{ptr, nbytes, device, bits};
@@ -153,10 +156,11 @@ void Engine::deregister(uint64_t id, double timeout_s) {
   if (finished.wait_for(std::chrono::duration<double>(timeout_s)) != std::future_status::ready)
     P2P_THROW(ErrorKind::Timeout, "region ", id, " is still used by operations in flight after ",
               timeout_s, " s; it stays closed to new operations");
+  decltype(regions_)::node_type gone;
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = regions_.begin(); it != regions_.end(); ++it) {
     if (it->second.id != id) continue;
-    regions_.erase(it);
+    gone = regions_.extract(it);
     break;
   }
 }

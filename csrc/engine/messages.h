@@ -15,7 +15,8 @@ constexpr size_t kMessageBytes = 8192;
 enum class MsgType : uint8_t {
   Hello = 1,     // body: sender address. Introduces the sender (target AV insert) first.
   HelloAck = 2,  // body: responder address, echoed expected incarnation
-  Bye = 3,       // the sender leaves; nothing follows
+  Bye = 3,       // body: uint8 closing. The sender leaves us (closing: its engine closes for
+                 // good, so it must not be contacted again); nothing follows
   // 4, 5: retired (Ping, Pong); a HELLO checks a peer, since anyone at its address can answer one
   User = 6,      // body: message id, total length, offset, fragment bytes
   Notify = 7,    // body: tag, status kind, status message

@@ -45,7 +45,7 @@ Peer* Worker::peer_for(const std::string& address_bytes, Contact how) {
                 "again once that attempt has ended (within peer_timeout)");
       readdress(p, std::move(a), address_bytes);
       revive(p);
-    } else if (p.failed() && (how != Contact::Implicit || p.revivable)) {
+    } else if (p.failed() && !p.closed && (how != Contact::Implicit || p.revivable)) {
       revive(p);
     }
     return &p;
@@ -125,6 +125,7 @@ void Worker::connect(uint64_t id, const std::string& address) {
     return report(id, Status::error(e.kind(), e.what()));
   }
   if (p->state == PeerState::Ready) return report(id, Status{});
+  if (p->failed()) return report(id, p->failure);  // it closed: that process is gone
   p->connect_waiters.push_back(id);
 }
 
@@ -148,7 +149,7 @@ void Worker::finish_disconnect(Peer& p) {
   const uint64_t id = p.disconnect_id;
   p.disconnect_id = 0;
   if (p.state == PeerState::Ready || p.state == PeerState::Connecting)
-    send_control(p, message(MsgType::Bye, p), nullptr, true);
+    send_control(p, bye(p, false), nullptr, true);
   fail_peer(p, Status::error(ErrorKind::Peer, cat(describe(p), " was disconnected by this engine")),
             PeerState::Left);
   p.revivable = true;
@@ -188,6 +189,27 @@ bool Worker::flush_outbox() {
 
 // ---------------------------------------------------------------------------------------------
 
+ByteWriter Worker::bye(const Peer& to, bool closing) const {
+  ByteWriter w = message(MsgType::Bye, to);
+  w.put<uint8_t>(closing);
+  return w;
+}
+
+// The peer leaves us, or closes. A closed peer must never be sent anything again, not even our
+// BYE (usable()) or a HELLO to reconnect: shm (libfabric 1.17) stalls every later completion
+// of our endpoint behind a command that a closed peer never answered. Seen when a disconnect()
+// crossed the peer's close(), and when a write reconnected to a peer that had closed after we
+// disconnected from it (test_peer_closed_after_disconnect_is_not_contacted).
+void Worker::on_bye(Peer& p, bool closing) {
+  p.closed |= closing;
+  const Status left =
+      Status::error(ErrorKind::Peer, cat(describe(p), closing ? " left: its engine closed" : " left"));
+  if (p.failed())
+    p.failure = left;
+  else
+    fail_peer(p, left, PeerState::Left);
+}
+
 void Worker::on_message(const char* data, size_t len) {
   ByteReader r(std::string_view(data, len), "control message");
   try {
@@ -198,12 +220,10 @@ void Worker::on_message(const char* data, size_t len) {
     auto it = peers_.find(h.from);
     if (it == peers_.end()) return;    // never introduced: drop
     Peer& p = *it->second;
+    if (h.type == MsgType::Bye) return on_bye(p, r.get<uint8_t>() != 0);
     if (p.failed()) return;
     p.last_heard = now();
     switch (h.type) {
-      case MsgType::Bye:
-        fail_peer(p, Status::error(ErrorKind::Peer, cat(describe(p), " left")), PeerState::Left);
-        break;
       case MsgType::User:
         on_user(p, r);
         break;

@@ -511,7 +511,7 @@ bool Worker::post_ops() {
 
 // False (and the op completed) when it must not be posted: its peer failed or its owner gave up.
 bool Worker::usable(Op* op) {
-  if (op->peer && op->peer->failed() && !op->farewell) {
+  if (op->peer && op->peer->failed() && (!op->farewell || op->peer->closed)) {
     complete_op(op, op->peer->failure);
     return false;
   }
@@ -623,10 +623,13 @@ void Worker::shutdown() {
     p->connect_waiters.clear();
     if (p->disconnect_id) report(p->disconnect_id, Status{});
     p->disconnect_id = 0;
-    if (p->state == PeerState::Ready) send_control(*p, message(MsgType::Bye, *p));
+    // Also to peers that left us, or that we left: alive, they may reconnect (on_bye()).
+    if (p->state == PeerState::Ready || (p->state == PeerState::Left && !p->closed))
+      send_control(*p, bye(*p, true), nullptr, true);
   }
-  // Give the goodbyes a moment to leave; nothing waits on them.
-  const double until = now() + 0.2;
+  // Give the goodbyes up to a second to be taken, answering meanwhile what peers sent before
+  // they took ours: on shm a command left unanswered stalls its sender's endpoint (on_bye()).
+  const double until = now() + 1.0;
   while (now() < until && (!outbox_.empty() || pool_->in_use() > 0)) {
     flush_outbox();
     post_ops();

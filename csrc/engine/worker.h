@@ -161,6 +161,7 @@ struct Peer {
   uint64_t disconnect_id = 0;
   uint32_t next_message = 0;
   bool revivable = false;          // left by our own disconnect(): a later use reconnects
+  bool closed = false;             // its engine closed (on_bye()): never contact it again
   std::unordered_set<uint64_t> closed_regions;  // its regions it told us it deregistered
   std::unordered_set<uint64_t> to_release;      // of those, the ones we still owe a release
   // Its live regions when it introduced itself: ids up to census_last not listed were gone.
@@ -294,6 +295,8 @@ class Worker {
   void send_control(Peer& p, ByteWriter&& w, OpOwner* owner = nullptr, bool farewell = false);
   bool flush_outbox();
   void on_message(const char* data, size_t len);
+  ByteWriter bye(const Peer& to, bool closing) const;
+  void on_bye(Peer& p, bool closing);
   void on_hello(const MsgHeader& h, ByteReader& r, bool ack);
   void peer_ready(Peer& p);
   void fail_peer(Peer& p, Status why, PeerState state = PeerState::Dead);
