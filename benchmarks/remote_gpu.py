@@ -737,6 +737,12 @@ def bench_method(method: str, args, master: tuple, gen: torch.Generator, client:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.provider.split(";")[0] == "shm" and "FI_SHM_DISABLE_CMA" not in os.environ:
+        # shm settles once per endpoint, at its first peer, whether it copies with CMA, which
+        # cannot reach GPU memory: the client's host engine meets the staged server first and
+        # its writes into the direct server's GPU tensors then fail (README, shm and CMA).
+        os.environ["FI_SHM_DISABLE_CMA"] = "1"
+        progress("shm: FI_SHM_DISABLE_CMA=1, so that one host engine can reach host and GPU peers")
     if args.verbose:
         import logging
 
