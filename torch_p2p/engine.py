@@ -239,7 +239,8 @@ class Engine:
     # -- peers and messages --------------------------------------------------------------------
     def connect(self, address: bytes) -> torch.futures.Future:
         """Introduces this engine to a peer; completes when the peer answered. Optional:
-        using a RemoteTensor of an unknown owner connects implicitly."""
+        using a RemoteTensor of an unknown owner connects implicitly. A peer whose engine
+        closed is not contacted again: this fails at once with ``PeerError``."""
         return self._call(lambda fid: self._c.connect(fid, _address(address)))
 
     def disconnect(self, address: bytes) -> torch.futures.Future:
