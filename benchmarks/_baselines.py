@@ -4,9 +4,14 @@ tcp:  plain TCP, one stream per rail, Python sockets: every stream moves its sha
       call (call bytes / streams) with sendall() and recv_into() on preallocated buffers,
       one thread per stream (both calls release the GIL), for the row's duration.
 dist: torch.distributed send/recv of one tensor of the call's bytes between the driver
-      (rank 0) and its peer (rank 1): "nccl" on GPUs, "gloo" on CPUs. In local mode the
-      transports are pinned to loopback sockets (dist_env), so NCCL runs its socket
-      transport, not NVLink or shared memory: the same road the engine's tcp provider takes.
+      (rank 0) and its peer (rank 1): "nccl" on GPUs, "gloo" on CPUs; for paged rows, one
+      batch_isend_irecv of the call's pages in a random order, as a serving stack without this
+      library moves KV blocks. In local mode the transports are pinned to loopback sockets
+      (dist_env), so NCCL runs its socket transport: the same road the engine's tcp provider
+      takes; with nvlink NCCL picks its own (NVLink P2P between GPUs of one host).
+memcpy: cudaMemcpyPeerAsync (torch's cross-device copy) of the call's bytes as one block
+      between this process's GPU and the peer's, in the driver process alone: the copy
+      engines' ceiling for the same-host IPC route.
 
 Each baseline has two halves: the peer's (serve_*) runs in bw.py's peer process, the
 driver's (measure_*) in the process that drives the engine and returns (bytes, seconds).
@@ -149,11 +154,13 @@ def dist_unavailable(backend: str, device: torch.device) -> str | None:
     return None
 
 
-def dist_env(loopback: bool) -> None:
-    """Before the first process group: loopback sockets only, unless the user set otherwise."""
+def dist_env(loopback: bool, nvlink: bool = False) -> None:
+    """Before the first process group: loopback sockets only (with nvlink: for the bootstrap
+    only), unless the user set otherwise."""
     if loopback:
         for key, value in LOOPBACK_ENV.items():
-            os.environ.setdefault(key, value)
+            if not nvlink or key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+                os.environ.setdefault(key, value)
 
 
 def dist_init(backend: str, store, rank: int, device: torch.device) -> None:
@@ -168,14 +175,22 @@ def dist_init(backend: str, store, rank: int, device: torch.device) -> None:
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
-def _dist_batch(tensor: torch.Tensor, n: int, rank: int, sender: int) -> None:
+def _dist_batch(tensor: torch.Tensor, n: int, rank: int, sender: int, pages: int = 1) -> None:
     import torch.distributed as dist
 
+    if pages == 1:
+        for _ in range(n):
+            if rank == sender:
+                dist.send(tensor, 1 - rank)
+            else:
+                dist.recv(tensor, 1 - rank)
+        return
+    views = tensor.view(pages, -1)
+    order = torch.randperm(pages, generator=torch.Generator().manual_seed(rank)).tolist()
+    op = dist.isend if rank == sender else dist.irecv
     for _ in range(n):
-        if rank == sender:
-            dist.send(tensor, 1 - rank)
-        else:
-            dist.recv(tensor, 1 - rank)
+        for work in dist.batch_isend_irecv([dist.P2POp(op, views[i], 1 - rank) for i in order]):
+            work.wait()
 
 
 def _sync(device: torch.device) -> None:
@@ -183,7 +198,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def serve_dist(nbytes: int, send: bool, device: torch.device) -> None:
+def serve_dist(nbytes: int, send: bool, device: torch.device, pages: int = 1) -> None:
     """The peer's half (rank 1): runs the batches rank 0 announces until it announces 0."""
     import torch.distributed as dist
 
@@ -194,11 +209,11 @@ def serve_dist(nbytes: int, send: bool, device: torch.device) -> None:
         n = int(count.item())
         if n == 0:
             break
-        _dist_batch(data, n, 1, 1 if send else 0)
+        _dist_batch(data, n, 1, 1 if send else 0, pages)
     _sync(device)
 
 
-def measure_dist(nbytes: int, send: bool, device: torch.device, seconds: float):
+def measure_dist(nbytes: int, send: bool, device: torch.device, seconds: float, pages: int = 1):
     """The driver's half (rank 0): one batch to warm up (and to create NCCL's p2p
     communicator), then batches of about 0.1 s until `seconds` have passed. Every batch is
     announced to the peer with a count, so both sides post matching operations."""
@@ -213,10 +228,16 @@ def measure_dist(nbytes: int, send: bool, device: torch.device, seconds: float):
         count.fill_(n)
         dist.send(count, 1)
         if n:
-            _dist_batch(data, n, 0, sender)
+            _dist_batch(data, n, 0, sender, pages)
         _sync(device)
         return time.perf_counter() - t
 
+    return _timed(batch, seconds, nbytes)
+
+
+def _timed(batch, seconds: float, nbytes: int):
+    """Runs batch(n) (it returns its seconds) in batches of about 0.1 s until `seconds` have
+    passed, after a warm-up of 2; batch(0) ends it. Returns (bytes, seconds) of the timed part."""
     per_call = batch(2) / 2
     moved, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -226,3 +247,21 @@ def measure_dist(nbytes: int, send: bool, device: torch.device, seconds: float):
     elapsed = time.perf_counter() - t0
     batch(0)
     return moved * nbytes, elapsed
+
+
+def measure_memcpy(nbytes: int, send: bool, device: torch.device, peer: torch.device, seconds: float):
+    """Copies of `nbytes` between `device` and `peer` (to the peer if `send`) in this process,
+    one block per call on the copy engines."""
+    here = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    there = torch.empty(nbytes, dtype=torch.uint8, device=peer)
+    src, dst = (here, there) if send else (there, here)
+
+    def batch(n: int) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(peer)
+        return time.perf_counter() - t
+
+    return _timed(batch, seconds, nbytes)

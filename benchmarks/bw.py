@@ -13,8 +13,12 @@ Exit status: 0, 1 if a row failed or was corrupt, 2 if the peer or the setup fai
 
 Layouts (each side owns one [pages, page_bytes] buffer):
   contiguous  one view of the whole buffer per call
-  paged       `pages` views per call, source pages taken in one random order and destination
-              pages in another, as when a KV cache migrates between two block tables
+  paged       `pages` pages per call, source pages taken in one random order and destination
+              pages in another, as when a KV cache migrates between two block tables; given as
+              p2p.pages(buffer, ids) on both sides (--page-views: one view per page instead)
+
+Route: the engine's choice for the peer (engine.route): "ipc" between GPUs of one host (CUDA
+IPC, no fabric), else "direct" or "staged" over the provider; the table's title names it.
 
 Columns:
   Gbps   payload, 10^9 bits per second of time.perf_counter() around the timed calls
@@ -22,19 +26,24 @@ Columns:
   Mops   million views per second: pages/s for paged rows, calls/s for contiguous ones
   base   the baseline's Gbps for the same bytes per call; ratio = Gbps / base
 
-Baselines (--baseline; by default tcp where the line rate is unknown: loopback, shm):
+Baselines (--baseline; by default memcpy on the ipc route, else tcp where the line rate is
+unknown: loopback, shm):
   tcp    plain TCP to the same peer address, one stream per rail, Python sockets
          (sendall / recv_into on preallocated buffers, one thread per stream)
-  nccl   torch.distributed send/recv between the same two processes, GPU tensors; in local
-         mode NCCL is held to its socket transport on lo (NCCL_P2P_DISABLE=1
-         NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo, unless
-         set), so it needs the peer on another GPU (--peer-device)
+  nccl   torch.distributed send/recv between the same two processes, GPU tensors (paged rows:
+         one batch_isend_irecv of the call's pages); in local mode NCCL is held to its socket
+         transport on lo (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1
+         NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo, unless set), or with --nccl-nvlink left to its
+         own choice (NVLink between GPUs of one host); it needs the peer on another GPU
   gloo   the same with gloo on CPU tensors
+  memcpy cudaMemcpyPeerAsync of the call's bytes as one block, GPU to GPU in this process
+         (local mode): the ceiling of the same-host route
   none
 
 Examples:
   python benchmarks/bw.py --rails 1 2 4 8 --baseline tcp --provider tcp --device cpu
   python benchmarks/bw.py --device cuda:0 --baseline nccl          # peer on cuda:1
+  python benchmarks/bw.py --baseline nccl --nccl-nvlink --sizes 4K 64K --pages 256 4096
   python benchmarks/bw.py --sizes 64K 1M --pages 256 --ops write --json bw.json --plot bw.png
 
 Two machines, one process per GPU on each, each with its own engine and peer (the table
@@ -323,7 +332,7 @@ class Target:
         self.channel.send(host=self.host, port=self.listener.getsockname()[1])
         return {"bytes": _baselines.serve_tcp(self.listener, streams, chunk, send, seconds)}
 
-    def do_dist(self, backend, nbytes, send, store, loopback):
+    def do_dist(self, backend, nbytes, send, store, loopback, nvlink, pages):
         import torch.distributed as dist
 
         if why := _baselines.dist_unavailable(backend, self.device):
@@ -331,11 +340,11 @@ class Target:
         if dist.is_initialized():
             self.channel.send()
         else:
-            _baselines.dist_env(loopback)
+            _baselines.dist_env(loopback, nvlink)
             meet = _dist_store(store, self.shared_store, self.host)
             self.channel.send(port=getattr(meet, "port", None))  # a TCPStore listens here
             _baselines.dist_init(backend, meet, 1, self.device)
-        _baselines.serve_dist(nbytes, send, self.device)
+        _baselines.serve_dist(nbytes, send, self.device, pages)
 
 
 def _serve_socket(sock: socket.socket, device: str, host: str) -> None:
@@ -475,7 +484,7 @@ class Driver:
             engine = open_engine(self.device, self.args.provider, rails, self.loopback)
             try:
                 engine.connect(peer["address"]).wait()
-                self._describe(engine, peer["device"])
+                self._describe(engine, peer["device"], peer["address"])
                 for page_bytes, pages in combos:
                     self._buffer(engine, page_bytes, pages)
             finally:
@@ -486,10 +495,15 @@ class Driver:
             dist.destroy_process_group()
         return self.rows
 
-    def _describe(self, engine: p2p.Engine, peer_device: str) -> None:
+    def _describe(self, engine: p2p.Engine, peer_device: str, peer_address: bytes) -> None:
         line = p2p.topology.line_rate_bps(engine.plan.rails)
+        route = engine.route(peer_address)
         if self.baseline == "auto":
-            self.baseline = "none" if line else "tcp"
+            self.baseline = "memcpy" if route == "ipc" else "none" if line else "tcp"
+        if self.baseline == "memcpy" and (self.device.type != "cuda" or not peer_device.startswith("cuda")
+                                          or not self.loopback):
+            self.progress.say("skipping the memcpy baseline: it needs GPUs on both sides of one process's host")
+            self.baseline = "none"
         if self.baseline in ("nccl", "gloo"):
             why = _baselines.dist_unavailable(self.baseline, self.device)
             if not why and self.baseline == "nccl" and self.loopback and peer_device == str(self.device):
@@ -500,7 +514,7 @@ class Driver:
         domains = ",".join(dict.fromkeys(nic.domain for nic in engine.plan.rails))
         self.engine_facts = dict(provider=engine.provider, domains=domains, device=str(self.device),
                                  peer_device=peer_device, rails=len(engine.plan.rails), line_rate_bps=line,
-                                 data_path=engine.data_path)
+                                 data_path=engine.data_path, route=route)
 
     def _buffer(self, engine: p2p.Engine, page_bytes: int, pages: int) -> None:
         reply = self.channel.ask("buffer", pages=pages, page_bytes=page_bytes)
@@ -520,12 +534,16 @@ class Driver:
                    baseline=None, baseline_gbps=None, ratio=None, ok=False, error=None)
         label = f"{op.upper()} {layout} {fmt_size(page_bytes)} x{pages}, {rails} rail{'s' * (rails > 1)}"
         call_bytes = pages * page_bytes
-        if self.baseline != "none" and (base := self._baseline_gbps(op, call_bytes, rails, label)):
+        split = pages if layout == "paged" and self.baseline in ("nccl", "gloo") else 1
+        if self.baseline != "none" and (base := self._baseline_gbps(op, call_bytes, rails, label, split)):
             row.update(baseline=self.baseline, baseline_gbps=base)
         if layout == "paged":
             mine = torch.randperm(pages, generator=self.rng).tolist()
             theirs = torch.randperm(pages, generator=self.rng).tolist()
-            views, remotes = [buf[i] for i in mine], [remote[j] for j in theirs]
+            if self.args.page_views:
+                views, remotes = [buf[i] for i in mine], [remote[j] for j in theirs]
+            else:
+                views, remotes = [p2p.pages(buf, mine)], [p2p.pages(remote, theirs)]
         else:
             mine = theirs = list(range(pages))
             views, remotes = [buf], [remote]
@@ -541,11 +559,19 @@ class Driver:
             poison(buf)
         move = engine.write_slices if write else engine.read_slices
 
+        issued = [0.0]
+        latencies: list[float] = []  # with --window 1: call to completion, seconds
+
         def submit():
+            issued[0] = time.perf_counter()
             return move(views, remotes)
 
+        per_call = len(mine) if layout == "paged" else 1
+
         def counted():
-            self.progress.add(len(views), call_bytes)
+            self.progress.add(per_call, call_bytes)
+            if self.args.window == 1:
+                latencies.append(time.perf_counter() - issued[0])
 
         try:
             self.progress.status = "warming up"
@@ -575,34 +601,39 @@ class Driver:
             self.progress.end(text=row["error"])
             return row
         nbytes = calls * call_bytes
-        row.update(ok=True, seconds=seconds, bytes=nbytes, calls=calls, views=calls * len(views),
-                   gbps=nbytes * 8 / seconds / 1e9, mops=calls * len(views) / seconds / 1e6)
+        row.update(ok=True, seconds=seconds, bytes=nbytes, calls=calls, views=calls * per_call,
+                   gbps=nbytes * 8 / seconds / 1e9, mops=calls * per_call / seconds / 1e6)
         if row["baseline_gbps"]:
             row["ratio"] = row["gbps"] / row["baseline_gbps"]
+        if latencies:
+            latencies.sort()
+            row.update(latency_p50_us=1e6 * latencies[len(latencies) // 2],
+                       latency_p99_us=1e6 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))])
         self.progress.end(seconds)
         return row
 
-    def _baseline_gbps(self, op: str, call_bytes: int, rails: int, label: str) -> float | None:
-        """The baseline's Gbps for calls of `call_bytes` in the direction of `op`, measured the
-        first time it is asked for (tcp: for each number of streams too)."""
+    def _baseline_gbps(self, op: str, call_bytes: int, rails: int, label: str, pages: int) -> float | None:
+        """The baseline's Gbps for calls of `call_bytes` (in `pages` pieces) in the direction of
+        `op`, measured the first time it is asked for (tcp: for each number of streams too)."""
         streams = rails if self.baseline == "tcp" else 1
-        key = (op, call_bytes, streams)
+        key = (op, call_bytes, streams, pages)
         if key not in self._baselines:
             self.progress.begin(label, self.args.duration, None, f"measuring the {self.baseline} baseline")
-            measure = self._tcp if self.baseline == "tcp" else self._dist
+            measure = {"tcp": self._tcp, "memcpy": self._memcpy}.get(self.baseline, self._dist)
             try:
-                nbytes, seconds = measure(op == "read", call_bytes, streams)
+                nbytes, seconds = measure(op == "read", call_bytes, streams, pages)
             except BaselineRefused as e:
                 self.progress.say(f"skipping the {self.baseline} baseline: {e}")
                 self.baseline = "none"
                 return None
             self._baselines[key] = nbytes * 8 / seconds / 1e9
-            what = f"{streams} stream{'s' * (streams > 1)}" if self.baseline == "tcp" else "send/recv"
+            what = (f"{streams} stream{'s' * (streams > 1)}" if self.baseline == "tcp" else "one block"
+                    if self.baseline == "memcpy" else f"{pages} pages" if pages > 1 else "send/recv")
             self.progress.end(text=f"{self.baseline} baseline ({what}, {fmt_size(call_bytes)} per call): "
                                    f"bw={self._baselines[key]:.3f}Gbps")
         return self._baselines[key]
 
-    def _tcp(self, peer_sends: bool, call_bytes: int, streams: int):
+    def _tcp(self, peer_sends: bool, call_bytes: int, streams: int, _pages: int):
         chunk = max(1, call_bytes // streams)
         self.channel.send(cmd="tcp", streams=streams, chunk=chunk, send=peer_sends, seconds=self.args.duration)
         where = self.channel.reply("tcp")
@@ -613,22 +644,26 @@ class Driver:
         self.channel.reply("tcp")
         return result
 
-    def _dist(self, peer_sends: bool, call_bytes: int, _streams: int):
+    def _memcpy(self, peer_sends: bool, call_bytes: int, _streams: int, _pages: int):
+        peer = torch.device(self.engine_facts["peer_device"])
+        return _baselines.measure_memcpy(call_bytes, not peer_sends, self.device, peer, self.args.duration)
+
+    def _dist(self, peer_sends: bool, call_bytes: int, _streams: int, pages: int):
         import torch.distributed as dist
 
         self.channel.send(cmd="dist", backend=self.baseline, nbytes=call_bytes, send=peer_sends,
-                          store=self.dist_store, loopback=self.loopback)
+                          store=self.dist_store, loopback=self.loopback, nvlink=self.args.nccl_nvlink, pages=pages)
         try:
             ready = self.channel.reply("dist")
         except PeerFailed as e:  # refused before anything started: the two sides are still in step
             raise BaselineRefused(str(e).splitlines()[0]) from None
         if not dist.is_initialized():
-            _baselines.dist_env(self.loopback)
+            _baselines.dist_env(self.loopback, self.args.nccl_nvlink)
             store = _dist_store(self.dist_store, self.shared_store, self.peer_host, ready.get("port"))
             _baselines.dist_init(self.baseline, store, 0, self.device)
         if self.barrier:
             self.barrier.wait(CONTROL_TIMEOUT_S)
-        result = _baselines.measure_dist(call_bytes, not peer_sends, self.device, self.args.duration)
+        result = _baselines.measure_dist(call_bytes, not peer_sends, self.device, self.args.duration, pages)
         self.channel.reply("dist")
         return result
 
@@ -682,7 +717,7 @@ def summary(args, rows: list[dict]) -> str:
     r = rows[0]
     gpus = f", {r['gpus']} process pairs summed" if r["gpus"] > 1 else ""
     return (f"# torch_p2p bw: {r['provider']} [{r['domains']}], {r['device']} -> peer {r['peer_device']} "
-            f"(data path {r['data_path']}){gpus}, "
+            f"(route {r['route']}, data path {r['data_path']}){gpus}, "
             f"window {args.window}, {args.duration:g} s per row; Gbps = 1e9 bit/s, Mops = million views/s")
 
 
@@ -729,6 +764,10 @@ def report(args, rows: list[dict]) -> int:
     failed = [r for r in rows if not r["ok"]]
     for r in failed:
         print(f"! {r['op']} {r['layout']} {fmt_size(r['page_bytes'])} x{r['pages']}, {r['rails']} rails: {r['error']}")
+    for r in rows:
+        if r.get("latency_p50_us") is not None:
+            print(f"latency {r['op']} {r['layout']} {fmt_size(r['page_bytes'])} x{r['pages']}: "
+                  f"median {r['latency_p50_us']:.1f} us, p99 {r['latency_p99_us']:.1f} us (call to completion)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -909,10 +948,15 @@ def parse_args(argv=None):
     ap.add_argument("--peer-device", default=None,
                     help="local mode: the peer's device (default: the next GPU, or cpu)")
     ap.add_argument("--duration", type=float, default=1.0, metavar="S", help="timed seconds per row (default 1)")
-    ap.add_argument("--window", type=int, default=4, metavar="N", help="calls in flight (default 4)")
-    ap.add_argument("--baseline", choices=["auto", "tcp", "nccl", "gloo", "none"], default="auto",
-                    help="measured beside the engine for the ratio column (default auto: tcp when the "
-                         "line rate is unknown, else none)")
+    ap.add_argument("--window", type=int, default=4, metavar="N",
+                    help="calls in flight (default 4); 1 also reports each call's latency (median, p99)")
+    ap.add_argument("--baseline", choices=["auto", "tcp", "nccl", "gloo", "memcpy", "none"], default="auto",
+                    help="measured beside the engine for the ratio column (default auto: memcpy on the ipc "
+                         "route, tcp when the line rate is unknown, else none)")
+    ap.add_argument("--nccl-nvlink", action="store_true",
+                    help="local mode: let NCCL use NVLink / shared memory instead of holding it to sockets")
+    ap.add_argument("--page-views", action="store_true",
+                    help="paged rows pass one view per page instead of p2p.pages()")
     ap.add_argument("--seed", type=int, default=0, help="seed of the paged layouts' page orders")
     ap.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     ap.add_argument("--plot", metavar="PATH", help="plot Gbps against page size (needs matplotlib)")

@@ -62,6 +62,8 @@ WorkerConfig make_config(const py::dict& d) {
   get("post_batch", c.batch);
   get("spin_us", c.spin_us);
   get("rail_threads", c.rail_threads);
+  get("ipc", c.ipc);
+  get("ipc_copy_engine_bytes", c.ipc_copy_engine_bytes);
   for (size_t v : {c.slot_bytes, c.max_chunk, c.min_chunk, c.piece_bytes, c.batch})
     if (v == 0) throw Error(ErrorKind::Value, "sizes and batch must be positive");
   if (c.timeout_s <= 0 || c.peer_timeout_s <= 0) throw Error(ErrorKind::Value, "timeouts must be positive");
@@ -165,6 +167,11 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("deregister", &Engine::deregister, py::call_guard<py::gil_scoped_release>())
       .def("submit", &Engine::submit)
+      .def("route", [](Engine& e, const py::bytes& address, std::shared_ptr<RemoteView> view) {
+        std::string a = address;
+        py::gil_scoped_release release;
+        return e.route(a, view);
+      })
       .def("connect", [](Engine& e, uint64_t id, const py::bytes& a) { e.connect(id, a); })
       .def("disconnect", [](Engine& e, uint64_t id, const py::bytes& a) { e.disconnect(id, a); })
       .def("send", [](Engine& e, uint64_t id, const py::bytes& a, const py::bytes& payload, double timeout) {

@@ -26,7 +26,8 @@ from conftest import engine_kwargs
 ADDRESS_MAGIC = 0x41503250  # "P2PA"
 REGION_MAGIC = 0x52503250   # "P2PR"
 TENSOR_MAGIC = 0x54503250   # "P2PT"
-VERSION = 1
+VERSION = 1                 # of RemoteTensor bytes
+ADDRESS_VERSION = REGION_VERSION = 2
 READ, WRITE = 1, 2          # access bits (csrc/engine/address.h)
 
 
@@ -72,20 +73,26 @@ class Address:
     provider: bytes
     incarnation: int
     rails: list
+    host: bytes = b""
+    pid: int = 0
+    cuda_ipc: int = 0
     magic: int = ADDRESS_MAGIC
-    version: int = VERSION
+    version: int = ADDRESS_VERSION
 
     @classmethod
     def parse(cls, data: bytes) -> "Address":
         r = Reader(unseal(data))
         magic, version = r.get("I"), r.get("B")
         provider, inc, n = r.get_bytes(), r.get("Q"), r.get("H")
-        return cls(provider, inc, [r.get_bytes() for _ in range(n)], magic, version)
+        rails = [r.get_bytes() for _ in range(n)]
+        host, pid, cuda_ipc = r.get_bytes(), r.get("I"), r.get("B")
+        return cls(provider, inc, rails, host, pid, cuda_ipc, magic, version)
 
     def encode(self) -> bytes:
         body = struct.pack("<IB", self.magic, self.version) + lp(self.provider)
         body += struct.pack("<QH", self.incarnation, len(self.rails) & 0xFFFF)
         body += b"".join(lp(x) for x in self.rails)
+        body += lp(self.host) + struct.pack("<IB", self.pid, self.cuda_ipc)
         return seal(body)
 
 
@@ -101,8 +108,11 @@ class Region:
     piece_bytes: int
     rails: int
     entries: list  # [(base, key)] per (piece, rail)
+    ipc_handle: bytes = b""  # CUDA IPC export (csrc/engine/address.h IpcExport)
+    ipc_offset: int = 0
+    ipc_ptr: int = 0
     magic: int = REGION_MAGIC
-    version: int = VERSION
+    version: int = REGION_VERSION
 
     @classmethod
     def parse(cls, data: bytes) -> "Region":
@@ -110,15 +120,17 @@ class Region:
         magic, version = r.get("I"), r.get("B")
         owner = r.get_bytes()
         rid, nbytes, access, staged, dt, di, piece, rails = (r.get(f) for f in "QQBBbhQH")
+        ipc = r.get_bytes(), r.get("Q"), r.get("Q")
         entries = []
         while r.pos < len(r.data):
             entries.append((r.get("Q"), r.get("Q")))
-        return cls(owner, rid, nbytes, access, staged, dt, di, piece, rails, entries, magic, version)
+        return cls(owner, rid, nbytes, access, staged, dt, di, piece, rails, entries, *ipc, magic, version)
 
     def encode(self) -> bytes:
         body = struct.pack("<IB", self.magic, self.version) + lp(self.owner)
         body += struct.pack("<QQBBbhQH", self.id, self.nbytes, self.access, self.staged, self.device_type,
                             self.device_index, self.piece_bytes, self.rails)
+        body += lp(self.ipc_handle) + struct.pack("<QQ", self.ipc_offset, self.ipc_ptr)
         body += b"".join(struct.pack("<QQ", b, k) for b, k in self.entries)
         return seal(body)
 

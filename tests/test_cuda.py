@@ -1,5 +1,6 @@
-"""GPU tensors on both ends (issue 3): one process per GPU, staged over tcp, direct over a
-CUDA-enabled shm where the libfabric in use has one. Skipped without CUDA."""
+"""GPU tensors on both ends: one process per GPU, staged over tcp, direct over a CUDA-enabled
+shm where the libfabric in use has one, and the same-host CUDA IPC route (tests/test_ipc.py has
+its own tests). Skipped without CUDA."""
 import pytest
 import torch
 
@@ -20,10 +21,12 @@ def shm_has_hmem() -> bool:
     return torch.cuda.is_available() and p2p._C.list_nics("shm", True)[1]
 
 
+# (provider, the route expected between the two engines); the fabric routes with IPC off.
 PATHS = [
     pytest.param(("tcp", "staged"), id="tcp-staged"),
     pytest.param(("shm", "direct"), id="shm-direct",
                  marks=pytest.mark.skipif(not shm_has_hmem(), reason="this libfabric has no CUDA support for shm")),
+    pytest.param(("tcp", "ipc"), id="ipc"),
 ]
 
 
@@ -36,11 +39,14 @@ def path(request):
 def pair(path):
     """(local engine on cuda:0, peer child with an engine on PEER_GPU, provider)."""
     provider, expected = path
-    with Peer() as b, p2p.Engine("cuda:0", **engine_kwargs(provider)) as a:
+    ipc = expected == "ipc"
+    with Peer() as b, p2p.Engine("cuda:0", **engine_kwargs(provider, ipc=ipc)) as a:
         if expected == "direct" and a.data_path != "direct":
             pytest.skip(f"{a.provider} offers FI_HMEM but cannot register CUDA memory here")
-        assert a.data_path == expected
-        b.call(helpers.start_engine, provider, device=PEER_GPU)
+        if not ipc:
+            assert a.data_path == expected
+        address = b.call(helpers.start_engine, provider, device=PEER_GPU, ipc=ipc)
+        assert a.route(address) == expected
         yield a, b, provider
 
 

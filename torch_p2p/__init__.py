@@ -7,7 +7,7 @@
         fut = engine.write_slices(views, remote)        # -> torch.futures.Future
 """
 from . import errors, topology
-from .engine import Engine, Region
+from .engine import Engine, Pages, Region, pages
 from .errors import CancelledError, ClosedError, P2PError, PeerError, RemoteError, TimeoutError
 from .remote import RemoteTensor
 
@@ -16,6 +16,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Engine",
     "Region",
+    "Pages",
+    "pages",
     "RemoteTensor",
     "P2PError",
     "PeerError",

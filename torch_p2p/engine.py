@@ -31,6 +31,7 @@ _ENV_TUNING = {  # environment variable -> engine setting, for benchmarks and te
     "TORCH_P2P_RAIL_THREADS": "rail_threads",
     "TORCH_P2P_STAGING_BYTES": "staging_bytes",
     "TORCH_P2P_STAGING_SLOT_BYTES": "staging_slot_bytes",
+    "TORCH_P2P_IPC_COPY_ENGINE_BYTES": "ipc_copy_engine_bytes",
 }
 
 _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -50,8 +51,40 @@ def _parse_device(device) -> torch.device:
     return dev
 
 
+class Pages:
+    """Pages of a tensor or RemoteTensor: ``x.select(dim, i)`` for each ``i`` in ``ids``, in that
+    order, without a Python view per page. Made by ``p2p.pages()``; pairs with a Pages of the
+    same count and page shape on the other side of ``write_slices`` / ``read_slices``."""
+
+    __slots__ = ("base", "ids", "dim")
+
+    def __init__(self, base, ids, dim: int = 0):
+        if not isinstance(base, (torch.Tensor, RemoteTensor)):
+            raise TypeError(f"pages() takes a tensor or a RemoteTensor, not {type(base).__name__}")
+        ids = torch.as_tensor(ids, dtype=torch.int64, device="cpu")
+        if ids.dim() != 1:
+            raise ValueError(f"page ids must be one-dimensional, not of shape {tuple(ids.shape)}")
+        ndim = base.dim()
+        if not -ndim <= dim < ndim:
+            raise IndexError(f"page dimension {dim} is out of range for a tensor of dimension {ndim}")
+        self.base, self.ids, self.dim = base, ids.contiguous(), dim % ndim
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __repr__(self):
+        return f"Pages({len(self.ids)} pages of dim {self.dim} of {type(self.base).__name__} {tuple(self.base.shape)})"
+
+
+def pages(base, ids, dim: int = 0) -> Pages:
+    """``base.select(dim, i)`` for each ``i`` in ``ids`` (a sequence or an integer tensor), as one
+    entry of ``write_slices`` / ``read_slices``. Thousands of random pages (KV-cache blocks)
+    cost one call and no Python object per page; consecutive ids merge into one run."""
+    return Pages(base, ids, dim)
+
+
 def _as_list(x, what: str) -> list:
-    if isinstance(x, (torch.Tensor, RemoteTensor)):
+    if isinstance(x, (torch.Tensor, RemoteTensor, Pages)):
         return [x]
     if isinstance(x, Sequence):
         return list(x)
@@ -92,11 +125,14 @@ class Engine:
             "tcp;ofi_rxm", or None for the best available (efa, verbs, then tcp).
             ``TORCH_P2P_PROVIDER`` overrides None.
         num_rails: NICs (libfabric domains) to stripe over; by default every NIC that belongs
-            to the device (PCIe proximity). More rails than NICs open several domains on one
-            NIC. ``TORCH_P2P_NUM_RAILS`` sets it too.
+            to the device (PCIe proximity), and on tcp ``topology.default_tcp_rails()`` (one
+            per 4 cores, up to 8) when that is more. More rails than NICs open several
+            domains on one NIC. ``TORCH_P2P_NUM_RAILS`` sets it too.
         domains: use exactly these libfabric domains (e.g. ["lo"]); ``TORCH_P2P_DOMAINS``.
         cpus: cores for the progress thread (``TORCH_P2P_CPUS``); by default a core on the
             GPU's NUMA node, and no pinning for host engines.
+        ipc: same-host peers move CUDA memory by CUDA IPC, without the fabric (CUDA engines;
+            default on; ``TORCH_P2P_IPC=0`` turns it off). See ``route()``.
         data_path: None (auto), "direct" (GPUDirect RDMA; error if the provider has no FI_HMEM)
             or "staged" (through pinned host slots, also for host memory).
         timeout: default deadline of one operation, seconds.
@@ -112,7 +148,7 @@ class Engine:
                  domains: list[str] | None = None, cpus: list[int] | None = None,
                  data_path: str | None = None, timeout: float = 120.0, peer_timeout: float = 10.0,
                  staging_bytes: int = 64 << 20, staging_slot_bytes: int = 4 << 20,
-                 port: int | None = None):
+                 port: int | None = None, ipc: bool | None = None):
         if data_path not in (None, "direct", "staged"):
             raise ValueError(f"data_path must be None, 'direct' or 'staged', not {data_path!r}")
         self.device = _parse_device(device)
@@ -120,7 +156,8 @@ class Engine:
         cuda = self.device.type == "cuda"
         resolved, _, nics = _C.list_nics(provider, cuda and data_path != "staged")
         self.plan = topology.plan([topology.Nic(n["domain"], n["pci"], n["speed_bps"]) for n in nics],
-                                  str(self.device), num_rails, domains=domains, cpus=cpus)
+                                  str(self.device), num_rails, domains=domains, cpus=cpus,
+                                  min_rails=topology.default_tcp_rails() if resolved.startswith("tcp") else 1)
         config = dict(
             provider=resolved,
             domains=[nic.domain for nic in self.plan.rails],
@@ -132,6 +169,7 @@ class Engine:
             peer_timeout=float(peer_timeout),
             staging_bytes=int(staging_bytes),
             staging_slot_bytes=int(staging_slot_bytes),
+            ipc=_ipc_setting(ipc),
             # A pinned progress thread owns its core and busy-polls, as on p5.
             spin_us=-1 if self.plan.cpu is not None else 1000,
         )
@@ -178,6 +216,16 @@ class Engine:
     def closed(self) -> bool:
         return self._closed
 
+    def route(self, peer) -> str:
+        """How this engine's transfers of its device's memory reach `peer` (an engine address or
+        a RemoteTensor): "ipc" (same host, CUDA IPC: one copy over NVLink or PCIe), "direct"
+        (the NIC reads and writes the memory) or "staged" (pinned host slots). For a
+        RemoteTensor the IPC route is tried (its storage mapped) before the answer."""
+        self._check_open()
+        if isinstance(peer, RemoteTensor):
+            return self._c.route(peer.owner, peer._v)
+        return self._c.route(_address(peer), None)
+
     # -- memory ------------------------------------------------------------------------------
     def register(self, tensor: torch.Tensor, access: str = "rw") -> Region:
         """Registers the tensor's whole storage on every rail. `access` is what peers may do:
@@ -223,18 +271,24 @@ class Engine:
     def _submit(self, write, local, remote, notify, timeout):
         local = _as_list(local, "the local views")
         for i, v in enumerate(local):
-            if not isinstance(v, torch.Tensor):
-                raise TypeError(f"local view {i} is a {type(v).__name__}, not a tensor")
+            base = v.base if isinstance(v, Pages) else v
+            if not isinstance(base, torch.Tensor):
+                raise TypeError(f"local view {i} is a {type(base).__name__}, not a tensor")
         mirror = isinstance(remote, RemoteTensor)
         remote = _as_list(remote, "the remote tensors")
         for i, r in enumerate(remote):
-            if not isinstance(r, RemoteTensor):
-                raise TypeError(f"remote {i} is a {type(r).__name__}, not a RemoteTensor")
+            base = r.base if isinstance(r, Pages) else r
+            if not isinstance(base, RemoteTensor):
+                raise TypeError(f"remote {i} is a {type(base).__name__}, not a RemoteTensor")
         if notify is not None and not 0 <= int(notify) < 1 << 32:
             raise ValueError(f"notify must be a 32-bit unsigned tag, not {notify}")
         tag = -1 if notify is None else int(notify)
-        return self._call(lambda fid: self._c.submit(fid, write, local, [r._v for r in remote], mirror, tag,
-                                                     _worker_timeout(timeout)))
+        local_pages = [(v.ids, v.dim) if isinstance(v, Pages) else None for v in local]
+        remote_pages = [(r.ids, r.dim) if isinstance(r, Pages) else None for r in remote]
+        local = [v.base if isinstance(v, Pages) else v for v in local]
+        remote = [(r.base if isinstance(r, Pages) else r)._v for r in remote]
+        return self._call(lambda fid: self._c.submit(fid, write, local, remote, local_pages, remote_pages, mirror,
+                                                     tag, _worker_timeout(timeout)))
 
     # -- peers and messages --------------------------------------------------------------------
     def connect(self, address: bytes) -> torch.futures.Future:
@@ -339,6 +393,15 @@ class Engine:
             self._futures.pop(fid, None)
             raise
         return fut
+
+
+def _ipc_setting(ipc: bool | None) -> bool:
+    if ipc is not None:
+        return bool(ipc)
+    value = os.environ.get("TORCH_P2P_IPC", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"TORCH_P2P_IPC must be 0 or 1, not {value!r}")
+    return value == "1"
 
 
 def _address(address) -> bytes:

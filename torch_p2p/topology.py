@@ -92,6 +92,17 @@ def line_rate_bps(rails: list[Nic]) -> int | None:
     return sum(nics.values()) if nics and all(nics.values()) else None  # type: ignore[arg-type]
 
 
+def default_tcp_rails(cores: int | None = None) -> int:
+    """Rails for a tcp engine that is not told: one per 4 cores this process may use, 1 to 8.
+    NOTE: tcp moves every byte through the kernel on the rail's own threads (the provider's
+    progress thread and the engine's posting thread), so rails scale with cores: on the GPU
+    machine (32 cores) 8 rails carried 239-252 Gbps host to host over loopback, 4 rails
+    123-142 and 1 rail 34-42 (benchmarks/results/2026-11-21-h200x2-b/rails-run*.json); on
+    2 cores one rail is all the cores can drive."""
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    return max(1, min(8, cores // 4))
+
+
 def plan(
     nics: list[Nic],
     device: str,
@@ -102,11 +113,13 @@ def plan(
     gpu_pcis: list[str] | None = None,
     sysfs: str = "/sys",
     allowed_cpus: set[int] | None = None,
+    min_rails: int = 1,
 ) -> Plan:
     """Choose rails and a progress-thread CPU for `device` ("cpu" or "cuda:N").
 
     `gpu_pcis` lists every visible GPU by ordinal (default: gpu_pci_addresses()): NICs
-    closer to another GPU are left to that GPU's engine.
+    closer to another GPU are left to that GPU's engine. Without `num_rails` there is a rail
+    per chosen NIC, and at least `min_rails` (several domains on one NIC).
     """
     ordinal = _parse_device(device)
     domains, domains_src = _override(domains, "domains", "TORCH_P2P_DOMAINS", _parse_names)
@@ -125,7 +138,7 @@ def plan(
         gpu_pcis = gpu_pci_addresses() if gpu_pcis is None else gpu_pcis
         gpu_paths = [_pci_path(sysfs, b) for b in gpu_pcis]
         chosen, why = _nics_for_gpu(candidates, ordinal, gpu_paths, sysfs)
-    rails = [chosen[i % len(chosen)] for i in range(num_rails or len(chosen))]
+    rails = [chosen[i % len(chosen)] for i in range(num_rails or max(len(chosen), min_rails))]
 
     if cpus is not None:
         cpu: int | None = cpus[(ordinal or 0) % len(cpus)]

@@ -7,9 +7,11 @@ namespace {
 
 constexpr uint32_t kAddressMagic = 0x41503250;  // "P2PA"
 constexpr uint32_t kRegionMagic = 0x52503250;   // "P2PR"
-constexpr uint8_t kVersion = 1;
+constexpr uint8_t kVersion = 2;
 constexpr size_t kMaxRails = 1024;
 constexpr size_t kMaxName = 4096;
+constexpr size_t kMaxHost = 256;
+constexpr size_t kIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
 
 }  // namespace
 
@@ -21,6 +23,9 @@ std::string EngineAddress::encode() const {
   w.put(incarnation);
   w.put(static_cast<uint16_t>(rails.size()));
   for (const auto& r : rails) w.put_bytes(r);
+  w.put_bytes(host);
+  w.put(pid);
+  w.put(static_cast<uint8_t>(cuda_ipc));
   w.seal();
   return std::move(w.str());
 }
@@ -40,6 +45,11 @@ EngineAddress EngineAddress::decode(std::string_view bytes) {
     if (rail.empty()) r.fail("empty rail address");
     a.rails.push_back(std::move(rail));
   }
+  a.host = r.get_bytes(kMaxHost);
+  a.pid = r.get<uint32_t>();
+  const uint8_t ipc = r.get<uint8_t>();
+  if (ipc > 1) r.fail("bad flags");
+  a.cuda_ipc = ipc;
   r.expect_end();
   return a;
 }
@@ -57,6 +67,9 @@ void RemoteRegion::encode(std::string& out) const {
   w.put(device_index);
   w.put(piece_bytes);
   w.put(rails);
+  w.put_bytes(ipc.handle);
+  w.put(ipc.offset);
+  w.put(ipc.ptr);
   for (size_t i = 0; i < base.size(); ++i) {
     w.put(base[i]);
     w.put(key[i]);
@@ -81,12 +94,17 @@ std::shared_ptr<RemoteRegion> RemoteRegion::decode(std::string_view bytes) {
   g->device_index = r.get<int16_t>();
   g->piece_bytes = r.get<uint64_t>();
   g->rails = r.get<uint16_t>();
+  g->ipc.handle = r.get_bytes(kIpcHandleBytes);
+  g->ipc.offset = r.get<uint64_t>();
+  g->ipc.ptr = r.get<uint64_t>();
   if (g->nbytes == 0) r.fail("empty region");
   if (g->access & ~(kRemoteRead | kRemoteWrite)) r.fail("bad access bits");
   if (staged > 1) r.fail("bad flags");
   g->staged = staged;
   if (g->device_type < 0 || g->device_type > 1) r.fail("bad device type");
   if (g->piece_bytes == 0 || g->rails == 0 || g->rails > kMaxRails) r.fail("bad layout");
+  if (!g->ipc.handle.empty() && (g->ipc.handle.size() != kIpcHandleBytes || g->device_type != 1))
+    r.fail("bad IPC export");
   // The key table's size follows from the fields above; check it against what is left
   // before allocating anything.
   const uint64_t pieces = g->pieces();

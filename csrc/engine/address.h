@@ -17,12 +17,27 @@ struct EngineAddress {
   std::string provider;
   uint64_t incarnation = 0;
   std::vector<std::string> rails;  // raw libfabric endpoint names, one per rail
+  // Where the process runs: peers with the same host (boot id and pid namespace) may move
+  // CUDA memory by IPC (csrc/ipc) and watch the process by pid.
+  std::string host;
+  uint32_t pid = 0;
+  bool cuda_ipc = false;  // a CUDA engine that maps its peers' exported storages
 
   std::string encode() const;
   static EngineAddress decode(std::string_view bytes);
 };
 
 enum Access : uint8_t { kRemoteRead = 1, kRemoteWrite = 2 };
+
+// A CUDA storage exported for IPC: the owner's allocation (legacy cudaIpcMemHandle) and where
+// the storage starts in it; `ptr` serves engines of the owner's own process.
+struct IpcExport {
+  std::string handle;  // cudaIpcMemHandle_t bytes, empty when not exported
+  uint64_t offset = 0;
+  uint64_t ptr = 0;
+
+  bool exported() const { return !handle.empty(); }
+};
 
 // The remote side of a registered storage, shared by every RemoteTensor view of it.
 struct RemoteRegion {
@@ -38,6 +53,7 @@ struct RemoteRegion {
   uint16_t rails = 0;         // the owner's rail count
   std::vector<uint64_t> base; // [piece * rails + rail]: remote address of the piece's byte 0
   std::vector<uint64_t> key;  // [piece * rails + rail]
+  IpcExport ipc;
 
   size_t pieces() const { return staged ? 0 : nbytes / piece_bytes + (nbytes % piece_bytes != 0); }
   void encode(std::string& out) const;

@@ -182,13 +182,15 @@ const Engine::LocalRegion& Engine::region_of(const at::Tensor& view, uint64_t ex
 }
 
 void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& local,
-                    const std::vector<std::shared_ptr<RemoteView>>& remote, bool mirror, int64_t notify,
-                    double timeout_s) {
+                    const std::vector<std::shared_ptr<RemoteView>>& remote, const std::vector<Pages>& local_pages,
+                    const std::vector<Pages>& remote_pages, bool mirror, int64_t notify, double timeout_s) {
   const char* what = write ? "source view" : "destination view";
   P2P_CHECK(!remote.empty() && remote[0], ErrorKind::Value, "no RemoteTensor given");
   P2P_CHECK(mirror ? remote.size() == 1 : remote.size() == local.size(), ErrorKind::Value,
             "expected one RemoteTensor per local view (", local.size(), " local views, ", remote.size(),
             " RemoteTensors)");
+  P2P_CHECK(local_pages.size() == local.size() && remote_pages.size() == remote.size(), ErrorKind::Value,
+            "one page list (or None) per view");
   const std::string& owner = remote[0]->region->owner;
 
   auto t = std::make_unique<Transfer>();
@@ -216,6 +218,58 @@ void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& loca
                   " of this engine, which is deregistered");
       }
       const int64_t elem = v.element_size();
+      if (local_pages[i] || remote_pages[mirror ? 0 : i]) {
+        P2P_CHECK(!mirror && local_pages[i] && remote_pages[i], ErrorKind::Value, what, " ", i,
+                  ": pages pair with pages (p2p.pages on both sides, no mirror mode)");
+        const auto& [lids, ldim] = *local_pages[i];
+        const auto& [rids, rdim] = *remote_pages[i];
+        for (const at::Tensor* ids : {&lids, &rids})
+          P2P_CHECK(ids->scalar_type() == at::kLong && ids->is_cpu() && ids->dim() == 1 && ids->is_contiguous(),
+                    ErrorKind::Value, "page ids must be a 1-d contiguous int64 CPU tensor");
+        P2P_CHECK(ldim >= 0 && ldim < v.dim() && rdim >= 0 && rdim < static_cast<int64_t>(rv.shape.size()),
+                  ErrorKind::Index, what, " ", i, ": the page dimension is out of range");
+        P2P_CHECK(lids.numel() == rids.numel(), ErrorKind::Value, what, " ", i, " has ", lids.numel(),
+                  " pages but its RemoteTensor has ", rids.numel());
+        std::vector<int64_t> page(v.sizes().vec()), rpage(rv.shape);
+        page.erase(page.begin() + ldim);
+        rpage.erase(rpage.begin() + rdim);
+        P2P_CHECK(page == rpage, ErrorKind::Value, what, " ", i, ": a page has shape ", dims(page),
+                  " but a remote page has shape ", dims(rpage));
+        P2P_CHECK(rv.dtype == v.scalar_type(), ErrorKind::Value, what, " ", i, " is ",
+                  c10::toString(v.scalar_type()), " but its RemoteTensor is ", c10::toString(rv.dtype));
+        P2P_CHECK(rr.access & (write ? kRemoteWrite : kRemoteRead), ErrorKind::Value, "region ", rr.id,
+                  " of the peer does not accept remote ", write ? "writes (registered with access='r')"
+                                                                : "reads (registered with access='w')");
+        const int64_t n = lids.numel();
+        if (n == 0 || v.numel() == 0) continue;
+        const LocalRegion& lr = region_of(v, extent_bytes(v.sizes().vec(), v.strides().data(), elem), what, i);
+        PageSide ls{reinterpret_cast<uint64_t>(v.data_ptr()), v.stride(ldim) * elem, lids.data_ptr<int64_t>(),
+                    v.strides().vec()};
+        PageSide rs{static_cast<uint64_t>(rv.offset * elem), rv.strides[rdim] * elem, rids.data_ptr<int64_t>(),
+                    rv.strides};
+        ls.strides.erase(ls.strides.begin() + ldim);
+        rs.strides.erase(rs.strides.begin() + rdim);
+        const PageSide& dst = write ? rs : ls;
+        P2P_CHECK(!self_overlapping(page, dst.strides.data()), ErrorKind::Value, what, " ", i,
+                  ": the destination pages have overlapping elements (a stride of 0?)");
+        const int64_t lcount = v.size(ldim), rcount = rv.shape[rdim], dcount = write ? rcount : lcount;
+        std::vector<bool> taken(dcount, false);
+        for (int64_t k = 0; k < n; ++k) {
+          const int64_t l = ls.ids[k], r = rs.ids[k], d = write ? r : l;
+          P2P_CHECK(l >= 0 && l < lcount && r >= 0 && r < rcount, ErrorKind::Index, what, " ", i, ": page ",
+                    k, " pairs local page ", l, " of ", lcount, " with remote page ", r, " of ", rcount);
+          P2P_CHECK(!taken[d], ErrorKind::Value, what, " ", i, ": destination page ", d,
+                    " is named twice; the result would depend on arrival order");
+          taken[d] = true;
+        }
+        auto lidx = std::find(t->local_ids.begin(), t->local_ids.end(), lr.id) - t->local_ids.begin();
+        if (static_cast<size_t>(lidx) == t->local_ids.size()) t->local_ids.push_back(lr.id);
+        auto ridx = std::find(t->remote.begin(), t->remote.end(), rv.region) - t->remote.begin();
+        if (static_cast<size_t>(ridx) == t->remote.size()) t->remote.push_back(rv.region);
+        append_page_runs(page, ls, rs, n, elem, static_cast<uint32_t>(lidx), static_cast<uint32_t>(ridx), t->runs);
+        cuda |= v.is_cuda();
+        continue;
+      }
       if (v.numel() == 0) {  // moves nothing; torch gives empty views no data pointer to check
         P2P_CHECK(mirror || (rv.shape == v.sizes().vec() && rv.dtype == v.scalar_type()), ErrorKind::Value,
                   what, " ", i, " is empty but its RemoteTensor is not of the same shape and dtype");
@@ -277,6 +331,38 @@ void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& loca
   }
 #endif
   enqueue(std::move(t));
+}
+
+void Engine::append_page_runs(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
+                              int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, std::vector<Run>& out) {
+  auto at = [&](const PageSide& s, int64_t k) { return s.base + static_cast<uint64_t>(s.ids[k] * s.stride); };
+  // A page that is one run on both sides (the usual KV block) needs no decomposition.
+  std::vector<Run> first;
+  append_runs(shape, Strided{at(local, 0), local.strides.data()}, Strided{at(remote, 0), remote.strides.data()},
+              elem, lreg, rreg, first);
+  const uint64_t bytes = extent_bytes(shape, local.strides.data(), elem);
+  if (first.size() != 1 || first[0].len != bytes) {
+    for (int64_t k = 0; k < n; ++k)
+      append_runs(shape, Strided{at(local, k), local.strides.data()}, Strided{at(remote, k), remote.strides.data()},
+                  elem, lreg, rreg, out);
+    return;
+  }
+  out.reserve(out.size() + n);
+  for (int64_t k = 0; k < n; ++k) {
+    const uint64_t l = at(local, k), r = at(remote, k);
+    Run* last = out.empty() ? nullptr : &out.back();
+    if (last && last->lreg == lreg && last->rreg == rreg && last->local + last->len == l && last->remote + last->len == r)
+      last->len += bytes;
+    else
+      out.push_back({l, r, bytes, lreg, rreg});
+  }
+}
+
+std::string Engine::route(const std::string& address, const std::shared_ptr<RemoteView>& view) {
+  EngineAddress::decode(address);  // bad bytes raise here
+  std::shared_ptr<const RemoteRegion> region = view ? view->region : nullptr;
+  return worker_->call<std::string>([address, region](Worker& w) { return w.route(address, region.get()); },
+                                    worker_->config().timeout_s);
 }
 
 void Engine::enqueue(std::unique_ptr<Transfer> t) {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -44,11 +45,16 @@ class Engine {
   // Waits for operations using the region to finish, then deregisters it. No GIL needed.
   void deregister(uint64_t id, double timeout_s);
 
+  // Pages of a view: view.select(dim, i) for each i in `ids` (int64, on the CPU), in order.
+  using Pages = std::optional<std::tuple<at::Tensor, int64_t>>;  // (ids, dim); none: the whole view
   // write_slices (write=true) / read_slices. `remote` holds one view per local view, or one
-  // view in mirror mode. `id` names the completion. notify < 0: none.
+  // view in mirror mode. An entry with pages on one side has them on the other (same count).
+  // `id` names the completion. notify < 0: none.
   void submit(uint64_t id, bool write, const std::vector<at::Tensor>& local,
-              const std::vector<std::shared_ptr<RemoteView>>& remote, bool mirror, int64_t notify,
-              double timeout_s);
+              const std::vector<std::shared_ptr<RemoteView>>& remote, const std::vector<Pages>& local_pages,
+              const std::vector<Pages>& remote_pages, bool mirror, int64_t notify, double timeout_s);
+  // "ipc", "direct" or "staged": see Worker::route.
+  std::string route(const std::string& address, const std::shared_ptr<RemoteView>& view);
   void connect(uint64_t id, const std::string& address);
   void disconnect(uint64_t id, const std::string& address);
   void send(uint64_t id, const std::string& address, std::string payload, double timeout_s);
@@ -76,6 +82,16 @@ class Engine {
     bool closed = false;
   };
   const LocalRegion& region_of(const at::Tensor& view, uint64_t extent, const char* what, size_t index);
+  // The runs of entry i's pages: local page k at lbase + lids[k] * lstride, remote page k at
+  // rbase + rids[k] * rstride (bytes), page shape and strides as given.
+  struct PageSide {
+    uint64_t base;
+    int64_t stride;  // bytes between pages
+    const int64_t* ids;
+    std::vector<int64_t> strides;  // of a page, in elements
+  };
+  static void append_page_runs(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
+                               int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, std::vector<Run>& out);
   void check_device(const at::Tensor& t, const char* what) const;
   void post(std::function<void(Worker&)> fn, uint64_t id);
   void enqueue(std::unique_ptr<Transfer> t);

@@ -1,6 +1,8 @@
 // Peers: connection by introduction, control messages, user messages, notifications,
 // liveness and failure. No world: a peer is whoever we were given an address of, or whoever
 // introduced itself.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 
@@ -370,6 +372,11 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   p.partial.clear();
   p.unacked.clear();
   for (auto& c : closing_) c.unreleased.erase(p.incarnation);
+  if (ipc_) ipc_->forget(p.incarnation);  // once the copies queued for it are done
+  if (p.pidfd >= 0) {
+    close(p.pidfd);
+    p.pidfd = -1;
+  }
   if (p.disconnect_id && state == PeerState::Dead) {
     report(p.disconnect_id, Status{});
     p.disconnect_id = 0;

@@ -37,6 +37,14 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
   }
   regions_[region->id] = region;
 
+  IpcExport exported;
+  if (ipc_ && spec.cuda_device >= 0) {
+    std::string why;
+    exported = ipc_->export_storage(spec.ptr, spec.nbytes, why);
+    region->exported = exported.exported();
+    if (!region->exported)
+      P2P_LOG(Info, "region ", region->id, " is not exported for CUDA IPC (", why, "): peers reach it over the fabric");
+  }
   auto remote = std::make_shared<RemoteRegion>();
   remote->owner = address_;
   remote->incarnation = incarnation_;
@@ -52,6 +60,7 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
     remote->base.push_back(mr.base);
     remote->key.push_back(mr.key);
   }
+  remote->ipc = std::move(exported);
   return remote;
 }
 
@@ -64,19 +73,21 @@ void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> 
     return done->set_value();
   }
   it->second->closing = true;
+  const bool exported = it->second->exported;
   Closing c{std::move(it->second), {std::move(done)}, {}, now() + config_.peer_timeout_s};
   regions_.erase(it);
   // Every peer that knows us hears of it (its new transfers to the region fail at once) and
   // answers once none of its transfers flows into the region any more. The registrations go
   // when local operations are done; on shm (Rail::peers_must_release) only once every peer
-  // has answered, or peer_timeout passed.
+  // has answered, or peer_timeout passed; so does an exported region for the peers that may
+  // have it mapped (IPC copies check nothing at our end).
   const bool wait = std::any_of(rails_.begin(), rails_.end(), [](auto& rs) { return rs.rail->peers_must_release(); });
   for (auto& [inc, p] : peers_) {
     if (p->state != PeerState::Ready) continue;
     ByteWriter w = message(MsgType::RegionClosed, *p);
     w.put(id);
     send_control(*p, std::move(w));
-    if (wait) c.unreleased.insert(inc);
+    if (wait || (exported && ipc_reaches(p->address))) c.unreleased.insert(inc);
   }
   closing_.push_back(std::move(c));
 }
@@ -160,6 +171,7 @@ void Worker::release_regions(Peer& p) {
       ++it;
       continue;
     }
+    if (ipc_) ipc_->release(p.incarnation, region);
     ByteWriter w = message(MsgType::RegionReleased, p);
     w.put(region);
     send_control(p, std::move(w));

@@ -57,6 +57,7 @@ Status Worker::check_remote(const Transfer& t) const {
 }
 
 void Worker::ready_to_generate(Transfer& t) {
+  if (start_ipc(t)) return;
   uint64_t total = 0;
   for (const Run& r : t.runs) total += r.len;
   // Large runs are cut so that every rail pair carries a share; small runs stay whole and
@@ -216,7 +217,7 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
 // once the copies its provider queued before it are done; the Fence comes after the RMA in
 // the peer's command queue.
 bool Worker::needs_fence(const Transfer& t) const {
-  if (t.kind == TransferKind::Message || t.staged || !rails_[0].rail->cuda_ipc()) return false;
+  if (t.kind == TransferKind::Message || t.staged || t.ipc || !rails_[0].rail->cuda_ipc()) return false;
   return std::any_of(t.local.begin(), t.local.end(), [](const auto& r) { return r->cuda_device >= 0; });
 }
 

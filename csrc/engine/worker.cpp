@@ -156,6 +156,7 @@ void Worker::open(std::promise<void>& ready) {
     node_cpus_ = process_cpus_;
   }
   copier_ = make_copier(config_.cuda_device);
+  open_ipc();
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   P2P_CHECK(wake_fd_ >= 0 && epoll_fd_ >= 0, ErrorKind::Generic, "eventfd/epoll: ", std::strerror(errno));
@@ -195,7 +196,7 @@ void Worker::open(std::promise<void>& ready) {
   if (cuda && hmem_ && config_.data_path == DataPath::Auto) probe_hmem();
 
   while (incarnation_ == 0) (void)!getrandom(&incarnation_, sizeof incarnation_, 0);
-  EngineAddress me{provider_, incarnation_, {}};
+  EngineAddress me{provider_, incarnation_, {}, host_, static_cast<uint32_t>(getpid()), ipc_ != nullptr};
   for (auto& rs : rails_) me.rails.push_back(rs.rail->address());
   address_ = me.encode();
 
@@ -320,6 +321,7 @@ void Worker::run(std::promise<void>& ready) {
     bool busy = drain_commands();
     busy |= poll_rails();
     poll_copies();
+    busy |= poll_ipc();
     poll_fences();
     busy |= generate();
     busy |= flush_outbox();
@@ -364,7 +366,8 @@ void Worker::idle_wait() {
   bool can_sleep = !pending && !stopping_.load();
   for (auto& d : drivers_) can_sleep = can_sleep && !d->has_events();
   // Nothing wakes us when a CUDA copy or the caller's stream event completes: keep polling.
-  can_sleep = can_sleep && copying_.empty() && fences_.empty() && (gen_queue_.empty() || !gen_queue_.front()->cuda_event);
+  can_sleep = can_sleep && copying_.empty() && fences_.empty() && ipc_copies_.empty() &&
+              (gen_queue_.empty() || !gen_queue_.front()->cuda_event);
   bool all_fds = true;
   for (auto& rs : rails_) all_fds &= rs.driver || rs.rail->wait_fd() >= 0;
   // With wait fds, sleep only if no rail has events pending (trywait); without, nap.
@@ -600,6 +603,7 @@ void Worker::tick() {
   for (auto& [tag, state] : notify_) expire(state.waiters, "notification");
 
   check_peers();
+  check_processes();
   poke_abandoned_jobs();
 
   finish_closing();
@@ -653,6 +657,10 @@ void Worker::shutdown() {
   for (auto& [id, t] : transfers_)
     if (t->cuda_event) copier_->destroy_event(t->cuda_event);
   transfers_.clear();
+  ipc_copies_.clear();
+  ipc_.reset();  // waits for its copies, then unmaps
+  for (auto& [inc, p] : peers_)
+    if (p->pidfd >= 0) close(p->pidfd);
   for (const PendingFence& f : fences_)
     if (f.event) copier_->destroy_event(f.event);
   fences_.clear();

@@ -32,6 +32,7 @@
 #include "engine/runs.h"
 #include "fabric/info.h"
 #include "fabric/rail.h"
+#include "ipc/route.h"
 
 namespace p2p::engine {
 
@@ -58,6 +59,8 @@ struct WorkerConfig {
   int spin_us = 1000;
   int rail_threads = -1;             // -1: one per rail where the provider is thread safe
                                      // (auto progress), 0: none
+  bool ipc = true;                   // same-host CUDA peers move data by CUDA IPC (csrc/ipc)
+  uint64_t ipc_copy_engine_bytes = 16 << 20;  // IPC runs from this size on go to the copy engines
 };
 
 struct RailFacts {
@@ -77,6 +80,7 @@ struct Region : std::enable_shared_from_this<Region> {
   int cuda_device = -1;
   uint8_t access = 0;   // Access bits granted to peers
   bool staged = false;  // not registered with the NICs: peers go through the owner's slots
+  bool exported = false;  // for CUDA IPC: same-host peers may have it mapped
   uint64_t piece_bytes = 0;
   std::vector<fabric::MrHandle> mrs;  // [piece * rails + rail]
   bool closing = false;
@@ -118,6 +122,7 @@ struct Transfer final : OpOwner {
   std::vector<std::shared_ptr<Region>> local;
   double deadline = 0;
   bool staged = false;
+  bool ipc = false;  // one copy on the IPC route (csrc/ipc) instead of ops
   uint64_t chunk = 0;
   size_t next_run = 0;
   uint64_t run_pos = 0;
@@ -162,6 +167,7 @@ struct Peer {
   uint32_t next_message = 0;
   bool revivable = false;          // left by our own disconnect(): a later use reconnects
   bool closed = false;             // its engine closed (on_bye()): never contact it again
+  int pidfd = -1;                  // same-host peers we map: their process, to see it exit
   std::unordered_set<uint64_t> closed_regions;  // its regions it told us it deregistered
   std::unordered_set<uint64_t> to_release;      // of those, the ones we still owe a release
   // Its live regions when it introduced itself: ids up to census_last not listed were gone.
@@ -220,6 +226,9 @@ class Worker {
   void recv(uint64_t id, double timeout_s);
   void notification(uint64_t id, uint32_t tag, double timeout_s);
   void cancel(uint64_t id);
+  // "ipc", "direct" or "staged": how a transfer of this engine's memory to the owner of
+  // `address` (and of `region`, if given) moves. Maps the region if that decides it.
+  std::string route(const std::string& address, const RemoteRegion* region);
 
   // Used by op owners (worker thread).
   void transfer_op_done(Transfer& t, const Status& status);
@@ -271,6 +280,14 @@ class Worker {
   void shutdown();
   void post_receive(Op* op);
 
+  // ipc.cpp: the same-host CUDA IPC route's hooks (csrc/ipc does the work).
+  void open_ipc();
+  bool ipc_reaches(const EngineAddress& a) const;
+  bool start_ipc(Transfer& t);
+  bool poll_ipc();
+  void watch_process(Peer& p);
+  void check_processes();
+
   // transfers.cpp: turning transfers into ops, finishing them.
   bool generate();
   bool generate_direct(Transfer& t);
@@ -279,7 +296,6 @@ class Worker {
   // to it. fail() is both, for callers that are done with the transfer.
   void finish(Transfer& t, Status status);
   void fail(Transfer& t, Status status);
-  void report_transfer(Transfer& t);
   void maybe_free(Transfer& t);
   void ready_to_generate(Transfer& t);
   size_t pairs(const Peer& p) const;
@@ -398,6 +414,12 @@ class Worker {
   std::unordered_map<uint32_t, NotifyState> notify_;
   double next_tick_ = 0;
   double idle_since_ = 0;
+
+  // The IPC route (ipc.cpp), null where it is off or impossible.
+  std::unique_ptr<ipc::Route> ipc_;
+  std::string host_;
+  std::vector<std::pair<uint64_t, uint64_t>> ipc_copies_;  // (ticket, transfer id), in order
+  std::unordered_map<uint64_t, std::string> no_ipc_;  // peers whose mapping failed: why
 
   // Staging (staging.cpp).
   std::unique_ptr<Copier> copier_;

@@ -1,0 +1,44 @@
+// What the IPC route needs of CUDA: exporting a storage, mapping a peer's, and copying between
+// mapped memory on the engine's own stream. One Memory per CUDA engine, used by its worker
+// thread only. make_memory() returns null in a build without CUDA.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/address.h"
+#include "engine/copier.h"
+
+namespace p2p::ipc {
+
+class Memory {
+ public:
+  virtual ~Memory() = default;
+  // The export of the allocation holding [ptr, ptr + nbytes); not exported (and `why` set) if
+  // the memory cannot be shared this way (VMM memory: PyTorch's expandable segments).
+  virtual engine::IpcExport export_storage(void* ptr, uint64_t nbytes, std::string& why) = 0;
+  // Maps a peer's allocation into this process; returns its base and sets its size. Throws an
+  // Error saying why it cannot (no IPC namespace in common, no P2P between the GPUs, ...).
+  virtual void* open(const std::string& handle, uint64_t& size) = 0;
+  virtual void close(void* base) = 0;
+  // True when [ptr, ptr + nbytes) is device memory of this process (an engine of ours owns it).
+  virtual bool owns(uint64_t ptr, uint64_t nbytes) = 0;
+  // Queues every span (device memory, or mapped memory of a peer) after the work behind
+  // `after` (a cudaEvent_t, or null); returns a ticket. Tickets complete in order.
+  virtual uint64_t copy(const std::vector<engine::CopySpan>& spans, void* after) = 0;
+  virtual bool done(uint64_t ticket) = 0;
+  // The first CUDA error seen on the stream, empty if none.
+  virtual std::string error() const = 0;
+};
+
+// copy_engine_bytes: spans at least this long go to the copy engines (cudaMemcpyAsync), the
+// rest to one gather kernel per call.
+std::unique_ptr<Memory> make_memory(int cuda_device, uint64_t copy_engine_bytes);
+
+// "boot id/pid namespace": processes that share it can map each other's CUDA memory by IPC
+// and watch each other by pid. Empty if unknown.
+std::string host_identity();
+
+}  // namespace p2p::ipc

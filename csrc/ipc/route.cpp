@@ -1,0 +1,125 @@
+#include "ipc/route.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace p2p::ipc {
+
+std::string host_identity() {
+  char boot[64] = {0};
+  FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (!f) return {};
+  const size_t n = std::fread(boot, 1, sizeof boot - 1, f);
+  std::fclose(f);
+  std::string id(boot, n);
+  while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
+  struct stat ns {};
+  if (id.empty() || stat("/proc/self/ns/pid", &ns) != 0) return {};
+  return cat(id, "/", static_cast<uint64_t>(ns.st_ino));
+}
+
+Route::Route(std::unique_ptr<Memory> memory) : memory_(std::move(memory)) {}
+
+Route::~Route() {
+  memory_->done(last_ticket_);  // the memory's destructor waits for the stream
+  for (auto& [key, a] : allocations_)
+    if (!a.own) memory_->close(a.base);
+  memory_.reset();
+}
+
+void Route::map(uint64_t peer, bool same_process, const engine::RemoteRegion& region) {
+  if (auto known = regions_.find({peer, region.id}); known != regions_.end()) {
+    // The same region through another handle (views share one; a tampered one may not).
+    P2P_CHECK(region.nbytes <= known->second.bytes, ErrorKind::Value, "region ", region.id, " of peer ", hex(peer),
+              " claims ", region.nbytes, " bytes; its mapping holds ", known->second.bytes);
+    return;
+  }
+  P2P_CHECK(region.ipc.exported(), ErrorKind::Value, "region ", region.id, " is not exported for CUDA IPC");
+  const AllocationKey key{peer, region.ipc.handle};
+  auto it = allocations_.find(key);
+  if (it == allocations_.end()) {
+    Allocation a;
+    if (same_process) {
+      // An engine of this process owns it: its pointer works as it is.
+      P2P_CHECK(memory_->owns(region.ipc.ptr, region.nbytes), ErrorKind::Value, "region ", region.id,
+                " names memory this process does not have");
+      a.base = reinterpret_cast<void*>(region.ipc.ptr - region.ipc.offset);
+      a.size = region.ipc.offset + region.nbytes;
+      a.own = true;
+    } else {
+      a.base = memory_->open(region.ipc.handle, a.size);
+    }
+    it = allocations_.emplace(key, a).first;
+  }
+  Allocation& a = it->second;
+  // A handle that claims more than its allocation holds would let a copy fault the GPU.
+  if (region.ipc.offset > a.size || region.nbytes > a.size - region.ipc.offset) {
+    if (a.regions == 0) {
+      if (!a.own) memory_->close(a.base);
+      allocations_.erase(it);
+    }
+    P2P_THROW(ErrorKind::Value, "region ", region.id, " of peer ", hex(peer), " claims ", region.nbytes,
+              " bytes at offset ", region.ipc.offset, " of an allocation of ", a.size);
+  }
+  ++a.regions;
+  regions_[{peer, region.id}] = {key, static_cast<uint8_t*>(a.base) + region.ipc.offset, a.size - region.ipc.offset};
+}
+
+uint64_t Route::copy(uint64_t peer, const std::vector<const engine::RemoteRegion*>& regions,
+                     const std::vector<engine::Run>& runs, bool write, void* after) {
+  std::vector<uint8_t*> starts;
+  for (const engine::RemoteRegion* r : regions) starts.push_back(regions_.at({peer, r->id}).start);
+  spans_.clear();
+  for (const engine::Run& run : runs) {
+    void* local = reinterpret_cast<void*>(run.local);
+    void* remote = starts[run.rreg] + run.remote;
+    spans_.push_back(write ? engine::CopySpan{remote, local, run.len} : engine::CopySpan{local, remote, run.len});
+  }
+  last_ticket_ = memory_->copy(spans_, after);
+  return last_ticket_;
+}
+
+void Route::release(uint64_t peer, uint64_t region) {
+  if (!mapped(peer, region)) return;
+  deferred_.push_back({last_ticket_, [this, peer, region] { unmap(peer, region); }});
+  poll();
+}
+
+void Route::forget(uint64_t peer) {
+  std::vector<uint64_t> ids;
+  for (auto it = regions_.lower_bound({peer, 0}); it != regions_.end() && it->first.first == peer; ++it)
+    ids.push_back(it->first.second);
+  for (uint64_t id : ids) release(peer, id);
+}
+
+void Route::unmap(uint64_t peer, uint64_t region) {
+  auto it = regions_.find({peer, region});
+  if (it == regions_.end()) return;
+  auto a = allocations_.find(it->second.allocation);
+  regions_.erase(it);
+  if (--a->second.regions > 0) return;
+  if (!a->second.own) memory_->close(a->second.base);
+  P2P_LOG(Debug, "unmapped an allocation of peer ", hex(peer));
+  allocations_.erase(a);
+}
+
+bool Route::poll() {
+  size_t kept = 0;
+  for (auto& d : deferred_) {
+    if (memory_->done(d.first)) {
+      d.second();
+    } else {
+      deferred_[kept++] = std::move(d);
+    }
+  }
+  deferred_.resize(kept);
+  return kept > 0;
+}
+
+}  // namespace p2p::ipc

@@ -1,0 +1,377 @@
+"""Pages (p2p.pages) on every provider, route choice, and the same-host CUDA IPC route
+(csrc/ipc). The GPU tests run one process per GPU where there are two (both on cuda:0
+otherwise), with whatever libfabric is installed: the IPC route needs none of its CUDA support."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import helpers
+import peer_helpers as ph
+import torch_p2p as p2p
+from conftest import engine_kwargs
+from peer import Peer
+
+PEER_GPU = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+cuda = pytest.mark.cuda
+
+
+# -- Host identity and route choice (no GPU needed) -------------------------------------------
+
+def test_address_names_the_host_and_process():
+    with p2p.Engine("cpu", **engine_kwargs("tcp")) as e:
+        a = ph.Address.parse(e.address)
+        assert a.pid == os.getpid()
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        assert a.host.decode().startswith(boot + "/")
+        assert a.cuda_ipc == 0  # a host engine maps nothing
+
+
+def test_host_engines_take_the_fabric(provider):
+    with p2p.Engine("cpu", **engine_kwargs(provider)) as a, p2p.Engine("cpu", **engine_kwargs(provider)) as b:
+        t = torch.zeros(16)
+        region = b.register(t)
+        assert a.route(b.address) == "direct"
+        assert a.route(region.remote) == "direct"
+        with p2p.Engine("cpu", **engine_kwargs(provider, data_path="staged")) as c:
+            assert c.route(b.address) == "staged"
+        with pytest.raises(ValueError, match="invalid engine address"):
+            a.route(b"x" * 40)
+        with pytest.raises(TypeError):
+            a.route(7)
+
+
+def test_ipc_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("TORCH_P2P_IPC", "yes")
+    with pytest.raises(ValueError, match="TORCH_P2P_IPC must be 0 or 1"):
+        p2p.Engine("cpu", **engine_kwargs("tcp"))
+
+
+def test_forged_ipc_exports_are_refused():
+    with p2p.Engine("cpu", **engine_kwargs("tcp")) as e:
+        remote = e.register(torch.zeros(8)).remote
+        with pytest.raises(ValueError, match="bad IPC export"):  # a host region exports nothing
+            ph.tampered(remote, ipc_handle=b"h" * 64).to_bytes()
+        with pytest.raises(ValueError, match="bad IPC export"):  # a handle of the wrong size
+            ph.tampered(remote, ipc_handle=b"h" * 63, device_type=1).to_bytes()
+
+
+# -- Pages on the fabric (CPU CI) --------------------------------------------------------------
+
+def test_random_pages_both_sides(link):
+    """Random block tables on both sides, write and read; pages not named keep their poison."""
+    pages, page = 64, (4, 33)  # odd sizes: runs that are no multiple of 16 bytes
+    name, remote = link.remote((pages, *page))
+    src = helpers.random_tensor((pages, *page), torch.float32, 1)
+    link.engine.register(src)
+    g = torch.Generator().manual_seed(2)
+
+    def table(run: range) -> torch.Tensor:  # 40 distinct ids, with `run` at positions 5 to 8
+        rest = [i for i in torch.randperm(pages, generator=g).tolist() if i not in run]
+        return torch.tensor(rest[:5] + list(run) + rest[5:36])
+
+    sids, dids = table(range(3, 7)), table(range(20, 24))  # the runs merge on both sides
+    p2p.wait(link.engine.write_slices(p2p.pages(src, sids), p2p.pages(remote, dids)), 60)
+    expected = helpers.poisoned((pages, *page), torch.float32)
+    expected[dids] = src[sids]
+    helpers.assert_same_bits(link.fetch(name), expected)
+
+    back = helpers.poisoned((pages, *page), torch.float32)
+    link.engine.register(back)
+    p2p.wait(link.engine.read_slices([p2p.pages(back, sids)], [p2p.pages(remote, dids)]), 60)
+    want = helpers.poisoned((pages, *page), torch.float32)
+    want[sids] = src[sids]
+    helpers.assert_same_bits(back, want)
+
+
+def test_pages_of_strided_views_and_other_dims(link):
+    """Pages along dim 1 of a [2, blocks, block] K/V layout, of a strided view; mixed with a
+    plain view in one call."""
+    name, remote = link.remote((2, 16, 8, 6))
+    src = helpers.random_tensor((2, 16, 8, 12), torch.float32, 3)[..., ::2]  # non-contiguous pages
+    link.engine.register(src)
+    ids_s, ids_d = [7, 1, 12], [0, 15, 4]
+    extra = helpers.random_tensor((6,), torch.float32, 4)
+    link.engine.register(extra)
+    p2p.wait(link.engine.write_slices([p2p.pages(src, ids_s, dim=1), extra], [p2p.pages(remote, ids_d, dim=1),
+                                                                               remote[1, 2, 3]]), 60)
+    expected = helpers.poisoned((2, 16, 8, 6), torch.float32)
+    expected[:, ids_d] = src[:, ids_s]
+    expected[1, 2, 3] = extra
+    helpers.assert_same_bits(link.fetch(name), expected)
+
+
+def test_bad_pages_raise_before_anything_moves(link):
+    name, remote = link.remote((8, 16))
+    src = helpers.random_tensor((8, 16), torch.float32, 5)
+    link.engine.register(src)
+    e = link.engine
+    cases = [
+        (IndexError, "local page 8 of 8", lambda: e.write_slices(p2p.pages(src, [0, 8]), p2p.pages(remote, [0, 1]))),
+        (IndexError, "remote page -1", lambda: e.write_slices(p2p.pages(src, [0]), p2p.pages(remote, [-1]))),
+        (ValueError, "named twice", lambda: e.write_slices(p2p.pages(src, [0, 1]), p2p.pages(remote, [3, 3]))),
+        (ValueError, "has 2 pages but its RemoteTensor has 1",
+         lambda: e.write_slices(p2p.pages(src, [0, 1]), p2p.pages(remote, [3]))),
+        (ValueError, "pages pair with pages", lambda: e.write_slices(p2p.pages(src, [0]), [remote[0]])),
+        (ValueError, "pages pair with pages", lambda: e.write_slices(p2p.pages(src, [0]), remote)),
+        (ValueError, "a page has shape", lambda: e.write_slices(p2p.pages(src, [0]), p2p.pages(remote[:, :8], [0]))),
+        (ValueError, "one-dimensional", lambda: p2p.pages(src, [[0, 1]])),
+        (IndexError, "out of range", lambda: p2p.pages(src, [0], dim=2)),
+        (TypeError, r"pages\(\) takes a tensor", lambda: p2p.pages([1, 2], [0])),
+    ]
+    for kind, text, call in cases:
+        with pytest.raises(kind, match=text):
+            call()
+    # A read may name a source page twice (it is the destination that must not repeat).
+    back = torch.zeros(2, 16)
+    e.register(back)
+    p2p.wait(e.read_slices(p2p.pages(back, [0, 1]), p2p.pages(remote, [2, 2])), 60)
+    assert (link.fetch(name) == link.fetch(name)[0, 0]).all()  # untouched by the bad calls
+    helpers.assert_same_bits(back, torch.stack([link.fetch(name)[2]] * 2))
+
+
+# -- The IPC route (GPU machine) -----------------------------------------------------------------
+
+@pytest.fixture
+def ipc_pair():
+    """(engine on cuda:0, peer child with an engine on PEER_GPU, its address), on the IPC route."""
+    with Peer() as b, p2p.Engine("cuda:0", **engine_kwargs("tcp")) as a:
+        address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
+        assert a.route(address) == "ipc"
+        yield a, b, address
+
+
+def make_cuda_target(state, name: str, shape, dtype=torch.uint8, access: str = "rw") -> bytes:
+    """A poisoned CUDA tensor registered under `name`, with 4 KiB of guard bytes on each side
+    (unregistered, in the same allocation); returns the handle of the middle."""
+    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    whole = torch.full((n + 8192,), helpers.POISON, dtype=torch.uint8, device=PEER_GPU)
+    state[name + ".whole"] = whole
+    t = whole[4096:4096 + n].view(dtype).view(shape)
+    state[name] = t
+    state[f"{name}.region"] = state["engine"].register(t, access=access)
+    return state[f"{name}.region"].remote.to_bytes()
+
+
+def fetch_whole(state, name: str) -> torch.Tensor:
+    return state[name + ".whole"].cpu()
+
+
+def gpu_random(shape, dtype, seed):
+    return helpers.random_tensor(shape, dtype, seed).to("cuda:0")
+
+
+def check_guards(whole: torch.Tensor):
+    assert (whole[:4096] == helpers.POISON).all() and (whole[-4096:] == helpers.POISON).all(), "guard bytes hit"
+
+
+@cuda
+def test_ipc_paged_random_both_sides(ipc_pair):
+    a, b, _ = ipc_pair
+    blocks, page = 4096, 4096
+    remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (blocks, page)))
+    src = gpu_random((blocks, page), torch.uint8, 1)
+    a.register(src)
+    g = torch.Generator().manual_seed(7)
+    sids, dids = torch.randperm(blocks, generator=g)[:3000], torch.randperm(blocks, generator=g)[:3000]
+    a.write_slices(p2p.pages(src, sids), p2p.pages(remote, dids)).wait()
+    whole = b.call(fetch_whole, "t")
+    check_guards(whole)
+    expected = torch.full((blocks, page), helpers.POISON, dtype=torch.uint8)
+    expected[dids] = src[sids].cpu()
+    assert torch.equal(whole[4096:-4096].view(blocks, page), expected)
+
+    back = torch.full((blocks, page), helpers.POISON, dtype=torch.uint8, device="cuda:0")
+    a.register(back)
+    a.read_slices(p2p.pages(back, dids[:500]), p2p.pages(remote, dids[:500])).wait()
+    want = torch.full((blocks, page), helpers.POISON, dtype=torch.uint8)
+    want[dids[:500]] = expected[dids[:500]]
+    assert torch.equal(back.cpu(), want)
+
+
+@cuda
+def test_ipc_ten_thousand_views_strided_and_mirror(ipc_pair):
+    a, b, _ = ipc_pair
+    remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (10000, 6), torch.float32))
+    src = gpu_random((10000, 12), torch.float32, 2)
+    a.register(src)
+    views = [src[i, ::2] for i in range(10000)]  # 10,000 strided views, one call
+    a.write_slices(views, [remote[9999 - i] for i in range(10000)]).wait()
+    whole = b.call(fetch_whole, "t")
+    check_guards(whole)
+    got = whole[4096:-4096].view(torch.float32).view(10000, 6)
+    assert torch.equal(helpers.bits(got), helpers.bits(src[:, ::2].flip(0).cpu()))
+
+    # Mirror: a view lands at the same element positions in a tensor laid out like ours.
+    mirror = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "m", (64, 12), torch.float32))
+    src2 = gpu_random((64, 12), torch.float32, 3)
+    a.register(src2)
+    a.write_slices([src2[3:9, 1::4], src2[40]], mirror).wait()
+    got = b.call(fetch_whole, "m")[4096:-4096].view(torch.float32).view(64, 12)
+    expected = torch.full((64 * 12 * 4,), helpers.POISON, dtype=torch.uint8).view(torch.float32).view(64, 12)
+    expected[3:9, 1::4] = src2[3:9, 1::4].cpu()
+    expected[40] = src2[40].cpu()
+    assert torch.equal(helpers.bits(got), helpers.bits(expected))
+
+
+@cuda
+def test_ipc_kv_like_views(ipc_pair):
+    """A vLLM-style [2, blocks, block_size, heads, dim] layer: K and V of scattered blocks,
+    and a head slice (a receiver with half the heads)."""
+    a, b, _ = ipc_pair
+    shape = (2, 64, 16, 8, 128)
+    remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (2, 64, 16, 4, 128), torch.bfloat16))
+    src = gpu_random(shape, torch.bfloat16, 4)
+    a.register(src)
+    sids, dids = [5, 6, 7, 40, 2], [10, 11, 12, 0, 63]
+    a.write_slices([p2p.pages(src[0, :, :, 4:], sids), p2p.pages(src[1, :, :, 4:], sids)],
+                   [p2p.pages(remote[0], dids), p2p.pages(remote[1], dids)]).wait()
+    whole = b.call(fetch_whole, "t")
+    check_guards(whole)
+    got = whole[4096:-4096].view(torch.bfloat16).view(2, 64, 16, 4, 128)
+    assert torch.equal(helpers.bits(got[:, dids]), helpers.bits(src[:, sids, :, 4:].cpu()))
+    rest = [i for i in range(64) if i not in dids]
+    assert (got[:, rest].view(torch.uint8) == helpers.POISON).all()
+
+
+@cuda
+def test_ipc_follows_the_callers_stream_and_notifies_after_the_bytes(ipc_pair):
+    from test_cuda import copied, wait_then_copy  # the receiver's stream-ordered copy
+
+    a, b, _ = ipc_pair
+    n = 1 << 22
+    remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (n,), fill=-1.0, device=PEER_GPU))
+    src = torch.zeros(n, device="cuda:0")
+    a.register(src)
+    for value in (1.0, 2.0):
+        b.call(wait_then_copy, "t", 5)
+        torch.cuda._sleep(200_000_000)  # keeps the stream busy ~0.1 s
+        src.fill_(value)                # queued behind the sleep
+        a.write_slices(src, remote, notify=5).wait()
+        assert (b.call(copied) == value).all()
+
+    dst = torch.zeros(n, device="cuda:0")
+    a.register(dst)
+    torch.cuda._sleep(200_000_000)
+    dst.fill_(9.0)  # queued before the read: the read lands after it
+    a.read_slices(dst, remote).wait()
+    assert (dst == 2.0).all()
+
+
+@cuda
+def test_ipc_access_is_checked_before_launch(ipc_pair):
+    a, b, _ = ipc_pair
+    ro = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "ro", (1024,), access="r"))
+    src = gpu_random((1024,), torch.uint8, 5)
+    a.register(src)
+    with pytest.raises(ValueError, match="does not accept remote writes"):
+        a.write_slices(src, ro)
+    with pytest.raises(ValueError, match="beyond the region"):
+        a.write_slices([src], [ph.tampered(ro, nbytes=512, access=3).remote()])
+    out = torch.zeros(1024, dtype=torch.uint8, device="cuda:0")
+    a.register(out)
+    a.read_slices(out, ro).wait()
+    assert (out == helpers.POISON).all()
+    # A handle that claims more bytes than its allocation holds is refused, not mapped.
+    big = ph.tampered(ro, nbytes=1 << 31, access=3, shape=[1 << 30]).remote()
+    large = torch.zeros(1 << 30, dtype=torch.uint8, device="cuda:0")
+    a.register(large)
+    with pytest.raises(ValueError, match="claims"):
+        a.write_slices(large, [big]).wait()
+    check_guards(b.call(fetch_whole, "ro"))
+
+
+def reuse_block(state, name: str) -> dict:
+    """Closes `name`, frees it, and allocates a tensor of the same size: the caching allocator
+    hands out the same block. Returns whether it did."""
+    ptr = state[name].data_ptr()
+    state.pop(f"{name}.region").close()
+    state.pop(name)
+    whole = state.pop(name + ".whole")
+    n = whole.numel()
+    del whole
+    state["reused"] = torch.full((n,), 0x3C, dtype=torch.uint8, device=PEER_GPU)
+    torch.cuda.synchronize()
+    return {"same_block": state["reused"].data_ptr() + 4096 == ptr}
+
+
+def reused_untouched(state) -> bool:
+    return bool((state["reused"] == 0x3C).all())
+
+
+@cuda
+def test_ipc_region_close_and_block_reuse(ipc_pair):
+    """The owner's close waits for our release (we unmap); a write through the stale handle
+    then fails and never reaches the block the allocator gave to a new tensor."""
+    a, b, _ = ipc_pair
+    remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (1 << 20,)))
+    src = gpu_random((1 << 20,), torch.uint8, 6)
+    a.register(src)
+    a.write_slices(src, remote).wait()
+    assert b.call(reuse_block, "t")["same_block"]
+    with pytest.raises(p2p.ClosedError, match="deregistered"):
+        a.write_slices(src, remote).wait()
+    assert b.call(reused_untouched)
+    assert a.route(b.call(lambda_address)) == "ipc"  # the peer itself is fine
+
+
+def lambda_address(state) -> bytes:
+    return state["engine"].address
+
+
+@cuda
+def test_ipc_peer_killed_mid_transfer():
+    """Writes stream to a peer that is killed: they fail with PeerError within peer_timeout,
+    and the engine goes on with another peer."""
+    with Peer() as b, Peer() as c, p2p.Engine("cuda:0", **engine_kwargs("tcp", peer_timeout=5)) as a:
+        b.call(helpers.start_engine, "tcp", device=PEER_GPU)
+        remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (64 << 20,)))
+        src = gpu_random((64 << 20,), torch.uint8, 7)
+        a.register(src)
+        a.write_slices(src, remote).wait()
+        futures = [a.write_slices(src, remote) for _ in range(20)]
+        os.kill(b.pid, signal.SIGKILL)
+        start = time.monotonic()
+        failed = None
+        while time.monotonic() - start < 10 and failed is None:
+            f = a.write_slices(src, remote)
+            try:
+                p2p.wait(f, 10)
+            except p2p.PeerError as e:
+                failed = e
+        assert failed is not None and time.monotonic() - start < 6, "writes to a dead peer kept succeeding"
+        for f in futures:  # each either landed before the kill or failed
+            try:
+                p2p.wait(f, 10)
+            except p2p.PeerError:
+                pass
+        c.call(helpers.start_engine, "tcp", device=PEER_GPU)
+        other = p2p.RemoteTensor.from_bytes(c.call(make_cuda_target, "t", (1 << 20,)))
+        a.write_slices(src[: 1 << 20], [other]).wait()
+        assert torch.equal(c.call(fetch_whole, "t")[4096:-4096], src[: 1 << 20].cpu())
+
+
+@cuda
+def test_ipc_same_gpu_two_processes():
+    with Peer() as b, p2p.Engine("cuda:0", **engine_kwargs("tcp")) as a:
+        address = b.call(helpers.start_engine, "tcp", device="cuda:0")
+        assert a.route(address) == "ipc"
+        remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (256, 1024), fill=-1.0, device="cuda:0"))
+        src = gpu_random((256, 1024), torch.float32, 8)
+        a.register(src)
+        a.write_slices(p2p.pages(src, range(0, 256, 2)), p2p.pages(remote, range(1, 256, 2))).wait()
+        got = b.call(helpers.fetch, "t")
+        assert torch.equal(helpers.bits(got[1::2]), helpers.bits(src[::2].cpu()))
+        assert (got[::2] == -1.0).all()
+
+
+@cuda
+def test_ipc_off_takes_the_fabric():
+    with Peer() as b, p2p.Engine("cuda:0", **engine_kwargs("tcp", ipc=False)) as a:
+        address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
+        assert a.route(address) == "staged"
+    with Peer(env={"TORCH_P2P_IPC": "0"}) as b, p2p.Engine("cuda:0", **engine_kwargs("tcp")) as a:
+        address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
+        assert a.route(address) == "staged"  # the peer maps nothing, so exports nothing either
