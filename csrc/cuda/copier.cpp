@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "cuda/copy_kernels.h"
+#include "cuda/device.h"
 #include "engine/copier.h"
 
 namespace p2p::engine {
@@ -26,7 +27,7 @@ constexpr size_t kMemcpySpans = 8;
 
 class CudaCopier final : public Copier {
  public:
-  explicit CudaCopier(int device) {
+  explicit CudaCopier(int device) : device_(device) {
     CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating the staging stream");
   }
@@ -79,7 +80,7 @@ class CudaCopier final : public Copier {
     note(rc);
     return true;
   }
-  void destroy_event(void* event) override { cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
+  void release_event(void* event) override { cuda::recycle_event(device_, event); }
 
   void* record_provider_event() override {
     cudaEvent_t ev;
@@ -109,6 +110,7 @@ class CudaCopier final : public Copier {
     P2P_LOG(Error, "CUDA error on the staging stream: ", error_);
   }
 
+  int device_;
   cudaStream_t stream_ = nullptr;
   std::deque<std::pair<uint64_t, cudaEvent_t>> outstanding_;
   std::vector<cudaEvent_t> free_events_;

@@ -8,7 +8,7 @@ namespace {
 // NOTE: one thread reads a span's descriptor and the block shares it: with every warp reading
 // it, 4096 spans of 4 KiB whose descriptors lie in pinned host memory cost eight PCIe reads per
 // span instead of one.
-__global__ void copy_spans_kernel(const engine::CopySpan* spans, size_t n) {
+__global__ void copy_spans_kernel(const engine::CopySpan* spans, size_t n, CopyDone done) {
   __shared__ engine::CopySpan shared;
   for (size_t s = blockIdx.x; s < n; s += gridDim.x) {
     if (threadIdx.x == 0) shared = spans[s];
@@ -34,14 +34,25 @@ __global__ void copy_spans_kernel(const engine::CopySpan* spans, size_t n) {
     }
     for (size_t i = head + threadIdx.x; i < span.len; i += blockDim.x) dst[i] = src[i];
   }
+  if (!done.flag) return;
+  // The last block to finish tells the host: each block makes its stores (local and peer)
+  // visible to the system before it counts itself, and the last one resets the counter for the
+  // next launch before it writes the flag.
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  if (atomicAdd(done.arrivals, 1u) != gridDim.x - 1) return;
+  *done.arrivals = 0;
+  __threadfence_system();
+  *done.flag = done.value;
 }
 
 }  // namespace
 
-cudaError_t launch_copy_spans(const engine::CopySpan* spans, size_t n, cudaStream_t stream) {
+cudaError_t launch_copy_spans(const engine::CopySpan* spans, size_t n, cudaStream_t stream, CopyDone done) {
   if (n == 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>(n < 8192 ? n : 8192);
-  copy_spans_kernel<<<blocks, 256, 0, stream>>>(spans, n);
+  copy_spans_kernel<<<blocks, 256, 0, stream>>>(spans, n, done);
   return cudaGetLastError();
 }
 

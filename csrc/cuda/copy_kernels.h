@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "engine/copier.h"
 
@@ -13,6 +14,15 @@ namespace p2p::cuda {
 // reaches) with one kernel: a block per span (up to 8192 blocks of 256 threads, then blocks
 // take several), 16-byte vectors where both ends are aligned. `spans` lies in device memory or
 // in pinned host memory.
-cudaError_t launch_copy_spans(const engine::CopySpan* spans, size_t n, cudaStream_t stream);
+// When `done.flag` is set, the kernel's last block writes `done.value` to it (pinned host
+// memory, mapped) once every block's stores are visible to the system: the host learns of the
+// copy by reading memory, without a CUDA call. `arrivals` is a zeroed device counter that the
+// kernel leaves zeroed; launches that run at once need their own.
+struct CopyDone {
+  unsigned* arrivals = nullptr;
+  volatile uint64_t* flag = nullptr;
+  uint64_t value = 0;
+};
+cudaError_t launch_copy_spans(const engine::CopySpan* spans, size_t n, cudaStream_t stream, CopyDone done = {});
 
 }  // namespace p2p::cuda

@@ -39,15 +39,39 @@ bool is_vmm_memory(const void* ptr) {
   return true;
 }
 
+namespace {
+// Events recorded for transfers, by device: creating and destroying one per call costs more
+// than the record itself.
+std::mutex events_mu;
+std::vector<std::vector<cudaEvent_t>> free_events;
+}  // namespace
+
 void* record_event(int device, void* stream) {
+  cudaEvent_t ev = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(events_mu);
+    if (static_cast<size_t>(device) < free_events.size() && !free_events[device].empty()) {
+      ev = free_events[device].back();
+      free_events[device].pop_back();
+    }
+  }
   int previous = 0;
   cudaGetDevice(&previous);
   CUDA_OK(cudaSetDevice(device), "cudaSetDevice");
-  cudaEvent_t ev;
-  CUDA_OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
-  CUDA_OK(cudaEventRecord(ev, static_cast<cudaStream_t>(stream)), "cudaEventRecord");
+  if (!ev) CUDA_OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+  const cudaError_t rc = cudaEventRecord(ev, static_cast<cudaStream_t>(stream));
   cudaSetDevice(previous);
+  if (rc != cudaSuccess) {
+    cudaEventDestroy(ev);
+    CUDA_OK(rc, "cudaEventRecord");
+  }
   return ev;
+}
+
+void recycle_event(int device, void* event) {
+  std::lock_guard<std::mutex> lock(events_mu);
+  if (free_events.size() <= static_cast<size_t>(device)) free_events.resize(device + 1);
+  free_events[device].push_back(static_cast<cudaEvent_t>(event));
 }
 
 StreamFlags::StreamFlags(int device, size_t count) : generation_(count, 0) {

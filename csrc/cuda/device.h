@@ -13,8 +13,9 @@ namespace p2p::cuda {
 bool is_vmm_memory(const void* ptr);
 
 // Creates an event recorded on `stream` (a cudaStream_t of `device`): the point a transfer
-// must wait for. The worker destroys it.
+// must wait for. The worker hands it back with recycle_event once nothing waits on it.
 void* record_event(int device, void* stream);
+void recycle_event(int device, void* event);
 
 // Pinned host flags that CUDA streams can wait on (cuStreamWaitValue32): a receiver orders its
 // stream after an arrival without blocking a host thread. A flag only grows, so a slot can be

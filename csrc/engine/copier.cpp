@@ -21,7 +21,7 @@ class HostCopier final : public Copier {
   bool done(uint64_t) override { return true; }
   std::string error() const override { return {}; }
   bool event_done(void*) override { return true; }
-  void destroy_event(void*) override {}
+  void release_event(void*) override {}
   void* record_provider_event() override { return nullptr; }
   void* alloc_pinned(size_t bytes) override {
     void* p = nullptr;

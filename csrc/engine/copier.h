@@ -30,7 +30,8 @@ class Copier {
   virtual std::string error() const = 0;
   // The caller's event, recorded at submit time: has its work finished? Frees nothing.
   virtual bool event_done(void* event) = 0;
-  virtual void destroy_event(void* event) = 0;
+  // Hands back an event of record_event or record_provider_event that nothing waits on.
+  virtual void release_event(void* event) = 0;
   // An event after the copies this thread's provider queued on the legacy default stream
   // (shm's CUDA IPC path), for event_done(); null where there can be none (host engines).
   virtual void* record_provider_event() = 0;

@@ -239,7 +239,7 @@ void Worker::poll_fences() {
       ++i;
       continue;
     }
-    if (f.event) copier_->destroy_event(f.event);
+    if (f.event) copier_->release_event(f.event);
     auto it = peers_.find(f.peer);
     if (it != peers_.end() && !it->second->failed()) {
       ByteWriter w = message(MsgType::FenceAck, *it->second);
@@ -298,7 +298,7 @@ void Worker::fail(Transfer& t, Status status) {
 
 void Worker::maybe_free(Transfer& t) {
   if (!t.reported || t.pending > 0 || t.queued) return;
-  if (t.cuda_event) copier_->destroy_event(t.cuda_event);
+  if (t.cuda_event) copier_->release_event(t.cuda_event);
   Peer* p = t.peer;
   transfers_.erase(t.id);  // t is gone from here on
   if (!p) return;

@@ -655,14 +655,14 @@ void Worker::shutdown() {
   rails_.clear();  // closes the endpoints: nothing posted completes after this
   // CUDA events still held: transfers' stream events and peers' unanswered fences.
   for (auto& [id, t] : transfers_)
-    if (t->cuda_event) copier_->destroy_event(t->cuda_event);
+    if (t->cuda_event) copier_->release_event(t->cuda_event);
   transfers_.clear();
   ipc_copies_.clear();
   ipc_.reset();  // waits for its copies, then unmaps
   for (auto& [inc, p] : peers_)
     if (p->pidfd >= 0) close(p->pidfd);
   for (const PendingFence& f : fences_)
-    if (f.event) copier_->destroy_event(f.event);
+    if (f.event) copier_->release_event(f.event);
   fences_.clear();
   jobs_.clear();
   if (slot_memory_) copier_->free_pinned(slot_memory_);

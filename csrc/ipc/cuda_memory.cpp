@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <deque>
 
@@ -58,15 +59,18 @@ class CudaMemory final : public Memory {
   CudaMemory(int device, uint64_t copy_engine_bytes) : device_(device), copy_engine_bytes_(copy_engine_bytes) {
     IPC_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
     IPC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating the IPC stream");
+    IPC_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&done_.arrivals), sizeof(unsigned)), "allocating a counter");
+    IPC_CUDA_CHECK(cudaMemset(done_.arrivals, 0, sizeof(unsigned)), "zeroing a counter");
+    flag_ = static_cast<uint64_t*>(mapped(sizeof(uint64_t), &done_.flag));
+    *flag_ = 0;
   }
   ~CudaMemory() override {
     cudaStreamSynchronize(stream_);
     for (auto& t : outstanding_) cudaEventDestroy(t.event);
     for (cudaEvent_t ev : free_events_) cudaEventDestroy(ev);
-    for (Block& b : blocks_) {
-      cudaFreeHost(b.host);
-      cudaFree(b.device);
-    }
+    for (Block& b : blocks_) cudaFreeHost(b.host);
+    cudaFreeHost(flag_);
+    cudaFree(done_.arrivals);
     cudaStreamDestroy(stream_);
   }
 
@@ -121,13 +125,18 @@ class CudaMemory final : public Memory {
     if (after) note(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(after), 0));
     Block* block = nullptr;
     size_t used = 0;
-    // The descriptors go to device memory in one copy: the kernel's blocks then read them from
-    // HBM, not each over PCIe.
-    auto launch = [&] {
+    // The kernel reads the descriptors from pinned host memory: one PCIe read per span (the
+    // block shares it), cheaper than a copy to the GPU, which is one more CUDA call per call.
+    // Only the last launch signals: the stream runs launches in order.
+    auto launch = [&](bool last) {
       if (!used) return;
-      note(cudaMemcpyAsync(block->device, block->host, used * sizeof(engine::CopySpan), cudaMemcpyHostToDevice,
-                           stream_));
-      note(cuda::launch_copy_spans(block->device, used, stream_));
+      cuda::CopyDone done;
+      if (last) {
+        done = done_;
+        done.value = issued_ + 1;
+      }
+      note(cuda::launch_copy_spans(block->device, used, stream_, done));
+      t.signaled = last;
       block = nullptr;
       used = 0;
     };
@@ -137,20 +146,23 @@ class CudaMemory final : public Memory {
         continue;
       }
       for (uint64_t off = 0; off < s.len; off += kKernelSpan) {
-        if (used == kBlockSpans) launch();
+        if (used == kBlockSpans) launch(false);
         if (!block) block = take_block(t);
         block->host[used++] = {static_cast<char*>(s.dst) + off, static_cast<const char*>(s.src) + off,
                          std::min(kKernelSpan, s.len - off)};
       }
     }
-    launch();
-    if (free_events_.empty()) {
-      IPC_CUDA_CHECK(cudaEventCreateWithFlags(&t.event, cudaEventDisableTiming), "cudaEventCreate");
-    } else {
-      t.event = free_events_.back();
-      free_events_.pop_back();
+    // The final kernel comes after every copy-engine copy of the call, so its flag covers them.
+    launch(true);
+    if (!t.signaled) {
+      if (free_events_.empty()) {
+        IPC_CUDA_CHECK(cudaEventCreateWithFlags(&t.event, cudaEventDisableTiming), "cudaEventCreate");
+      } else {
+        t.event = free_events_.back();
+        free_events_.pop_back();
+      }
+      note(cudaEventRecord(t.event, stream_));
     }
-    note(cudaEventRecord(t.event, stream_));
     t.id = ++issued_;
     outstanding_.push_back(std::move(t));
     return issued_;
@@ -159,11 +171,9 @@ class CudaMemory final : public Memory {
   bool done(uint64_t ticket) override {
     while (ticket > completed_ && !outstanding_.empty()) {
       Ticket& t = outstanding_.front();
-      const cudaError_t rc = cudaEventQuery(t.event);
-      if (rc == cudaErrorNotReady) break;
-      note(rc);
+      if (!finished(t)) break;
       completed_ = t.id;
-      free_events_.push_back(t.event);
+      if (t.event) free_events_.push_back(t.event);
       for (size_t b : t.blocks) free_blocks_.push_back(b);
       outstanding_.pop_front();
     }
@@ -175,13 +185,44 @@ class CudaMemory final : public Memory {
  private:
   struct Ticket {
     uint64_t id = 0;
-    cudaEvent_t event = nullptr;
+    bool signaled = false;         // its last kernel writes flag_; else
+    cudaEvent_t event = nullptr;   // recorded after its copies
     std::vector<size_t> blocks;  // indexes into blocks_
   };
   struct Block {
-    engine::CopySpan* host = nullptr;    // pinned, filled by the worker
-    engine::CopySpan* device = nullptr;  // what the kernel reads
+    engine::CopySpan* host = nullptr;    // pinned and mapped, filled by the worker
+    engine::CopySpan* device = nullptr;  // the same memory as the kernel addresses it
   };
+
+  bool finished(const Ticket& t) {
+    if (!t.signaled) {
+      const cudaError_t rc = cudaEventQuery(t.event);
+      if (rc == cudaErrorNotReady) return false;
+      note(rc);
+      return true;
+    }
+    if (__atomic_load_n(flag_, __ATOMIC_ACQUIRE) >= t.id) return true;
+    // A kernel that faults never writes the flag: the stream says so, asked now and then (a
+    // CUDA call per poll would contend with the threads that submit).
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_stream_check_) return false;
+    next_stream_check_ = now + std::chrono::milliseconds(1);
+    const cudaError_t rc = cudaStreamQuery(stream_);
+    if (rc == cudaErrorNotReady) return false;
+    note(rc);
+    return true;
+  }
+
+  // Pinned host memory the GPU reaches too; its device address goes to `device`.
+  template <typename T>
+  void* mapped(size_t bytes, T** device) {
+    void* host = nullptr;
+    IPC_CUDA_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocPortable | cudaHostAllocMapped), "allocating pinned memory");
+    void* dev = nullptr;
+    IPC_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host, 0), "mapping pinned memory");
+    *device = static_cast<T*>(dev);
+    return host;
+  }
 
   // Descriptor blocks return when their copy is done, so the pool grows only to the number of
   // launches in flight.
@@ -189,9 +230,7 @@ class CudaMemory final : public Memory {
     if (free_blocks_.empty()) {
       Block b;
       const size_t bytes = kBlockSpans * sizeof(engine::CopySpan);
-      IPC_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&b.host), bytes, cudaHostAllocPortable),
-                     "allocating pinned copy descriptors");
-      IPC_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.device), bytes), "allocating copy descriptors");
+      b.host = static_cast<engine::CopySpan*>(mapped(bytes, &b.device));
       blocks_.push_back(b);
       free_blocks_.push_back(blocks_.size() - 1);
     }
@@ -210,6 +249,9 @@ class CudaMemory final : public Memory {
   int device_;
   uint64_t copy_engine_bytes_;
   cudaStream_t stream_ = nullptr;
+  cuda::CopyDone done_;      // the counter and flag every final launch uses
+  uint64_t* flag_ = nullptr;  // host side of done_.flag: the last ticket whose kernel ended
+  std::chrono::steady_clock::time_point next_stream_check_{};
   std::deque<Ticket> outstanding_;
   std::vector<cudaEvent_t> free_events_;
   std::deque<Block> blocks_;  // stable addresses
