@@ -347,7 +347,9 @@ void Engine::append_page_runs(const std::vector<int64_t>& shape, const PageSide&
                   elem, lreg, rreg, out);
     return;
   }
-  out.reserve(out.size() + n);
+  // Grow geometrically: a call holds one entry per layer, and reserving each entry's exact
+  // size would copy the runs so far once per entry.
+  if (out.capacity() < out.size() + n) out.reserve(std::max(out.size() + n, 2 * out.capacity()));
   for (int64_t k = 0; k < n; ++k) {
     const uint64_t l = at(local, k), r = at(remote, k);
     Run* last = out.empty() ? nullptr : &out.back();
