@@ -1,0 +1,451 @@
+"""weights.py: one weight update from a source to N destinations, torch_p2p.weights against a
+bucketed torch.distributed.broadcast of the same tensors, in the same run.
+
+    python benchmarks/weights.py                                     # Llama-3-8B, GPUs if any
+    python benchmarks/weights.py --model qwen2.5-0.5b --dests 1 2 3 4 --device cpu
+
+One source process (this one) and max(--dests) destination processes on this machine; for each
+N in --dests the first N destinations take part (torch_p2p: they join, then leave; baseline: a
+process group of ranks 0..N). Each row pushes --updates timed updates after one warm-up and
+reports the median; then every destination's tensors are checksummed against the source's
+(a row whose data arrived wrong fails). Processes go to GPUs round robin from --device on
+(1 + 3 on a 4-GPU machine), and share GPUs when there are fewer.
+
+State dict: a real model's names and shapes (--model; --layers keeps fewer layers), random
+values, in --dtype at the destinations; --source-dtype float32 makes the source hold fp32 and
+convert on the way (torch_p2p: its bounded staging; the baseline: while packing buckets).
+
+Baseline (--baseline): "nccl" on GPUs (NVLink/P2P as NCCL picks, NCCL_NVLS_ENABLE=0; with
+--nccl-sockets held to its socket transport on lo, as bw.py does), "gloo" on CPUs. Tensors are
+packed into --bucket buffers broadcast one after the other, as RL frameworks do; a tensor
+larger than a bucket is broadcast alone. NCCL needs one GPU per process: with fewer GPUs it is
+skipped, and said so.
+
+Columns: s/update (median), GB/s per destination (state-dict bytes / s), the source's bytes
+sent per update (torch_p2p: written by the source; relays make the other copies), ratio =
+baseline s / torch_p2p s. A live line per row goes to stderr; the table to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+try:
+    import torch_p2p as p2p
+except ImportError:  # run from a checkout without installing: use the in-place build
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch_p2p as p2p
+import torch_p2p.weights as pw
+
+import _baselines
+from bw import fmt_bytes, parse_size
+
+# (vocab, hidden, layers, heads, kv heads, head dim, intermediate, tied embeddings, qkv bias):
+# the models' published configs.
+PRESETS = {
+    "llama3-8b": (128256, 4096, 32, 32, 8, 128, 14336, False, False),
+    "llama3-70b": (128256, 8192, 80, 64, 8, 128, 28672, False, False),
+    "llama3.2-1b": (128256, 2048, 16, 32, 8, 64, 8192, True, False),
+    "qwen2.5-0.5b": (151936, 896, 24, 14, 2, 64, 4864, True, True),
+    "tiny": (1024, 256, 2, 4, 2, 64, 512, False, False),
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def shapes(model: str, layers: int | None) -> dict[str, tuple]:
+    vocab, hidden, n_layers, heads, kv, head_dim, inter, tied, _ = PRESETS[model]
+    out = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(n_layers if layers is None else layers):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+                    p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
+                    p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
+                    p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                    p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                    p + "mlp.down_proj.weight": (hidden, inter),
+                    p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)})
+        if PRESETS[model][8]:
+            out.update({p + "self_attn.q_proj.bias": (heads * head_dim,), p + "self_attn.k_proj.bias": (kv * head_dim,),
+                        p + "self_attn.v_proj.bias": (kv * head_dim,)})
+    out["model.norm.weight"] = (hidden,)
+    if not tied:
+        out["lm_head.weight"] = (vocab, hidden)
+    return out
+
+
+def state_dict(spec: dict, dtype, device, fill: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, shape in spec.items():
+        t = torch.empty(shape, dtype=dtype, device=device)
+        t.normal_(0, 0.02) if fill else t.zero_()
+        out[name] = t
+    return out
+
+
+def checksum(tensors, dtype) -> int:
+    """Order-independent sum of the bits of every tensor as `dtype` (bitwise check)."""
+    ints = {2: torch.int16, 4: torch.int32}[torch.empty((), dtype=dtype).element_size()]
+    return sum(int(t.to(dtype).view(ints).to(torch.int64).sum()) for t in tensors)
+
+
+def buckets(tensors: list, elem: int, bucket_bytes: int) -> list[list[int]]:
+    """Consecutive tensors packed into buckets of at most bucket_bytes (at `elem` bytes each)."""
+    out, cur, size = [], [], 0
+    for i, t in enumerate(tensors):
+        n = t.numel() * elem
+        if cur and size + n > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    return out + [cur] if cur else out
+
+
+def broadcast_update(tensors: list, dtype, bucket_bytes: int, group, source: bool, buf: torch.Tensor) -> None:
+    """One update as frameworks do it: pack a bucket, broadcast it, unpack it."""
+    import torch.distributed as dist
+
+    for idx in buckets(tensors, dtype.itemsize, bucket_bytes):
+        if len(idx) == 1:  # alone in its bucket: broadcast as it is (converted first at the source)
+            t = tensors[idx[0]]
+            dist.broadcast(t.to(dtype) if source else t, 0, group=group)
+            continue
+        parts, at = [], 0
+        for i in idx:
+            n = tensors[i].numel()
+            parts.append((i, buf[at:at + n]))
+            at += n
+        if source:
+            for i, view in parts:
+                view.copy_(tensors[i].reshape(-1))
+        dist.broadcast(buf[:at], 0, group=group)
+        if not source:
+            for i, view in parts:
+                tensors[i].view(-1).copy_(view)
+    dist.barrier(group=group)
+    if tensors[0].is_cuda:
+        torch.cuda.synchronize(tensors[0].device)
+
+
+def open_engine(args, device: str) -> p2p.Engine:
+    """On loopback: tcp stays on "lo"; --no-ipc sends GPU memory over the provider."""
+    return p2p.Engine(device, args.provider, args.rails, domains=["lo"] if args.provider == "tcp" else None,
+                      ipc=False if args.no_ipc else None)
+
+
+def device_of(base: str, i: int) -> str:
+    dev = torch.device(base)
+    if dev.type != "cuda":
+        return "cpu"
+    return f"cuda:{((dev.index or 0) + i) % torch.cuda.device_count()}"
+
+
+# -- destination processes -------------------------------------------------------------------------
+def destination(conn, rank: int, args) -> None:
+    """Rank `rank` (1..): answers the source's commands until "bye"."""
+    try:
+        device = device_of(args.device, rank)
+        dtype = DTYPES[args.dtype]
+        tensors = state_dict(shapes(args.model, args.layers), dtype, device, fill=False)
+        engine = open_engine(args, device)
+        dest, groups, buf = None, {}, None
+        conn.send(("ok", engine.address))
+        while True:
+            cmd, *rest = conn.recv()
+            if cmd == "bye":
+                break
+            if cmd == "join":
+                dest = pw.WeightDestination(engine, pw.whole(tensors), rest[0], name=f"dest{rank}",
+                                            window=rest[1])
+                dest.join().wait()
+                conn.send(("ok", None))
+            elif cmd == "leave":
+                dest.close()
+                dest = None
+                conn.send(("ok", None))
+            elif cmd == "checksum":
+                conn.send(("ok", checksum(tensors.values(), dtype)))
+            elif cmd == "dist":
+                _dist_init(args, rank, device)
+                conn.send(("ok", None))
+            elif cmd == "group":
+                import torch.distributed as dist
+
+                n = rest[0]
+                groups[n] = dist.new_group(list(range(n + 1)))
+            elif cmd == "broadcast":
+                n, updates = rest
+                if buf is None:
+                    buf = torch.empty(args.bucket // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
+                                      device=device)
+                for _ in range(updates + 1):
+                    broadcast_update(list(tensors.values()), dtype, args.bucket, groups[n], False, buf)
+                conn.send(("ok", None))
+        if dest is not None:
+            dest.close()
+        engine.close()
+    except BaseException as e:  # noqa: BLE001 - reported to the source
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _dist_init(args, rank: int, device: str) -> None:
+    import torch.distributed as dist
+
+    _baselines.dist_env(True, nvlink=not args.nccl_sockets)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    store = dist.FileStore(args.store, max(args.dests) + 1)
+    dist.init_process_group(args.baseline, store=store, rank=rank, world_size=max(args.dests) + 1,
+                            timeout=datetime.timedelta(seconds=_baselines.TIMEOUT_S))
+
+
+class Peers:
+    def __init__(self, args):
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(1, max(args.dests) + 1):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=destination, args=(theirs, rank, args), daemon=True)
+            proc.start()
+            self.conns.append(mine)
+            self.procs.append(proc)
+
+    def ask(self, ranks, *cmd) -> list:
+        for r in ranks:
+            self.conns[r - 1].send(cmd)
+        return [self.answer(r) for r in ranks]
+
+    def answer(self, rank: int):
+        if not self.conns[rank - 1].poll(_baselines.TIMEOUT_S * 5):
+            raise RuntimeError(f"destination {rank} did not answer")
+        status, value = self.conns[rank - 1].recv()
+        if status != "ok":
+            raise RuntimeError(f"destination {rank} failed: {value}")
+        return value
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(("bye",))
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+# -- the source ------------------------------------------------------------------------------------
+def live(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def run(args) -> list[dict]:
+    spec = shapes(args.model, args.layers)
+    dtype, src_dtype = DTYPES[args.dtype], DTYPES[args.source_dtype or args.dtype]
+    device = device_of(args.device, 0)
+    tensors = state_dict(spec, src_dtype, device, fill=True)
+    model_bytes = sum(t.numel() for t in tensors.values()) * dtype.itemsize
+    want = checksum(tensors.values(), dtype)
+    live(f"# {args.model}{'' if args.layers is None else f' ({args.layers} layers)'}: {len(spec)} tensors, "
+         f"{fmt_bytes(model_bytes)} {args.dtype} per destination; source {src_dtype} on {device}")
+    peers = Peers(args)
+    rows = []
+    try:
+        for r in range(1, max(args.dests) + 1):
+            peers.answer(r)  # started, engine open
+        engine = open_engine(args, device)
+        for chunk in args.chunk:
+            for window in args.window:
+                for fanout in args.fanout:
+                    source = pw.WeightSource(engine, pw.whole(tensors), chunk_bytes=chunk, window=window,
+                                             fanout=fanout)
+                    for n in args.dests:
+                        rows.append(engine_row(args, peers, source, n, model_bytes, want, chunk, window, fanout))
+                    source.close()
+        engine.close()
+        baseline_rows(args, peers, tensors, dtype, rows)
+    finally:
+        peers.close()
+    return rows
+
+
+def engine_row(args, peers, source, n, model_bytes, want, chunk, window, fanout) -> dict:
+    ranks = range(1, n + 1)
+    label = f"torch_p2p N={n} chunk={fmt_bytes(chunk)} window={window} fanout={fanout}"
+    peers.ask(ranks, "join", source.address, window)
+    times, sent = [], 0
+    for i in range(args.updates + 1):
+        t0 = time.perf_counter()
+        result = source.push().wait()
+        dt = time.perf_counter() - t0
+        if result.dropped or len(result.received) != n:
+            raise RuntimeError(f"{label}: dropped {result.dropped}")
+        if i:  # the first is a warm-up (connections, handles)
+            times.append(dt)
+            sent = result.bytes_sent
+            live(f"[{label}] update {i}/{args.updates}: {dt:.3f} s, {model_bytes / dt / 1e9:.2f} GB/s per destination")
+    bad = [r for r, c in zip(ranks, peers.ask(ranks, "checksum")) if c != want]
+    peers.ask(ranks, "leave")
+    s = statistics.median(times)
+    return dict(system="torch_p2p", n=n, chunk=chunk, window=window, fanout=fanout, seconds=s, times=times,
+                gbps_per_dest=model_bytes / s / 1e9, source_bytes=sent, model_bytes=model_bytes,
+                ok=not bad, error=f"checksum differs at destinations {bad}" if bad else None)
+
+
+def baseline_rows(args, peers, tensors, dtype, rows) -> None:
+    backend = args.baseline
+    if backend == "none":
+        return
+    why = _baselines.dist_unavailable(backend, torch.device(device_of(args.device, 0)))
+    if not why and backend == "nccl" and torch.cuda.device_count() < max(args.dests) + 1:
+        why = f"NCCL needs a GPU per process: {max(args.dests) + 1} processes, {torch.cuda.device_count()} GPUs"
+    if why:
+        live(f"skipping the {backend} baseline: {why}")
+        return
+    import torch.distributed as dist
+
+    everyone = range(1, max(args.dests) + 1)
+    for r in everyone:
+        peers.conns[r - 1].send(("dist",))
+    _dist_init(args, 0, device_of(args.device, 0))
+    for r in everyone:
+        peers.answer(r)
+    elem = dtype.itemsize
+    buf = torch.empty(args.bucket // elem, dtype=dtype, device=device_of(args.device, 0))
+    order = list(tensors.values())
+    model_bytes = sum(t.numel() for t in order) * elem
+    for n in args.dests:
+        for r in everyone:
+            peers.conns[r - 1].send(("group", n))
+        group = dist.new_group(list(range(n + 1)))
+        for r in range(1, n + 1):
+            peers.conns[r - 1].send(("broadcast", n, args.updates))
+        times = []
+        for i in range(args.updates + 1):
+            t0 = time.perf_counter()
+            broadcast_update(order, dtype, args.bucket, group, True, buf)
+            dt = time.perf_counter() - t0
+            if i:
+                times.append(dt)
+                live(f"[{backend} broadcast N={n}] update {i}/{args.updates}: {dt:.3f} s, "
+                     f"{model_bytes / dt / 1e9:.2f} GB/s per destination")
+        for r in range(1, n + 1):
+            peers.answer(r)
+        s = statistics.median(times)
+        rows.append(dict(system=f"{backend} broadcast", n=n, chunk=args.bucket, window=None, fanout=None, seconds=s,
+                         times=times, gbps_per_dest=model_bytes / s / 1e9, source_bytes=None,
+                         model_bytes=model_bytes, ok=True, error=None))
+    dist.destroy_process_group()
+
+
+def table(rows: list[dict]) -> str:
+    base = {r["n"]: r["seconds"] for r in rows if r["system"] != "torch_p2p"}
+    one = {(r["chunk"], r["window"], r["fanout"]): r["seconds"]
+           for r in rows if r["system"] == "torch_p2p" and r["n"] == 1}
+    head = ["system", "N", "chunk/bucket", "window", "fanout", "s/update", "GB/s/dest", "source sent", "x N=1",
+            "ratio"]
+    lines = [head]
+    for r in rows:
+        key = (r["chunk"], r["window"], r["fanout"])
+        lines.append([r["system"], str(r["n"]), fmt_bytes(r["chunk"]), str(r["window"] or "-"), str(r["fanout"] or "-"),
+                      f"{r['seconds']:.3f}" if r["ok"] else "FAILED", f"{r['gbps_per_dest']:.2f}",
+                      fmt_bytes(r["source_bytes"]) if r["source_bytes"] is not None else "-",
+                      f"{r['seconds'] / one[key]:.2f}" if key in one else "-",
+                      f"{base[r['n']] / r['seconds']:.2f}" if r["system"] == "torch_p2p" and r["n"] in base else "-"])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+                     for line in lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    series: dict[str, dict] = {}
+    for r in rows:
+        name = r["system"] if r["system"] != "torch_p2p" else (
+            f"torch_p2p chunk {fmt_bytes(r['chunk'])} w{r['window']} f{r['fanout']}")
+        series.setdefault(name, {})[r["n"]] = r["seconds"]
+    for name, points in sorted(series.items()):
+        xs, ys = zip(*sorted(points.items()))
+        ax.plot(xs, ys, ":" if "broadcast" in name else "-", marker="o", label=name)
+    ax.set(xlabel="destinations N", ylabel="seconds per update", title=title)
+    ax.set_xticks(sorted({r["n"] for r in rows}))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gpu = torch.cuda.is_available()
+    ap.add_argument("--model", choices=sorted(PRESETS), default="llama3-8b", help="shapes (default llama3-8b)")
+    ap.add_argument("--layers", type=int, default=None, help="keep only this many decoder layers")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="the destinations' dtype")
+    ap.add_argument("--source-dtype", choices=sorted(DTYPES), default=None,
+                    help="the source's dtype (default: --dtype; another one converts on the way)")
+    ap.add_argument("--dests", type=int, nargs="+", default=[1, 2, 3], metavar="N", help="destination counts")
+    ap.add_argument("--device", default="cuda:0" if gpu else "cpu", help="the source's device; destinations follow")
+    ap.add_argument("--provider", default=None if gpu else "tcp",
+                    help="libfabric provider (default: tcp on CPU, the engine's choice on GPUs; same-host GPUs "
+                         "take the CUDA IPC route whatever it is)")
+    ap.add_argument("--rails", type=int, default=None, help="rails per engine (default: the engine's choice)")
+    ap.add_argument("--no-ipc", action="store_true",
+                    help="GPUs: no CUDA IPC route; GPU memory goes over the provider (compare with --nccl-sockets)")
+    ap.add_argument("--updates", type=int, default=3, help="timed updates per row, after one warm-up")
+    ap.add_argument("--chunk", type=parse_size, nargs="+", default=[pw.CHUNK_BYTES], help="chunk sizes to sweep")
+    ap.add_argument("--window", type=int, nargs="+", default=[pw.WINDOW], help="windows to sweep")
+    ap.add_argument("--fanout", type=int, nargs="+", default=[pw.FANOUT], help="relay fan-outs to sweep")
+    ap.add_argument("--bucket", type=parse_size, default=256 << 20, help="baseline bucket size (default 256M)")
+    ap.add_argument("--baseline", choices=["auto", "nccl", "gloo", "none"], default="auto")
+    ap.add_argument("--nccl-sockets", action="store_true", help="hold NCCL to its socket transport on lo")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    ap.add_argument("--plot", metavar="PATH", help="plot seconds per update against N (needs matplotlib)")
+    args = ap.parse_args(argv)
+    if min(args.dests) < 1 or args.updates < 1:
+        ap.error("--dests and --updates must be >= 1")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # now, not after the run
+        ap.error("--plot needs matplotlib: pip install matplotlib")
+    if args.baseline == "auto":
+        args.baseline = "nccl" if torch.device(args.device).type == "cuda" else "gloo"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="weights-") as tmp:
+        args.store = os.path.join(tmp, "store")
+        rows = run(args)
+    title = (f"{args.model} {args.dtype}, source {args.source_dtype or args.dtype} on {args.device}, "
+             f"provider {args.provider or 'auto'}{', no IPC' if args.no_ipc else ''}, "
+             f"{args.rails or 'default'} rails, median of {args.updates}")
+    print("# torch_p2p.weights: " + title)
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, title)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""The sources of torch_p2p.weights: the leader (rank 0), which keeps the membership and runs
+each push, and the other ranks, which write their chunks when the leader says go.
+
+A push at the leader, advanced by one reaction per event:
+  queued   -> waiting for the previous push to complete
+  ready    -> `begin` sent to every member; each answers `ready` once it waits for the chunks
+              (members that fail or do not answer within ready_timeout are dropped)
+  moving   -> groups routed, sources writing, relays forwarding; `have` from each member
+  finished -> every routed member has the version or was dropped, nothing in flight here
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import time
+
+import torch
+
+from . import _weights_wire as wire
+from ._weights_actor import Actor
+from ._weights_memory import SourceViews, Staging, register_sources
+from ._weights_plan import Layout, PlanError, make_plan
+from ._weights_relay import Fanout
+from .errors import P2PError, PeerError
+from .remote import RemoteTensor
+
+PING_S = 1.0  # how often the leader checks that the engines of a push's members are alive
+
+
+@dataclasses.dataclass
+class Member:
+    """A destination as sources see it."""
+    id: int
+    name: str
+    address: bytes
+    layout: Layout
+    remotes: dict
+
+    @classmethod
+    def from_info(cls, info: dict) -> "Member":
+        remotes = {str(n): RemoteTensor.from_bytes(b) for n, b in info["remotes"].items()}
+        return cls(int(info["id"]), str(info["name"]), bytes(info["address"]), Layout.from_json(info["layout"]),
+                   remotes)
+
+
+@dataclasses.dataclass
+class PushResult:
+    """How a push ended: who holds `version` now, who was dropped and why."""
+    version: int
+    received: list
+    dropped: dict
+    seconds: float
+    bytes_sent: int  # by this source rank
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"
+    READY = "ready"
+    MOVING = "moving"
+    FINISHED = "finished"
+
+
+class Round:
+    """One push as a source sees it."""
+
+    def __init__(self, version: int, event):
+        self.version, self.event = version, event
+        self.future = torch.futures.Future()
+        self.phase = Phase.QUEUED
+        self.t0 = 0.0
+        self.members: dict[int, Member] = {}
+        self.ready: set[int] = set()
+        self.routed: set[int] = set()
+        self.have: set[int] = set()
+        self.dropped: dict[int, str] = {}
+        self.fanouts: list[Fanout] = []
+        self.deadline = self.next_ping = 0.0
+        self.outcome = None  # a follower's result from the leader
+
+
+class SourceBase(Actor):
+    """What every source rank does: plans per destination layout, writing its own chunks to
+    the roots of the groups, adopting children of dropped members."""
+
+    def __init__(self, engine, tensors: dict, layout: Layout, rank: int, world: int, settings):
+        super().__init__(engine, f"torch_p2p-weights-source{rank}")
+        self.tensors, self.layout, self.rank, self.world, self.settings = tensors, layout, rank, world, settings
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        self.regions = register_sources(engine, tensors.values())
+        self.staging = Staging(engine, device, settings.staging_slots, settings.chunk_bytes)
+        self.staging.on_free = self._pump_all
+        self.views = SourceViews(tensors, self.staging)
+        self.source_layouts: list = [None] * world
+        self.source_layouts[rank] = layout
+        self.plans: dict[str, object] = {}
+        self.known: dict[int, Member] = {}
+        self.queue: collections.deque[Round] = collections.deque()
+        self.current: Round | None = None
+        self.last_version = 0
+        self.last_done = 0
+        self.early_drops: dict[int, list] = {}
+        self.handlers.update(dropped=self.on_dropped, lacking=self.on_lacking)
+
+    # -- actions (any thread) --------------------------------------------------------------------
+    def push(self, version: int | None) -> torch.futures.Future:
+        if version is not None and version <= self.last_version:
+            raise ValueError(f"version {version} is not above the last pushed, {self.last_version}")
+        self.last_version = version = self.last_version + 1 if version is None else int(version)
+        event = None
+        if self.views.stream is not None:
+            event = torch.cuda.current_stream(self.staging.device).record_event()
+        rnd = Round(version, event)
+        self.call(self._enqueue, rnd)
+        return rnd.future
+
+    def close(self) -> None:
+        self.stop()
+        for rnd in [self.current, *self.queue]:
+            if rnd is not None and not rnd.future.done():
+                for f in rnd.fanouts:
+                    f.close()
+                rnd.future.set_exception(P2PError("the weight source was closed"))
+        self.staging.close()
+        for region in self.regions:
+            region.close()
+
+    # -- shared reactions --------------------------------------------------------------------------
+    def plan(self, layout: Layout):
+        if layout.key not in self.plans:
+            self.plans[layout.key] = make_plan(self.source_layouts, layout, self.settings.chunk_bytes)
+        return self.plans[layout.key]
+
+    def start_fanouts(self, rnd: Round, groups: list[list[int]]) -> None:
+        self.views.follow(rnd.event)
+        for group in groups:
+            own = {c.id: c for c in self.plan(self.known[group[0]].layout).of_source(self.rank)}
+            if own:
+                rnd.fanouts.append(Fanout(self, rnd.version, group, -1, self.settings.fanout, own, own, self.views,
+                                          self.known, self.settings.window,
+                                          lambda m, why, r=rnd: self.child_failed(r, m, why), self.progress))
+
+    def _pump_all(self) -> None:
+        if self.current is not None:
+            for f in self.current.fanouts:
+                f.pump()
+
+    def on_dropped(self, sender, msg) -> None:
+        rnd = self.current
+        if rnd is not None and rnd.version == msg["v"]:
+            for f in rnd.fanouts:
+                f.dropped(int(msg["member"]))
+            self.progress()
+        elif msg["v"] > self.last_done:  # a push this rank has not started yet (push() not called)
+            self.early_drops.setdefault(int(msg["v"]), []).append(int(msg["member"]))
+
+    def on_lacking(self, sender, msg) -> None:
+        rnd = self.current
+        if rnd is not None and rnd.version == msg["v"]:
+            for f in rnd.fanouts:
+                f.lacking(int(msg["member"]), msg["chunks"])
+
+    def child_failed(self, rnd: Round, member: int, reason: str) -> None:
+        raise NotImplementedError
+
+    def progress(self) -> None:
+        """Something moved: the current push may be complete."""
+
+    def result(self, rnd: Round, received: list, dropped: dict) -> PushResult:
+        return PushResult(rnd.version, received, dropped, time.monotonic() - rnd.t0,
+                          sum(f.sent_bytes for f in rnd.fanouts))
+
+
+class Leader(SourceBase):
+    """Source rank 0: membership, the phases of each push, liveness of those it waits on."""
+
+    def __init__(self, engine, tensors, layout, world, settings):
+        super().__init__(engine, tensors, layout, 0, world, settings)
+        self.members: dict[int, Member] = {}
+        self.followers: dict[int, bytes] = {}
+        self.told: dict[bytes, set] = collections.defaultdict(set)  # peer -> member ids it has
+        self.pending_joins: list = []
+        self.planning: set[int] = set()  # followers that have every source's layout
+        self.next_id = 1
+        self.handlers.update(hello=self.on_hello, join=self.on_join, leave=self.on_leave, ready=self.on_ready,
+                             have=self.on_have, drop=self.on_drop)
+
+    @property
+    def complete_sources(self) -> bool:
+        return None not in self.source_layouts
+
+    # -- membership --------------------------------------------------------------------------------
+    def on_hello(self, sender, msg) -> None:
+        rank = int(msg["rank"])
+        if 0 < rank < self.world:
+            self.source_layouts[rank] = Layout.from_json(msg["layout"])
+            self.followers[rank] = sender
+        if self.complete_sources:
+            for join in self.pending_joins:
+                self.on_join(*join)
+            self.pending_joins.clear()
+            self._next()
+
+    def on_join(self, sender, msg) -> None:
+        if not self.complete_sources:
+            self.pending_joins.append((sender, msg))
+            return
+        layout = Layout.from_json(msg["layout"])
+        try:
+            self.plan(layout)
+            if set(msg["remotes"]) != set(layout.specs):
+                raise PlanError(["the destination's handles do not name its tensors"])
+        except PlanError as e:
+            self.send(sender, "refused", problems=e.problems)
+            return
+        for old in [m for m in self.members.values() if m.address == sender]:
+            self.members.pop(old.id)  # the same engine joining again replaces itself
+        mid, self.next_id = self.next_id, self.next_id + 1
+        remotes = {n: RemoteTensor.from_bytes(b) for n, b in msg["remotes"].items()}
+        member = Member(mid, msg.get("name") or f"destination-{mid}", sender, layout, remotes)
+        self.members[mid] = self.known[mid] = member
+        self.send(sender, "joined", lambda e: self.members.pop(mid, None), member=mid,
+                  sources=[s.to_json() for s in self.source_layouts], chunk_bytes=self.settings.chunk_bytes)
+
+    def on_leave(self, sender, msg) -> None:
+        mid = int(msg["member"])
+        self.members.pop(mid, None)
+        rnd = self.current
+        busy = rnd is not None and mid in rnd.members and mid not in rnd.dropped
+        self.send(sender, "left", busy=busy)
+
+    # -- a push ------------------------------------------------------------------------------------
+    def _enqueue(self, rnd: Round) -> None:
+        self.queue.append(rnd)
+        self._next()
+
+    def _next(self) -> None:
+        if self.current is not None or not self.queue or not self.complete_sources:
+            return
+        rnd = self.current = self.queue.popleft()
+        rnd.phase, rnd.t0 = Phase.READY, time.monotonic()
+        rnd.members = dict(self.members)
+        rnd.deadline = rnd.t0 + self.settings.ready_timeout
+        for m in rnd.members.values():
+            self.send(m.address, "begin", lambda e, m=m: self._drop(rnd, m.id, f"{type(e).__name__}: {e}"),
+                      v=rnd.version)
+        self._maybe_route(rnd)
+
+    def on_ready(self, sender, msg) -> None:
+        rnd = self.current
+        if rnd is not None and rnd.version == msg["v"] and int(msg["member"]) in rnd.members:
+            rnd.ready.add(int(msg["member"]))
+            self._maybe_route(rnd)
+
+    def _maybe_route(self, rnd: Round) -> None:
+        if rnd.phase is not Phase.READY or not set(rnd.members) <= rnd.ready | set(rnd.dropped):
+            return
+        rnd.phase = Phase.MOVING
+        by_layout: dict[str, list[int]] = {}
+        for mid in sorted(rnd.ready - set(rnd.dropped)):
+            by_layout.setdefault(rnd.members[mid].layout.key, []).append(mid)
+        groups = list(by_layout.values())
+        fanout = self.settings.fanout
+        for group in groups:
+            for position, mid in enumerate(group):
+                m = rnd.members[mid]
+                rnd.routed.add(mid)
+                self.send(m.address, "route", lambda e, mid=mid: self._drop(rnd, mid, f"{type(e).__name__}: {e}"),
+                          v=rnd.version, group=group, position=position, fanout=fanout,
+                          members=self._tell(m.address, group))
+        for rank, address in self.followers.items():
+            # Source layouts go once: a follower plans for each destination layout itself.
+            sources = None if rank in self.planning else [s.to_json() for s in self.source_layouts]
+            self.planning.add(rank)
+            self.send(address, "go", lambda e, rank=rank: self._fail(rnd, rank, e), v=rnd.version, groups=groups,
+                      fanout=fanout, sources=sources,
+                      members=self._tell(address, [mid for g in groups for mid in g]))
+        self.start_fanouts(rnd, groups)
+        rnd.next_ping = time.monotonic() + PING_S
+        self.progress()
+
+    def _tell(self, address: bytes, ids: list[int]) -> list:
+        """The member infos `address` lacks among `ids` (handles travel once per peer)."""
+        new = [i for i in ids if i not in self.told[address] and self.known[i].address != address]
+        self.told[address].update(new)
+        return [wire.member_info(self.known[i]) for i in new]
+
+    def on_have(self, sender, msg) -> None:
+        rnd = self.current
+        if rnd is not None and rnd.version == msg["v"] and int(msg["member"]) in rnd.members:
+            rnd.have.add(int(msg["member"]))  # a member with nothing to receive has it before routing
+            self.progress()
+
+    def on_drop(self, sender, msg) -> None:
+        if self.current is not None and self.current.version == msg["v"]:
+            self._drop(self.current, int(msg["member"]), str(msg["reason"]))
+
+    def child_failed(self, rnd: Round, member: int, reason: str) -> None:
+        self._drop(rnd, member, reason)
+
+    def _drop(self, rnd: Round, mid: int, reason: str) -> None:
+        """A member is out of this push (and of the membership): one event for every node."""
+        if rnd is not self.current or mid not in rnd.members or mid in rnd.dropped:
+            return
+        rnd.dropped[mid] = reason
+        if self.members.get(mid) is rnd.members[mid]:
+            del self.members[mid]
+        if rnd.phase is Phase.MOVING:
+            # The dropped member too, if it still listens: it learns it is out.
+            notify = list(self.followers.values()) + [rnd.members[i].address for i in rnd.routed
+                                                      if i not in rnd.dropped or i == mid]
+            for address in notify:
+                self.send(address, "dropped", v=rnd.version, member=mid, reason=reason)
+            for f in rnd.fanouts:
+                f.dropped(mid)
+        self._maybe_route(rnd)
+        self.progress()
+
+    def _fail(self, rnd: Round, rank: int, error) -> None:
+        if rnd is not self.current:
+            return
+        for f in rnd.fanouts:
+            f.close()
+        error = PeerError(f"source rank {rank} cannot be reached: {error}")
+        for other, address in self.followers.items():
+            if other != rank:
+                self.send(address, "failed", v=rnd.version, error=str(error))
+        rnd.future.set_exception(error)
+        self.current = None
+        self._next()
+
+    def progress(self) -> None:
+        rnd = self.current
+        if (rnd is None or rnd.phase is not Phase.MOVING or not rnd.routed <= rnd.have | set(rnd.dropped)
+                or not all(f.idle for f in rnd.fanouts)):
+            return
+        rnd.phase = Phase.FINISHED
+        received = [rnd.members[i].name for i in sorted(rnd.have - set(rnd.dropped))]
+        dropped = {rnd.members[i].name: why for i, why in rnd.dropped.items()}
+        for address in self.followers.values():
+            self.send(address, "done", v=rnd.version, received=received, dropped=dropped)
+        self.current = None
+        rnd.future.set_result(self.result(rnd, received, dropped))
+        self._next()
+
+    def tick(self) -> None:
+        rnd, now = self.current, time.monotonic()
+        if rnd is None:
+            return
+        if rnd.phase is Phase.READY and now > rnd.deadline:
+            for mid in set(rnd.members) - rnd.ready:
+                self._drop(rnd, mid, f"not ready within {self.settings.ready_timeout} s")
+        elif rnd.phase is Phase.MOVING and now > rnd.t0 + self.settings.timeout:
+            for mid in rnd.routed - rnd.have:
+                self._drop(rnd, mid, f"the push took more than {self.settings.timeout} s")
+        elif rnd.phase is Phase.MOVING and now > rnd.next_ping:
+            # A member that dies after its last chunk arrived fails no write (yet its children
+            # may still need chunks from it): ask every member's engine.
+            rnd.next_ping = now + PING_S
+            for mid in rnd.routed - set(rnd.dropped):
+                self.send(rnd.members[mid].address, "ping",
+                          lambda e, mid=mid: self._drop(rnd, mid, f"{type(e).__name__}: {e}"))
+            for rank, address in self.followers.items():
+                self.send(address, "ping", lambda e, rank=rank: self._fail(rnd, rank, e))
+
+
+class Follower(SourceBase):
+    """Source rank > 0: introduces its layout to the leader, then writes its chunks of each
+    push once both the user (push) and the leader (go) have started it."""
+
+    def __init__(self, engine, tensors, layout, rank, world, leader: bytes, settings):
+        super().__init__(engine, tensors, layout, rank, world, settings)
+        self.leader = leader
+        self.go: dict[int, dict] = {}
+        self.handlers.update(go=self.on_go, done=self.on_done_msg, failed=self.on_failed)
+
+    def start(self) -> None:
+        super().start()
+        hello = wire.encode("hello", rank=self.rank, layout=self.layout.to_json())
+        self.engine.send(self.leader, hello).wait()  # fails with PeerError if the leader cannot be reached
+
+    def _enqueue(self, rnd: Round) -> None:
+        self.queue.append(rnd)
+        self._next()
+
+    def on_go(self, sender, msg) -> None:
+        self.go[int(msg["v"])] = msg
+        self._next()
+
+    def _next(self) -> None:
+        if self.current is not None or not self.queue or self.queue[0].version not in self.go:
+            return
+        rnd = self.current = self.queue.popleft()
+        msg = self.go.pop(rnd.version)
+        rnd.phase, rnd.t0 = Phase.MOVING, time.monotonic()
+        if msg["sources"] is not None:
+            self.source_layouts = [Layout.from_json(s) for s in msg["sources"]]
+        for info in msg["members"]:
+            member = Member.from_info(info)
+            self.known[member.id] = member
+        self.settings.fanout = int(msg["fanout"])
+        self.start_fanouts(rnd, [[int(i) for i in g] for g in msg["groups"]])
+        for member in self.early_drops.pop(rnd.version, []):
+            for f in rnd.fanouts:
+                f.dropped(member)
+
+    def on_done_msg(self, sender, msg) -> None:
+        rnd = self.current
+        if rnd is not None and rnd.version == msg["v"]:
+            rnd.outcome = msg
+            self.progress()
+
+    def on_failed(self, sender, msg) -> None:
+        rnd = self.current
+        if rnd is not None and rnd.version == msg["v"]:
+            for f in rnd.fanouts:
+                f.close()
+            self.current = None
+            rnd.future.set_exception(PeerError(str(msg["error"])))
+            self._next()
+
+    def child_failed(self, rnd: Round, member: int, reason: str) -> None:
+        self.send(self.leader, "drop", v=rnd.version, member=member, reason=reason)
+
+    def progress(self) -> None:
+        rnd = self.current
+        if rnd is None or rnd.outcome is None or not all(f.idle or f.closed for f in rnd.fanouts):
+            return
+        for f in rnd.fanouts:
+            f.close()
+        self.current, self.last_done = None, rnd.version
+        rnd.future.set_result(self.result(rnd, list(rnd.outcome["received"]), dict(rnd.outcome["dropped"])))
+        self._next()

@@ -1,0 +1,275 @@
+"""Weight updates from trainers to inference replicas (RL post-training).
+
+    import torch_p2p.weights as pw
+
+    # trainer rank 0 (the leader; ranks > 0 pass rank=, world=, leader=)
+    source = pw.WeightSource(engine, pw.whole(model.state_dict()))
+    fut = source.push()            # -> Future[PushResult]; returns at once
+    ...                            # forward/backward may run; do not modify the weights
+    fut.wait()                     # every destination present at the call has the version
+    optimizer.step()
+
+    # each inference rank
+    dest = pw.WeightDestination(engine, {name: pw.Shard(t, shape, offset), ...}, leader_address)
+    dest.join().wait()             # refused with PlanError if the tensors cannot be matched
+    dest.wait_for(1).wait()        # version 1 is here, every byte of it
+
+Both sides describe their tensors by name: the global shape and the slice held (`Shard`).
+From the descriptions each destination gets a plan, once: which source rank's slice lands
+where, cut into chunks; a push moves views, never gathering a tensor. Destinations with equal
+layouts form relay trees (a chain by default): the source writes each chunk once, and a
+destination forwards chunk k while later chunks still arrive. See the README section
+"Weight updates (torch_p2p.weights)" for the protocol, the guarantees and the costs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping
+
+import torch
+
+from ._weights_dest import Receiver
+from ._weights_plan import Layout, Plan, PlanError, TensorSpec, make_plan
+from ._weights_source import Follower, Leader, PushResult
+
+__all__ = ["Shard", "whole", "split", "plan", "Plan", "PlanError", "WeightSource", "WeightDestination",
+           "PushResult", "CHUNK_BYTES", "WINDOW", "FANOUT", "STAGING_SLOTS"]
+
+# Defaults; benchmarks/weights.py measures them (--chunk, --window, --fanout).
+CHUNK_BYTES = 64 << 20
+WINDOW = 2           # chunks in flight to each child: keeps arrivals in order, so relays start early
+FANOUT = 1           # children per relay node: a chain
+STAGING_SLOTS = 2    # dtype conversion: one slot converting while the other is written
+
+
+class Shard:
+    """The part of a named tensor one process holds: `tensor` is the slice of the global tensor
+    of shape `shape` (default: the tensor's own) that starts at `offset` (default: 0s)."""
+
+    __slots__ = ("tensor", "shape", "offset")
+
+    def __init__(self, tensor: torch.Tensor, shape=None, offset=None):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"a Shard holds a tensor, not {type(tensor).__name__}")
+        self.tensor = tensor
+        self.shape = tuple(int(s) for s in (tensor.shape if shape is None else shape))
+        self.offset = tuple(int(o) for o in (offset if offset is not None else [0] * len(self.shape)))
+        if not len(self.shape) == len(self.offset) == tensor.dim():
+            raise ValueError(f"shape {list(self.shape)} and offset {list(self.offset)} must have one entry per "
+                             f"dimension of the tensor ({tensor.dim()})")
+        for o, n, g in zip(self.offset, tensor.shape, self.shape):
+            if o < 0 or o + n > g:
+                raise ValueError(f"a tensor of shape {list(tensor.shape)} at offset {list(self.offset)} does not "
+                                 f"fit in the global shape {list(self.shape)}")
+
+    @property
+    def box(self) -> tuple:
+        return tuple((o, o + n) for o, n in zip(self.offset, self.tensor.shape))
+
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.shape, self.box, self.tensor.dtype)
+
+    def __repr__(self):
+        return f"Shard({list(self.tensor.shape)} {self.tensor.dtype} at {list(self.offset)} of {list(self.shape)})"
+
+
+def whole(tensors: Mapping[str, torch.Tensor]) -> dict[str, Shard]:
+    """Every tensor held whole (e.g. a model's state_dict())."""
+    return {name: Shard(t) for name, t in tensors.items()}
+
+
+def split(tensor: torch.Tensor, dim: int, rank: int, parts: int) -> Shard:
+    """The `rank`-th of `parts` slices of a whole tensor along `dim` (torch.tensor_split's
+    sizes), as a Shard viewing `tensor`: a TP shard (dim 0: column-parallel weights, dim 1:
+    row-parallel ones) or an FSDP dim-0 shard. Clone the view to own the memory."""
+    dim = dim % tensor.dim()
+    view = torch.tensor_split(tensor, parts, dim)[rank]
+    offset = [0] * tensor.dim()
+    offset[dim] = sum(p.shape[dim] for p in torch.tensor_split(tensor, parts, dim)[:rank])
+    return Shard(view, tensor.shape, offset)
+
+
+def _layout(shards: Mapping[str, Shard]) -> Layout:
+    for name, s in shards.items():
+        if not isinstance(s, Shard):
+            raise TypeError(f"{name!r}: expected a Shard (pw.Shard, pw.whole), not {type(s).__name__}")
+    return Layout({name: s.spec() for name, s in shards.items()})
+
+
+def plan(sources: list[Mapping[str, Shard]], dest: Mapping[str, Shard], chunk_bytes: int = CHUNK_BYTES) -> Plan:
+    """The plan a push follows (sources by rank): `plan.chunks`, each of Pieces (name, source
+    box, destination box). Raises PlanError listing every unmatched name or shape and every
+    incompletely covered slice. Source names the destination lacks are in `plan.unused`."""
+    return make_plan([_layout(s) for s in sources], _layout(dest), chunk_bytes)
+
+
+@dataclasses.dataclass
+class _Settings:
+    chunk_bytes: int
+    window: int
+    fanout: int
+    staging_slots: int
+    ready_timeout: float
+    timeout: float
+
+
+class WeightSource:
+    """One trainer rank's side. Rank 0 is the leader: destinations join it, and it runs every
+    push; ranks > 0 name it with `leader` (its engine's address) and call push() with it.
+
+    Args:
+        engine: a torch_p2p.Engine whose messages and notification tags are this object's.
+        shards: name -> Shard, registered once (each storage); the memory stays registered.
+        chunk_bytes: the unit written with one notification, and a staging slot's size.
+        window: chunks in flight to each child. fanout: children per relay node (1: chain).
+        staging_slots: slots of chunk_bytes for dtype conversion (allocated on first use).
+        ready_timeout: a destination that does not answer `begin` in this time is dropped.
+        timeout: destinations that have not received a push in this time are dropped.
+    """
+
+    def __init__(self, engine, shards: Mapping[str, Shard], *, rank: int = 0, world: int = 1,
+                 leader: bytes | None = None, chunk_bytes: int = CHUNK_BYTES, window: int = WINDOW,
+                 fanout: int = FANOUT, staging_slots: int = STAGING_SLOTS, ready_timeout: float = 30.0,
+                 timeout: float = 600.0):
+        if not 0 <= rank < world or (rank > 0) != (leader is not None):
+            raise ValueError("rank 0 is the leader (no `leader`); ranks 1..world-1 need the leader's address")
+        if min(window, fanout, staging_slots) < 1:
+            raise ValueError("window, fanout and staging_slots must be at least 1")
+        settings = _Settings(int(chunk_bytes), int(window), int(fanout), int(staging_slots), float(ready_timeout),
+                             float(timeout))
+        if settings.chunk_bytes < 64:
+            raise ValueError(f"chunk_bytes must be at least 64, not {chunk_bytes}")
+        tensors = {name: s.tensor for name, s in shards.items()}
+        spec = _layout(shards)
+        self._impl = (Leader(engine, tensors, spec, world, settings) if rank == 0 else
+                      Follower(engine, tensors, spec, rank, world, bytes(leader), settings))
+        try:
+            self._impl.start()
+        except BaseException:  # a follower whose leader cannot be reached: undo the registrations
+            self._impl.close()
+            raise
+
+    @property
+    def address(self) -> bytes:
+        """The leader's address: what destinations (and source ranks > 0) need."""
+        return self._impl.engine.address if self._impl.rank == 0 else self._impl.leader
+
+    @property
+    def version(self) -> int:
+        """The last version pushed (0 before the first)."""
+        return self._impl.last_version
+
+    def push(self, version: int | None = None) -> torch.futures.Future:
+        """Starts pushing the shards as `version` (default: the last + 1) to every destination
+        that has joined; returns at once. The Future's PushResult names who received it and
+        who was dropped. Until it completes the source tensors must not be modified: the push
+        reads them from its start until its end (a dropped relay's children may be refilled
+        from here). A push called while one is in flight queues behind it (call order); on
+        CUDA it follows the work queued on the current stream before the call."""
+        return self._impl.push(version)
+
+    def close(self) -> None:
+        """Fails pushes not yet complete and deregisters the memory (the engine stays open)."""
+        self._impl.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class WeightDestination:
+    """One inference rank's side: joins the leader, receives each version into its shards and
+    relays it to destinations of the same layout.
+
+    Args:
+        engine: a torch_p2p.Engine whose messages and notification tags are this object's.
+        shards: name -> Shard (the model's tensors, or its TP slices); registered once.
+        leader: the leader source's address (WeightSource.address).
+        name: how push results name this destination.
+        double_buffer: receive into a private copy of the shards (as much memory again), so
+            the shards keep serving the old version until apply(); a next version is not
+            accepted before apply() of the previous one.
+        window: chunks in flight to each relay child.
+    """
+
+    def __init__(self, engine, shards: Mapping[str, Shard], leader: bytes, *, name: str | None = None,
+                 double_buffer: bool = False, window: int = WINDOW):
+        self._impl = Receiver(engine, {n: s.tensor for n, s in shards.items()}, _layout(shards), bytes(leader),
+                              name, double_buffer, int(window))
+        self._impl.start()
+
+    def join(self) -> torch.futures.Future:
+        """Asks the leader in; completes with this destination's Plan, or fails with PlanError
+        (nothing moves). The destination gets the next push that starts after it joined.
+        A destination that left, or was dropped, may join again."""
+        fut = torch.futures.Future()
+        self._impl.call(self._impl.join, fut)
+        return fut
+
+    @property
+    def version(self) -> int | None:
+        """The last version whose every byte arrived (None before the first)."""
+        return self._impl.version
+
+    def wait_for(self, version: int) -> torch.futures.Future:
+        """Completes (with the version) once `version` or a later one has fully arrived."""
+        fut = torch.futures.Future()
+        self._impl.call(self._impl.wait_for, int(version), fut)
+        return fut
+
+    def on_version(self, callback: Callable[[int], None]) -> None:
+        """callback(version) after each version's last byte; runs on this destination's thread
+        and must not block (relaying waits for it)."""
+        self._impl.callbacks.append(callback)
+
+    @property
+    def progress(self) -> tuple:
+        """(version arriving or None, chunks arrived, chunks in all)."""
+        inc = self._impl.incoming
+        return (None, 0, len(self._impl.chunks)) if inc is None else (inc.version, len(inc.arrived),
+                                                                      len(self._impl.chunks))
+
+    def apply(self) -> int | None:
+        """Double buffering: copies the last version into the shards (on CUDA on the current
+        stream, synchronized: the next version may overwrite the private copy right after).
+        Returns the version the shards now hold."""
+        impl = self._impl
+        if not impl.double_buffer:
+            raise ValueError("apply() is for double-buffered destinations")
+        version = impl.version
+        if version is not None and version != impl.applied:
+            with torch.no_grad():
+                for name, t in impl.live.items():
+                    t.copy_(impl.targets[name])
+            devices = {t.device for t in impl.live.values() if t.device.type == "cuda"}
+            for d in devices:
+                torch.cuda.current_stream(d).synchronize()
+            impl.call(impl.applied_version, version)
+        return version
+
+    def leave(self) -> torch.futures.Future:
+        """Leaves the leader's membership at once; a push under way that counts on this
+        destination (as a relay) is finished first. Completes with the last version held."""
+        fut = torch.futures.Future()
+        self._impl.call(self._impl.leave, fut)
+        return fut
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Leaves (waiting up to `timeout`), stops the thread and deregisters the memory."""
+        from . import wait
+
+        try:
+            wait(self.leave(), timeout)
+        except Exception:  # noqa: BLE001 - closing goes on: the leader drops us at its next push
+            pass
+        self._impl.stop()
+        for region in self._impl.regions:
+            region.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
