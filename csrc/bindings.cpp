@@ -4,6 +4,7 @@
 
 #include "common/error.h"
 #include "engine/engine.h"
+#include "engine/striper.h"
 #include "fabric/info.h"
 
 namespace py = pybind11;
@@ -79,6 +80,63 @@ py::tuple completion_tuple(Completion& c) {
   return py::make_tuple(c.id, static_cast<int>(c.status.kind), text(c.status.message), payload, address);
 }
 
+using RunTuple = std::tuple<uint64_t, uint64_t, uint64_t, uint32_t, uint32_t>;
+
+std::vector<Run> to_runs(const std::vector<RunTuple>& tuples) {
+  std::vector<Run> runs;
+  for (const auto& [local, remote, len, lreg, rreg] : tuples) runs.push_back({local, remote, len, lreg, rreg});
+  return runs;
+}
+
+// The ops the direct route makes of `runs`, for tests: (chunk, [(local rail, remote rail,
+// [(run, offset, len, local piece, remote piece, offset in remote piece)])]).
+py::tuple stripe(const std::vector<RunTuple>& tuples, const std::vector<std::pair<uint64_t, uint64_t>>& local,
+                 const std::vector<uint64_t>& remote, size_t local_rails, size_t remote_rails, uint64_t min_chunk,
+                 uint64_t max_chunk, size_t max_iov) {
+  const std::vector<Run> runs = to_runs(tuples);
+  P2P_CHECK(local_rails > 0 && remote_rails > 0 && max_iov > 0 && min_chunk > 0, ErrorKind::Value, "bad geometry");
+  for (const Run& r : runs)
+    P2P_CHECK(r.lreg < local.size() && r.rreg < remote.size(), ErrorKind::Value, "a run names no region");
+  for (const auto& [base, piece] : local) P2P_CHECK(piece > 0, ErrorKind::Value, "piece_bytes must be positive");
+  for (uint64_t piece : remote) P2P_CHECK(piece > 0, ErrorKind::Value, "piece_bytes must be positive");
+  Striper striper(min_chunk, max_chunk);
+  uint64_t total = 0;
+  for (const Run& r : runs) total += r.len;
+  const uint64_t chunk = striper.chunk(total, Striper::pairs(local_rails, remote_rails));
+  auto local_extent = [&](uint32_t i) { return Extent{local[i].first, local[i].second}; };
+  auto remote_extent = [&](uint32_t i) { return Extent{0, remote[i]}; };
+  py::list ops;
+  RunCursor at;
+  while (!at.at_end(runs)) {
+    const RailPair pair = striper.pair(local_rails, remote_rails);
+    Segment segs[kMaxIov];
+    const size_t n = Striper::fill(at, runs, local_extent, remote_extent, chunk, std::min(max_iov, kMaxIov), segs);
+    py::list out;
+    for (size_t i = 0; i < n; ++i)
+      out.append(py::make_tuple(segs[i].run, segs[i].offset, segs[i].len, segs[i].lpiece, segs[i].rpiece,
+                                segs[i].rpiece_offset));
+    ops.append(py::make_tuple(pair.local, pair.remote, out));
+    striper.next();
+  }
+  return py::make_tuple(chunk, ops);
+}
+
+// The slot jobs the staged route makes of `runs`: [(bytes, [run tuples])].
+py::list stripe_slots(const std::vector<RunTuple>& tuples, size_t max_runs, uint64_t slot_bytes) {
+  P2P_CHECK(max_runs > 0 && slot_bytes > 0, ErrorKind::Value, "bad slot geometry");
+  const std::vector<Run> runs = to_runs(tuples);
+  py::list jobs;
+  RunCursor at;
+  while (!at.at_end(runs)) {
+    std::vector<Run> taken;
+    const uint64_t bytes = Striper::fill_slot(at, runs, max_runs, slot_bytes, taken);
+    py::list out;
+    for (const Run& r : taken) out.append(py::make_tuple(r.local, r.remote, r.len, r.lreg, r.rreg));
+    jobs.append(py::make_tuple(bytes, out));
+  }
+  return jobs;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -116,6 +174,11 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(offer.provider, offer.hmem, nics);
   }, py::arg("provider"), py::arg("want_hmem"),
      "Resolves a provider name and lists its NICs: (provider, hmem, [nic dicts]).");
+
+  // Private: the striper, for unit tests (tests/test_striper.py).
+  m.def("_stripe", &stripe);
+  m.def("_stripe_slots", &stripe_slots);
+  m.def("_slot_size", &slot_size);
 
   py::class_<RemoteView, std::shared_ptr<RemoteView>>(m, "RemoteView")
       .def_property_readonly("dtype", [](const RemoteView& v) { return v.dtype; })

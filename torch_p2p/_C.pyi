@@ -12,6 +12,14 @@ def libfabric_version() -> tuple[int, int]:
 def list_nics(provider: str, want_hmem: bool) -> tuple[str, bool, list[dict[str, Any]]]:
     """(resolved provider, FI_HMEM granted, [{domain, fabric, pci, speed_bps}])."""
 
+# Private, for tests: the striper (csrc/engine/striper.h).
+_Run = tuple[int, int, int, int, int]  # (local address, remote offset, len, lreg, rreg)
+def _stripe(runs: list[_Run], local: list[tuple[int, int]], remote: list[int], local_rails: int,
+            remote_rails: int, min_chunk: int, max_chunk: int,
+            max_iov: int) -> tuple[int, list[tuple[int, int, list[tuple[int, int, int, int, int, int]]]]]: ...
+def _stripe_slots(runs: list[_Run], max_runs: int, slot_bytes: int) -> list[tuple[int, list[_Run]]]: ...
+def _slot_size(configured: int) -> int: ...
+
 class RemoteView:
     dtype: torch.dtype
     shape: list[int]

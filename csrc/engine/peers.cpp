@@ -13,8 +13,6 @@
 namespace p2p::engine {
 namespace {
 
-constexpr uint64_t kMaxUserMessage = uint64_t{1} << 30;
-
 std::string describe(const Peer& p) { return cat("peer ", hex(p.incarnation)); }
 
 }  // namespace
@@ -422,7 +420,7 @@ void Worker::on_user(Peer& p, ByteReader& r) {
   const uint64_t total = r.get<uint64_t>();
   const uint64_t offset = r.get<uint64_t>();
   const std::string_view part = r.get_bytes(kUserFragmentBytes);
-  if (total > kMaxUserMessage) r.fail("message too large");
+  if (total > kMaxUserMessageBytes) r.fail("message too large");
   std::string& buf = p.partial[id];
   // Fragments arrive in order (send-after-send), so each continues the last.
   if (offset != buf.size() || offset + part.size() > total) {

@@ -13,8 +13,6 @@ namespace {
 
 constexpr uint64_t kSlotAccess = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
 
-uint64_t round_page(uint64_t n) { return (n + 4095) & ~uint64_t{4095}; }
-
 // StageReq direction: who moves the bytes between the two slots.
 enum : uint8_t { kOwnerPulls = 0, kOwnerPushes = 1 };
 
@@ -24,7 +22,7 @@ void SlotJob::op_done(Worker& worker, Op&, const Status& status) { worker.job_op
 
 void Worker::ensure_slots() {
   if (!slots_.empty()) return;
-  const uint64_t slot_bytes = round_page(std::max<uint64_t>(config_.slot_bytes, 4096));
+  const uint64_t slot_bytes = slot_size(config_.slot_bytes);
   const size_t n = std::max<size_t>(2, config_.staging_bytes / slot_bytes);
   const uint64_t span_bytes = round_page(kMaxJobRuns * sizeof(CopySpan));
   auto* base = static_cast<uint8_t*>(copier_->alloc_pinned(n * (slot_bytes + span_bytes)));
@@ -90,7 +88,7 @@ size_t Worker::request_run_limit(const Peer&) const {
 Gen Worker::generate_staged(Transfer& t) {
   ensure_slots();
   const bool write = t.kind == TransferKind::Write;
-  while (t.next_run < t.runs.size()) {
+  while (!t.at.at_end(t.runs)) {
     Slot* slot = take_slot(false);
     if (!slot) {
       slot_waiters_.push_back(&t);
@@ -102,22 +100,9 @@ Gen Worker::generate_staged(Transfer& t) {
     job.transfer = &t;
     job.peer = t.peer;
     job.slot = slot;
-    // A job names one remote region: a StageReq addresses one region of its owner.
-    const uint32_t rreg = t.runs[t.next_run].rreg;
-    const bool remote_staged = t.remote[rreg]->staged;
+    const bool remote_staged = t.remote[t.runs[t.at.run].rreg]->staged;
     const size_t max_runs = remote_staged ? request_run_limit(*t.peer) : kMaxJobRuns;
-    while (t.next_run < t.runs.size() && job.runs.size() < max_runs && job.bytes < slot->bytes) {
-      const Run& run = t.runs[t.next_run];
-      if (run.rreg != rreg) break;
-      const uint64_t len = std::min(run.len - t.run_pos, slot->bytes - job.bytes);
-      job.runs.push_back({run.local + t.run_pos, run.remote + t.run_pos, len, run.lreg, run.rreg});
-      job.bytes += len;
-      t.run_pos += len;
-      if (t.run_pos == run.len) {
-        ++t.next_run;
-        t.run_pos = 0;
-      }
-    }
+    job.bytes = Striper::fill_slot(t.at, t.runs, max_runs, slot->bytes, job.runs);
     if (remote_staged) {
       job.steps[0] = write ? Step::Pack : Step::Request;
       job.steps[1] = write ? Step::Request : Step::Unpack;
@@ -216,8 +201,7 @@ void Worker::on_stage_request(Peer& p, ByteReader& r) {
     run.local = reinterpret_cast<uint64_t>(region->ptr) + run.remote;
     sum += run.len;
   }
-  const uint64_t slot_bytes = round_page(std::max<uint64_t>(config_.slot_bytes, 4096));
-  if (sum != bytes || bytes == 0 || bytes > slot_bytes) return refuse("malformed stage request");
+  if (sum != bytes || bytes == 0 || bytes > slot_size(config_.slot_bytes)) return refuse("malformed stage request");
 
   auto owned = std::make_unique<SlotJob>();
   SlotJob& job = *owned;
@@ -322,7 +306,8 @@ void Worker::advance(SlotJob& job) {
         if (!job.started) {
           job.started = true;
           job.ops_generated = false;
-          job.gen_run = job.gen_pos = job.gen_slot = 0;
+          job.gen = {};
+          job.gen_slot = 0;
           job_gen_queue_.push_back(&job);
           return;
         }
@@ -351,41 +336,38 @@ bool Worker::generate_job_ops(SlotJob& job) {
     return true;
   }
   Peer& p = *job.peer;
-  const size_t L = rails_.size(), R = p.remote_rails(), P = pairs(p);
-  const uint64_t chunk = std::clamp<uint64_t>((job.bytes + P - 1) / P, config_.min_chunk, config_.max_chunk);
+  const size_t L = rails_.size(), R = p.remote_rails();
+  const uint64_t chunk = striper_.chunk(job.bytes, Striper::pairs(L, R));
   const OpKind kind = job.write_out ? OpKind::Write : OpKind::Read;
+  // The local side is the slot, one registration; the remote side is the requester's slot
+  // (serving) or the runs of a directly registered region.
   const bool to_slot = job.step() == Step::RmaSlot;
-  while (to_slot ? job.gen_slot < job.bytes : job.gen_run < job.runs.size()) {
-    const size_t pair = rr_cursor_ % P;
-    const uint16_t lrail = static_cast<uint16_t>(pair % L), rrail = static_cast<uint16_t>(pair % R);
-    uint64_t len, remote_addr, key;
-    if (to_slot) {
-      len = std::min(chunk, job.bytes - job.gen_slot);
-      remote_addr = job.peer_base[rrail] + job.gen_slot;
-      key = job.peer_key[rrail];
-    } else {
-      const Run& run = job.runs[job.gen_run];
-      const RemoteRegion& rr = *job.transfer->remote[run.rreg];
-      const uint64_t roff = run.remote + job.gen_pos;
-      const uint64_t rpiece = roff / rr.piece_bytes;
-      len = std::min({chunk, run.len - job.gen_pos, (rpiece + 1) * rr.piece_bytes - roff});
-      remote_addr = rr.base[rpiece * R + rrail] + (roff - rpiece * rr.piece_bytes);
-      key = rr.key[rpiece * R + rrail];
-    }
-    RailState& rs = rails_[lrail];
+  const Run whole_slot{0, 0, job.bytes, 0, 0};
+  const std::span<const Run> runs = to_slot ? std::span<const Run>(&whole_slot, 1) : std::span<const Run>(job.runs);
+  auto remote = [&](uint32_t i) { return to_slot ? Extent{} : Extent{0, job.transfer->remote[i]->piece_bytes}; };
+  while (!job.gen.at_end(runs)) {
+    const RailPair pair = striper_.pair(L, R);
+    RailState& rs = rails_[pair.local];
     if (rs.pending.size() >= 2 * rs.depth) return false;
-    Op* op = new_op(kind, lrail, &job, &p);
+    Op* op = new_op(kind, pair.local, &job, &p);
     if (!op) return false;
-    op->add(job.slot->ptr + job.gen_slot, len, job.slot->mrs[lrail].desc, remote_addr, key);
-    op->dest = p.fi[lrail * R + rrail];
+    Segment s{};
+    Striper::fill(job.gen, runs, [](uint32_t) { return Extent{}; }, remote, chunk, 1, &s);
+    uint64_t remote_addr, key;
+    if (to_slot) {
+      remote_addr = job.peer_base[pair.remote] + s.offset;
+      key = job.peer_key[pair.remote];
+    } else {
+      const RemoteRegion& rr = *job.transfer->remote[runs[s.run].rreg];
+      remote_addr = rr.base[mr_index(s.rpiece, R, pair.remote)] + s.rpiece_offset;
+      key = rr.key[mr_index(s.rpiece, R, pair.remote)];
+    }
+    op->add(job.slot->ptr + job.gen_slot, s.len, job.slot->mrs[pair.local].desc, remote_addr, key);
+    op->dest = p.fi[pair.address(R)];
     rs.pending.push_back(op);
     ++job.ops_left;
-    ++rr_cursor_;
-    job.gen_slot += len;
-    if (!to_slot && (job.gen_pos += len) == job.runs[job.gen_run].len) {
-      ++job.gen_run;
-      job.gen_pos = 0;
-    }
+    striper_.next();
+    job.gen_slot += s.len;
   }
   job.ops_generated = true;
   return true;

@@ -12,8 +12,6 @@ void Transfer::op_done(Worker& worker, Op&, const Status& status) {
   worker.transfer_op_done(*this, status);
 }
 
-size_t Worker::pairs(const Peer& p) const { return std::max<size_t>(rails_.size(), p.remote_rails()); }
-
 void Worker::start(Transfer* raw) {
   Transfer& t = *raw;
   transfers_[t.id].reset(raw);
@@ -60,10 +58,7 @@ void Worker::ready_to_generate(Transfer& t) {
   if (start_ipc(t)) return;
   uint64_t total = 0;
   for (const Run& r : t.runs) total += r.len;
-  // Large runs are cut so that every rail pair carries a share; small runs stay whole and
-  // spread round-robin.
-  const uint64_t share = (total + pairs(*t.peer) - 1) / pairs(*t.peer);
-  t.chunk = std::clamp<uint64_t>(share, config_.min_chunk, config_.max_chunk);
+  t.chunk = striper_.chunk(total, Striper::pairs(rails_.size(), t.peer->remote_rails()));
   t.queued = true;
   gen_queue_.push_back(&t);
 }
@@ -108,53 +103,35 @@ bool Worker::generate() {
   return any;
 }
 
-// NOTE: segments below this share an op (scatter-gather, up to the rail's max_iov): on the
-// GPU machine 256 random 64 KiB pages ran at 64% of one contiguous 16 MiB view over tcp, the
-// difference being per-op cost.
-constexpr uint64_t kGatherBelow = 256 << 10;
-
 bool Worker::generate_direct(Transfer& t) {
   Peer& p = *t.peer;
-  const size_t L = rails_.size(), R = p.remote_rails(), P = pairs(p);
+  const size_t L = rails_.size(), R = p.remote_rails();
   const OpKind kind = t.kind == TransferKind::Write ? OpKind::Write : OpKind::Read;
-  while (t.next_run < t.runs.size()) {
-    const size_t pair = rr_cursor_ % P;
-    const uint16_t lrail = static_cast<uint16_t>(pair % L), rrail = static_cast<uint16_t>(pair % R);
-    RailState& rs = rails_[lrail];
+  auto local = [&](uint32_t i) { return Extent{reinterpret_cast<uint64_t>(t.local[i]->ptr), t.local[i]->piece_bytes}; };
+  auto remote = [&](uint32_t i) { return Extent{0, t.remote[i]->piece_bytes}; };
+  while (!t.at.at_end(t.runs)) {
+    const RailPair pair = striper_.pair(L, R);
+    RailState& rs = rails_[pair.local];
     if (rs.pending.size() >= 2 * rs.depth) return false;
-    Op* op = new_op(kind, lrail, &t, &p);
+    Op* op = new_op(kind, pair.local, &t, &p);
     if (!op) return false;
-    op->dest = p.fi[lrail * R + rrail];
-    uint64_t op_bytes = 0;
-    // One large segment, or up to max_iov small ones from one local region.
-    while (t.next_run < t.runs.size() && op->niov < rs.rail->max_iov()) {
-      const Run& run = t.runs[t.next_run];
+    op->dest = p.fi[pair.address(R)];
+    Segment segs[kMaxIov];
+    const size_t n = Striper::fill(t.at, t.runs, local, remote, t.chunk, std::min(rs.rail->max_iov(), kMaxIov), segs);
+    for (size_t i = 0; i < n; ++i) {
+      const Segment& s = segs[i];
+      const Run& run = t.runs[s.run];
       const Region& lr = *t.local[run.lreg];
       const RemoteRegion& rr = *t.remote[run.rreg];
-      uint8_t* local = reinterpret_cast<uint8_t*>(run.local) + t.run_pos;
-      const uint64_t roff = run.remote + t.run_pos;
-      const size_t lpiece = lr.piece_of(local);
-      const uint64_t rpiece = roff / rr.piece_bytes;
-      // A segment never crosses a registration piece on either side.
-      uint64_t len = std::min<uint64_t>(run.len - t.run_pos, t.chunk);
-      len = std::min<uint64_t>(len, lr.ptr + (lpiece + 1) * lr.piece_bytes - local);
-      len = std::min<uint64_t>(len, (rpiece + 1) * rr.piece_bytes - roff);
-      if (op->niov > 0 && (len >= kGatherBelow || op_bytes + len > t.chunk || op->region != &lr)) break;
+      const size_t rkey = mr_index(s.rpiece, R, pair.remote);
       op->region = t.local[run.lreg].get();
       op->device = lr.cuda_device >= 0;
-      op->add(local, len, lr.mrs[lpiece * L + lrail].desc,
-              rr.base[rpiece * R + rrail] + (roff - rpiece * rr.piece_bytes), rr.key[rpiece * R + rrail]);
-      op_bytes += len;
-      t.run_pos += len;
-      if (t.run_pos == run.len) {
-        ++t.next_run;
-        t.run_pos = 0;
-      }
-      if (len >= kGatherBelow) break;
+      op->add(reinterpret_cast<uint8_t*>(run.local + s.offset), s.len, lr.mrs[mr_index(s.lpiece, L, pair.local)].desc,
+              rr.base[rkey] + s.rpiece_offset, rr.key[rkey]);
     }
     rs.pending.push_back(op);
     ++t.pending;
-    ++rr_cursor_;
+    striper_.next();
   }
   return true;
 }

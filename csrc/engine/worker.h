@@ -30,6 +30,7 @@
 #include "engine/ops.h"
 #include "engine/rail_driver.h"
 #include "engine/runs.h"
+#include "engine/striper.h"
 #include "fabric/info.h"
 #include "fabric/rail.h"
 #include "ipc/route.h"
@@ -124,8 +125,7 @@ struct Transfer final : OpOwner {
   bool staged = false;
   bool ipc = false;  // one copy on the IPC route (csrc/ipc) instead of ops
   uint64_t chunk = 0;
-  size_t next_run = 0;
-  uint64_t run_pos = 0;
+  RunCursor at;  // how far generation has come
   size_t pending = 0;      // ops or slot jobs not finished
   bool generated = false;  // every op or job has been created
   bool queued = false;     // in the generation queue
@@ -298,7 +298,6 @@ class Worker {
   void fail(Transfer& t, Status status);
   void maybe_free(Transfer& t);
   void ready_to_generate(Transfer& t);
-  size_t pairs(const Peer& p) const;
   Op* new_op(OpKind kind, uint16_t rail, OpOwner* owner, Peer* peer);
 
   // peers.cpp: connection, control messages, user messages, notifications, failure.
@@ -404,7 +403,7 @@ class Worker {
   std::unordered_map<uint64_t, std::unique_ptr<Peer>> peers_;  // by incarnation
   std::unordered_map<uint64_t, std::unique_ptr<Transfer>> transfers_;
   Ring<Transfer*> gen_queue_;
-  uint64_t rr_cursor_ = 0;
+  Striper striper_{config_.min_chunk, config_.max_chunk};
   std::vector<std::pair<std::string, std::string>> inbox_;  // (address, payload) unclaimed
   std::vector<Waiter> recv_waiters_;
   struct NotifyState {
