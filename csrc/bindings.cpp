@@ -137,6 +137,38 @@ py::list stripe_slots(const std::vector<RunTuple>& tuples, size_t max_runs, uint
   return jobs;
 }
 
+TransferState state_named(const std::string& text) {
+  for (int i = 0; i <= static_cast<int>(TransferState::Reported); ++i)
+    if (text == name(static_cast<TransferState>(i))) return static_cast<TransferState>(i);
+  throw Error(ErrorKind::Value, "no transfer state " + text);
+}
+
+// Transfer::next_step for a transfer in `state` with these facts, for tests.
+std::string transfer_next_step(const std::string& state, bool message, bool ok, bool held, bool acked,
+                               size_t pending, bool needs_fence) {
+  Transfer t;
+  t.state = state_named(state);
+  t.kind = message ? TransferKind::Message : TransferKind::Write;
+  if (!ok) t.status = Status::error(ErrorKind::Peer, "failed");
+  t.held = held;
+  t.acked = acked;
+  t.pending = pending;
+  return name(t.next_step(needs_fence));
+}
+
+// Whether Transfer::enter allows the move, for tests.
+bool transfer_may_enter(const std::string& from, const std::string& to) {
+  Transfer t;
+  t.state = state_named(from);
+  try {
+    t.enter(state_named(to));
+    return true;
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::Value) throw;
+    return false;
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -179,6 +211,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("_stripe", &stripe);
   m.def("_stripe_slots", &stripe_slots);
   m.def("_slot_size", &slot_size);
+  // Private: the transfer state machine (csrc/engine/transfer.h), for tests/test_transfer_state.py.
+  m.def("_transfer_next_step", &transfer_next_step, py::arg("state"), py::arg("message"), py::arg("ok"),
+        py::arg("held"), py::arg("acked"), py::arg("pending"), py::arg("needs_fence"));
+  m.def("_transfer_may_enter", &transfer_may_enter);
 
   py::class_<RemoteView, std::shared_ptr<RemoteView>>(m, "RemoteView")
       .def_property_readonly("dtype", [](const RemoteView& v) { return v.dtype; })

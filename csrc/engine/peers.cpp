@@ -345,7 +345,7 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   p.connect_waiters.clear();
   std::vector<Transfer*> affected;
   for (auto& [id, t] : transfers_)
-    if (t->peer == &p && !t->reported) affected.push_back(t.get());
+    if (t->peer == &p && !t->reported()) affected.push_back(t.get());
   for (Transfer* t : affected) {
     if (t->held) t->status = why;  // what the check found out is the answer
     fail(*t, why);

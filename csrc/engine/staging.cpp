@@ -266,7 +266,7 @@ uint64_t Worker::start_copy(SlotJob& job, bool pack) {
 
 void Worker::advance(SlotJob& job) {
   while (true) {
-    if (job.status.ok() && job.transfer && job.transfer->reported)
+    if (job.status.ok() && job.transfer && job.transfer->reported())
       job.status = Status::error(ErrorKind::Cancelled, "the transfer ended");
     const Step step = job.step();
     const bool copy_step = step == Step::Pack || step == Step::Unpack;
@@ -434,7 +434,7 @@ void Worker::fail_jobs_of(Peer& p, const Status& why) {
 void Worker::poke_abandoned_jobs() {
   std::vector<uint64_t> ids;
   for (auto& [id, job] : jobs_)
-    if (job->transfer && job->transfer->reported && job->step() == Step::Request) ids.push_back(id);
+    if (job->transfer && job->transfer->reported() && job->step() == Step::Request) ids.push_back(id);
   for (uint64_t id : ids) {
     auto it = jobs_.find(id);
     if (it != jobs_.end()) advance(*it->second);

@@ -22,9 +22,10 @@ void Worker::start(Transfer* raw) {
     if (it == regions_.end() || it->second->closing)
       return fail(t, Status::error(ErrorKind::Closed, cat("region ", id, " was deregistered")));
     t.local.push_back(it->second);
-    t.staged |= it->second->staged;
+    if (it->second->staged) t.route = TransferRoute::Staged;
   }
-  for (const auto& r : t.remote) t.staged |= r->staged;
+  for (const auto& r : t.remote)
+    if (r->staged) t.route = TransferRoute::Staged;
   try {
     t.peer = peer_for(t.peer_address, Contact::Implicit);
   } catch (const Error& e) {
@@ -34,6 +35,7 @@ void Worker::start(Transfer* raw) {
   occupy(p);
   if (p.failed()) return fail(t, p.failure);
   if (p.waits()) {
+    t.enter(TransferState::WaitingForPeer);
     p.waiting.push_back(&t);  // the census comes with the peer's answer
     return;
   }
@@ -59,6 +61,7 @@ void Worker::ready_to_generate(Transfer& t) {
   uint64_t total = 0;
   for (const Run& r : t.runs) total += r.len;
   t.chunk = striper_.chunk(total, Striper::pairs(rails_.size(), t.peer->remote_rails()));
+  t.enter(TransferState::Queued);
   t.queued = true;
   gen_queue_.push_back(&t);
 }
@@ -75,18 +78,18 @@ bool Worker::generate() {
   }
   while (!gen_queue_.empty()) {
     Transfer& t = *gen_queue_.front();
-    if (t.reported) {
+    if (t.reported()) {
       gen_queue_.pop_front();
       t.queued = false;
       maybe_free(t);
       continue;
     }
     // The direct path must not read memory before the caller's stream has written it.
-    if (t.cuda_event && !t.staged && !copier_->event_done(t.cuda_event)) break;
+    if (t.cuda_event && t.route != TransferRoute::Staged && !copier_->event_done(t.cuda_event)) break;
     Gen g;
     if (t.kind == TransferKind::Message) {
       g = generate_message(t);
-    } else if (t.staged) {
+    } else if (t.route == TransferRoute::Staged) {
       g = generate_staged(t);
     } else {
       g = generate_direct(t) ? Gen::Done : Gen::Blocked;
@@ -96,9 +99,8 @@ bool Worker::generate() {
     gen_queue_.pop_front();
     if (g == Gen::Parked) continue;  // moved to the slot waiters, still queued
     t.queued = false;
-    t.generated = true;
-    if (t.pending == 0) finish(t, t.status);
-    maybe_free(t);
+    t.enter(TransferState::Running);
+    advance(t);  // may free t
   }
   return any;
 }
@@ -173,15 +175,24 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
     const bool telling = status.kind == ErrorKind::Peer || status.kind == ErrorKind::Remote;
     t.held = telling && t.peer && !t.peer->failed();
   }
-  if (!t.status.ok() && !t.reported) {
-    if (!t.held) finish(t, t.status);  // fail fast; what is still in flight drains in the background
-  } else if (t.generated && t.pending == 0) {
-    if (t.status.ok() && t.kind == TransferKind::Message && !t.acked) {
-      t.fencing = true;  // sent, not yet acknowledged (acknowledged())
+  advance(t);
+}
+
+// Does what the transfer's facts call for next (Transfer::next_step); t may be gone after.
+void Worker::advance(Transfer& t) {
+  switch (t.next_step(needs_fence(t))) {
+    case TransferStep::Wait:
+      break;
+    case TransferStep::AwaitAck:  // sent, not yet acknowledged (acknowledged())
+      t.enter(TransferState::AwaitingAck);
       return;
-    }
-    if (t.status.ok() && !t.fenced && needs_fence(t)) return fence(t);
-    finish(t, t.status);
+    case TransferStep::Fence:
+      t.enter(TransferState::AwaitingAck);  // a failing peer or the deadline fails it meanwhile
+      send_fence(t);
+      return;
+    case TransferStep::Report:
+      finish(t, t.status);
+      break;
   }
   maybe_free(t);
 }
@@ -194,12 +205,12 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
 // once the copies its provider queued before it are done; the Fence comes after the RMA in
 // the peer's command queue.
 bool Worker::needs_fence(const Transfer& t) const {
-  if (t.kind == TransferKind::Message || t.staged || t.ipc || !rails_[0].rail->cuda_ipc()) return false;
+  if (t.kind == TransferKind::Message || t.route != TransferRoute::Direct || !rails_[0].rail->cuda_ipc()) return false;
+  if (t.runs.empty()) return false;  // nothing was written
   return std::any_of(t.local.begin(), t.local.end(), [](const auto& r) { return r->cuda_device >= 0; });
 }
 
-void Worker::fence(Transfer& t) {
-  t.fenced = t.fencing = true;  // stays in transfers_: a failing peer or the deadline fails it
+void Worker::send_fence(Transfer& t) {
   ByteWriter w = message(MsgType::Fence, *t.peer);
   w.put(t.id);
   send_control(*t.peer, std::move(w));
@@ -234,37 +245,35 @@ void Worker::acknowledged(Peer& p, uint64_t transfer) {
   if (it == transfers_.end() || it->second->peer != &p) return;
   Transfer& t = *it->second;
   t.acked = true;
-  if (!t.fencing) return;  // a message whose own send completion comes later
-  t.fencing = false;
-  finish(t, t.status);
-  maybe_free(t);
+  // A message's acknowledgement may come before its own send completion, which then moves it.
+  if (t.state == TransferState::AwaitingAck) advance(t);
 }
 
 void Worker::finish(Transfer& t, Status status) {
-  if (t.reported) return;
+  if (t.reported()) return;
   if (t.status.ok() && !status.ok()) t.status = std::move(status);
   Peer* p = t.peer;
   const bool peer_alive = p && !p->failed();
-  if (t.notify && !t.notify_sent && peer_alive) {
+  if (t.notify && t.state != TransferState::Notifying && peer_alive) {
     // The receiver's notification completes with this status. On success the future waits
     // for the notice to leave, so "future done" implies "notice sent".
-    t.notify_sent = true;
     ByteWriter w = message(MsgType::Notify, *p);
     w.put(t.tag);
     w.put(static_cast<uint8_t>(t.status.kind));
     w.put_bytes(t.status.message);
     if (t.status.ok()) {
+      t.enter(TransferState::Notifying);
       ++t.pending;
       send_control(*p, std::move(w), &t);
       return;
     }
     send_control(*p, std::move(w));
   }
-  if (p) {
+  if (p && t.state == TransferState::WaitingForPeer) {
     auto& w = p->waiting;
     w.erase(std::remove(w.begin(), w.end(), &t), w.end());
   }
-  t.reported = true;
+  t.enter(TransferState::Reported);
   report(t.id, t.status);
 }
 
@@ -274,7 +283,7 @@ void Worker::fail(Transfer& t, Status status) {
 }
 
 void Worker::maybe_free(Transfer& t) {
-  if (!t.reported || t.pending > 0 || t.queued) return;
+  if (!t.reported() || t.pending > 0 || t.queued) return;
   if (t.cuda_event) copier_->release_event(t.cuda_event);
   Peer* p = t.peer;
   transfers_.erase(t.id);  // t is gone from here on

@@ -581,7 +581,7 @@ void Worker::tick() {
   const double t = now();
   std::vector<Transfer*> late;
   for (auto& [id, tr] : transfers_)
-    if (!tr->reported && tr->deadline > 0 && t > tr->deadline) late.push_back(tr.get());
+    if (!tr->reported() && tr->deadline > 0 && t > tr->deadline) late.push_back(tr.get());
   for (Transfer* tr : late) {
     const char* what = tr->kind == TransferKind::Write ? "write_slices"
                        : tr->kind == TransferKind::Read ? "read_slices" : "send";

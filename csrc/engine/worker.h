@@ -29,8 +29,10 @@
 #include "engine/messages.h"
 #include "engine/ops.h"
 #include "engine/rail_driver.h"
+#include "engine/region.h"
 #include "engine/runs.h"
 #include "engine/striper.h"
+#include "engine/transfer.h"
 #include "fabric/info.h"
 #include "fabric/rail.h"
 #include "ipc/route.h"
@@ -71,76 +73,9 @@ struct RailFacts {
   bool wait_fd;
 };
 
-// A registered storage, as the worker knows it. Transfers hold it; so do ops orphaned by a
-// dead peer until their provider gives them back, so its registrations (and the tensor,
-// which the engine keeps until then) outlive every operation that may touch the memory.
-struct Region : std::enable_shared_from_this<Region> {
-  uint64_t id = 0;
-  uint8_t* ptr = nullptr;
-  uint64_t nbytes = 0;
-  int cuda_device = -1;
-  uint8_t access = 0;   // Access bits granted to peers
-  bool staged = false;  // not registered with the NICs: peers go through the owner's slots
-  bool exported = false;  // for CUDA IPC: same-host peers may have it mapped
-  uint64_t piece_bytes = 0;
-  std::vector<fabric::MrHandle> mrs;  // [piece * rails + rail]
-  bool closing = false;
-
-  size_t piece_of(const uint8_t* p) const { return (p - ptr) / piece_bytes; }
-};
-
 struct Peer;
-struct Transfer;
 struct SlotJob;
 struct Slot;
-
-enum class TransferKind : uint8_t { Write, Read, Message };
-
-// What generating a queued transfer achieved this turn.
-enum class Gen : uint8_t {
-  Done,     // every op or job exists
-  Blocked,  // out of ops or queue room: retry next turn, keep the queue's order
-  Parked,   // waiting for a staging slot: moved to the slot waiters
-};
-
-// One call of write_slices / read_slices / send. Created by the engine on a Python thread,
-// owned by the worker from post() on.
-struct Transfer final : OpOwner {
-  uint64_t id = 0;
-  TransferKind kind = TransferKind::Write;
-  std::string peer_address;
-  std::vector<uint64_t> local_ids;  // resolved into `local` by the worker
-  std::vector<std::shared_ptr<const RemoteRegion>> remote;
-  std::vector<Run> runs;
-  std::string payload;  // Message
-  bool notify = false;
-  uint32_t tag = 0;
-  void* cuda_event = nullptr;  // the caller's stream work this transfer must follow
-  double timeout_s = 0;
-
-  // Worker state.
-  Peer* peer = nullptr;
-  std::vector<std::shared_ptr<Region>> local;
-  double deadline = 0;
-  bool staged = false;
-  bool ipc = false;  // one copy on the IPC route (csrc/ipc) instead of ops
-  uint64_t chunk = 0;
-  RunCursor at;  // how far generation has come
-  size_t pending = 0;      // ops or slot jobs not finished
-  bool generated = false;  // every op or job has been created
-  bool queued = false;     // in the generation queue
-  bool reported = false;   // the future has its result
-  bool notify_sent = false;
-  bool fenced = false;   // a Fence went to the peer (fence())
-  bool fencing = false;  // its FenceAck (or a message's UserAck) is still due
-  bool acked = false;    // a message the receiver has acknowledged
-  bool held = false;     // failed; the caller hears once a check of the peer tells whether it
-                         // restarted (check()), which then is the error reported
-  Status status;
-
-  void op_done(Worker& worker, Op& op, const Status& status) override;
-  bool abandoned() const override { return reported; }
-};
 
 enum class PeerState : uint8_t { Connecting, Ready, Dead, Left };
 
@@ -233,7 +168,7 @@ class Worker {
   // Used by op owners (worker thread).
   void transfer_op_done(Transfer& t, const Status& status);
   bool needs_fence(const Transfer& t) const;
-  void fence(Transfer& t);
+  void send_fence(Transfer& t);
   void on_fence(Peer& p, ByteReader& r);
   void acknowledged(Peer& p, uint64_t transfer);
   void poll_fences();
@@ -297,6 +232,7 @@ class Worker {
   void finish(Transfer& t, Status status);
   void fail(Transfer& t, Status status);
   void maybe_free(Transfer& t);
+  void advance(Transfer& t);
   void ready_to_generate(Transfer& t);
   Op* new_op(OpKind kind, uint16_t rail, OpOwner* owner, Peer* peer);
 
