@@ -216,6 +216,34 @@ PYBIND11_MODULE(_C, m) {
         py::arg("held"), py::arg("acked"), py::arg("pending"), py::arg("needs_fence"));
   m.def("_transfer_may_enter", &transfer_may_enter);
 
+  // Private: one peer's liveness schedule (csrc/engine/liveness.h) on a clock the caller
+  // passes, for tests/test_liveness.py.
+  py::class_<Liveness>(m, "_Liveness")
+      .def(py::init<double>(), py::arg("timeout"))
+      .def_property_readonly("state", [](const Liveness& l) { return name(l.state()); })
+      .def_property_readonly("waits", &Liveness::waits)
+      .def_property_readonly("checking", &Liveness::checking)
+      .def_property_readonly("last_heard", &Liveness::last_heard)
+      .def("connect", &Liveness::connect, py::arg("now"))
+      .def("answered", &Liveness::answered)
+      .def("fail", [](Liveness& l, bool left) { l.fail(left ? PeerState::Left : PeerState::Dead); },
+           py::arg("left") = false)
+      .def("start_check", &Liveness::start_check, py::arg("deadline"))
+      .def("heard", &Liveness::heard, py::arg("now"))
+      .def("watch_from", &Liveness::watch_from, py::arg("now"))
+      .def("hello_failed", [](Liveness& l, double now, bool transient) {
+        const Liveness::Retry r = l.hello_failed(now, transient);
+        return py::make_tuple(r == Liveness::Retry::Ignore ? "Ignore" : r == Liveness::Retry::Later ? "Later" : "GiveUp",
+                              l.retry_at());
+      }, py::arg("now"), py::arg("transient"))
+      .def("tick", [](Liveness& l, double now, bool busy) {
+        const Liveness::Due due = l.tick(now, busy);
+        const char* verdict = due.verdict == Liveness::Verdict::Alive        ? "Alive"
+                              : due.verdict == Liveness::Verdict::Unanswered ? "Unanswered"
+                                                                              : "Silent";
+        return py::make_tuple(due.send_hello, verdict);
+      }, py::arg("now"), py::arg("busy"));
+
   py::class_<RemoteView, std::shared_ptr<RemoteView>>(m, "RemoteView")
       .def_property_readonly("dtype", [](const RemoteView& v) { return v.dtype; })
       .def_property_readonly("shape", [](const RemoteView& v) { return v.shape; })

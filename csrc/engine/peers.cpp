@@ -50,7 +50,7 @@ Peer* Worker::peer_for(const std::string& address_bytes, Contact how) {
     }
     return &p;
   }
-  auto owned = std::make_unique<Peer>();
+  auto owned = std::make_unique<Peer>(config_.peer_timeout_s);
   Peer& p = *owned;
   p.incarnation = a.incarnation;
   readdress(p, std::move(a), address_bytes);
@@ -70,14 +70,9 @@ void Worker::readdress(Peer& p, EngineAddress a, const std::string& address_byte
 }
 
 void Worker::revive(Peer& p) {
-  p.state = PeerState::Connecting;
+  p.live.connect(now());
   p.failure = Status{};
   p.revivable = false;
-  p.checking = false;
-  p.hello_failures = 0;
-  p.hello_again = 0;
-  p.last_heard = now();
-  p.connect_deadline = p.last_heard + config_.peer_timeout_s;
   send_hello(p);
 }
 
@@ -93,28 +88,25 @@ void Worker::send_hello(Peer& p) {
 // still the same process. A HELLO rather than a ping, since a process that replaced it at
 // its address does not know us and can answer only a message that carries our address.
 void Worker::check(Peer& p, double deadline) {
-  if (p.state != PeerState::Ready || p.checking) return;
-  p.checking = true;
-  p.hello_failures = 0;
-  p.hello_again = 0;
-  p.check_deadline = deadline;
-  send_hello(p);
+  if (p.live.start_check(deadline)) send_hello(p);
 }
 
-// NOTE: on tcp;ofi_rxm every peer named by one network address shares a connection, and a
-// refused RMA makes the provider drop it: HELLOs posted during the teardown fail with
-// FI_ENOTCONN / EPIPE (measured, test_restart_old_handle_used_first: about 1 run in 6, and
-// four HELLOs in a row when sent at once). Those are sent again after a growing pause until
-// the peer's deadline; any other failure (nobody listening, say) is final.
+// A HELLO lost while the connection under it is torn down (tcp;ofi_rxm drops a connection
+// whose RMA the owner refused) is sent again after a pause (Liveness::hello_failed); any
+// other failure is final.
 void Worker::on_hello_failed(Peer& p, int err, int prov_errno, const Status& status) {
   const auto tearing_down = [](int e) { return e == FI_ENOTCONN || e == EPIPE || e == FI_ECONNRESET || e == FI_ECONNABORTED; };
   const bool transient = tearing_down(err) || (err == FI_ECANCELED && tearing_down(prov_errno));
-  if (!p.waits()) return;  // answered, or failed, meanwhile
-  const double t = now(), deadline = p.checking ? p.check_deadline : p.connect_deadline;
-  const double pause = std::min(0.5, 0.01 * (1 << std::min(p.hello_failures++, 6)));
-  if (!transient || t + pause >= deadline) return fail_peer(p, status);
-  P2P_LOG(Info, "introducing ourselves to ", describe(p), " again in ", pause, " s after: ", status.message);
-  p.hello_again = t + pause;
+  const double t = now();
+  switch (p.live.hello_failed(t, transient)) {
+    case Liveness::Retry::Ignore:
+      return;
+    case Liveness::Retry::GiveUp:
+      return fail_peer(p, status);
+    case Liveness::Retry::Later:
+      P2P_LOG(Info, "introducing ourselves to ", describe(p), " again in ", p.live.retry_at() - t,
+              " s after: ", status.message);
+  }
 }
 
 void Worker::connect(uint64_t id, const std::string& address) {
@@ -124,7 +116,7 @@ void Worker::connect(uint64_t id, const std::string& address) {
   } catch (const Error& e) {
     return report(id, Status::error(e.kind(), e.what()));
   }
-  if (p->state == PeerState::Ready) return report(id, Status{});
+  if (p->state() == PeerState::Ready) return report(id, Status{});
   if (p->failed()) return report(id, p->failure);  // it closed: that process is gone
   p->connect_waiters.push_back(id);
 }
@@ -148,7 +140,7 @@ void Worker::disconnect(uint64_t id, const std::string& address) {
 void Worker::finish_disconnect(Peer& p) {
   const uint64_t id = p.disconnect_id;
   p.disconnect_id = 0;
-  if (p.state == PeerState::Ready || p.state == PeerState::Connecting)
+  if (p.state() == PeerState::Ready || p.state() == PeerState::Connecting)
     send_control(p, bye(p, false), nullptr, true);
   fail_peer(p, Status::error(ErrorKind::Peer, cat(describe(p), " was disconnected by this engine")),
             PeerState::Left);
@@ -222,7 +214,7 @@ void Worker::on_message(const char* data, size_t len) {
     Peer& p = *it->second;
     if (h.type == MsgType::Bye) return on_bye(p, r.get<uint8_t>() != 0);
     if (p.failed()) return;
-    p.last_heard = now();
+    p.live.heard(now());
     switch (h.type) {
       case MsgType::User:
         on_user(p, r);
@@ -283,7 +275,7 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
       readdress(p, std::move(a), address);
     }
     read_census(p, r);
-    p.last_heard = now();
+    p.live.heard(now());
     return peer_ready(p);
   }
   // A HELLO: the sender introduces itself. An older process at the same address is gone.
@@ -299,7 +291,7 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
     P2P_LOG(Warn, "ignored an introduction: ", e.what());
     return;
   }
-  p->last_heard = now();
+  p->live.heard(now());
   read_census(*p, r);
   ByteWriter w = message(MsgType::HelloAck, *p);
   w.put_bytes(address_);
@@ -312,8 +304,7 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
 // The peer answered as itself: what waited on that goes on, and transfers held for a check
 // report their own failure (the peer did not restart).
 void Worker::peer_ready(Peer& p) {
-  p.state = PeerState::Ready;
-  p.checking = false;
+  p.live.answered();
   p.confirmed = true;
   for (uint64_t id : p.connect_waiters) report(id, Status{});
   p.connect_waiters.clear();
@@ -338,9 +329,8 @@ void Worker::peer_ready(Peer& p) {
 void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   if (p.failed()) return;
   P2P_LOG(Info, "peer ", hex(p.incarnation), " is gone: ", why.message);
-  p.state = state;
+  p.live.fail(state);
   p.failure = why;
-  p.checking = false;
   for (uint64_t id : p.connect_waiters) report(id, why);
   p.connect_waiters.clear();
   std::vector<Transfer*> affected;
@@ -381,12 +371,15 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   }
 }
 
-// Something now waits on the peer. Its silence counts from here, not from before: a peer idle
-// for longer than peer_timeout would otherwise be checked at once, with its deadline already
-// past (seen: test_restart_message_to_old_incarnation_fails under the sanitizers, with the
-// peer idle for over 3 s while the test started another process).
-void Worker::occupy(Peer& p) {
-  if (p.busy++ == 0) p.last_heard = std::max(p.last_heard, now());
+// Something now waits on the peer: a transfer, a job serving it, or a message.
+void Worker::begin_work(Peer& p) {
+  if (p.busy++ == 0) p.live.watch_from(now());
+}
+
+// That work is over; a disconnect() waiting for it goes on.
+void Worker::end_work(Peer& p) {
+  P2P_ASSERT(p.busy > 0);
+  if (--p.busy == 0 && p.disconnect_id) finish_disconnect(p);
 }
 
 void Worker::check_peers() {
@@ -394,20 +387,14 @@ void Worker::check_peers() {
   std::vector<std::pair<Peer*, Status>> dead;
   for (auto& [inc, owned] : peers_) {
     Peer& p = *owned;
-    if (p.hello_again > 0 && t >= p.hello_again) {
-      p.hello_again = 0;
-      if (p.waits()) send_hello(p);
-    }
-    if (p.state == PeerState::Connecting && t > p.connect_deadline) {
+    const Liveness::Due due = p.live.tick(t, p.busy > 0);
+    if (due.send_hello) send_hello(p);
+    if (due.verdict == Liveness::Verdict::Unanswered)
       dead.push_back({&p, Status::error(ErrorKind::Peer, cat(describe(p), " did not answer within ",
                                                               timeout, " s (peer_timeout)"))});
-    } else if (p.checking && t > p.check_deadline) {
+    else if (due.verdict == Liveness::Verdict::Silent)
       dead.push_back({&p, Status::error(ErrorKind::Peer, cat(describe(p), " was silent for ", timeout,
                                                               " s (peer_timeout): a check went unanswered"))});
-    } else if (p.state == PeerState::Ready && p.busy > 0 && t - p.last_heard > timeout / 4) {
-      // Only a peer that something waits on is watched; an idle one costs nothing.
-      check(p, p.last_heard + timeout);
-    }
   }
   for (auto& [p, why] : dead) fail_peer(*p, why);
 }

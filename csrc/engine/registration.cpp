@@ -83,7 +83,7 @@ void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> 
   // have it mapped (IPC copies check nothing at our end).
   const bool wait = std::any_of(rails_.begin(), rails_.end(), [](auto& rs) { return rs.rail->peers_must_release(); });
   for (auto& [inc, p] : peers_) {
-    if (p->state != PeerState::Ready) continue;
+    if (p->state() != PeerState::Ready) continue;
     ByteWriter w = message(MsgType::RegionClosed, *p);
     w.put(id);
     send_control(*p, std::move(w));

@@ -223,7 +223,7 @@ void Worker::on_stage_request(Peer& p, ByteReader& r) {
     job.steps[1] = Step::RmaSlot;
   }
   job.steps[2] = Step::Ack;
-  occupy(p);
+  begin_work(p);
   jobs_.emplace(job.id, std::move(owned));
   ensure_slots();
   job.slot = take_slot(true);
@@ -403,8 +403,7 @@ void Worker::finish_job(SlotJob& job) {
     transfer_op_done(t, job.status);  // a job is one pending unit of its transfer
   } else {
     if (!job.status.ok()) send_ack(*job.peer, job.request, job.status);
-    Peer& p = *job.peer;
-    if (--p.busy == 0 && p.disconnect_id) finish_disconnect(p);
+    end_work(*job.peer);
   }
   jobs_.erase(id);
   if (slot) {

@@ -32,7 +32,7 @@ void Worker::start(Transfer* raw) {
     return fail(t, Status::error(e.kind(), e.what()));
   }
   Peer& p = *t.peer;
-  occupy(p);
+  begin_work(p);
   if (p.failed()) return fail(t, p.failure);
   if (p.waits()) {
     t.enter(TransferState::WaitingForPeer);
@@ -289,7 +289,7 @@ void Worker::maybe_free(Transfer& t) {
   transfers_.erase(t.id);  // t is gone from here on
   if (!p) return;
   if (!p->to_release.empty()) release_regions(*p);
-  if (--p->busy == 0 && p->disconnect_id) finish_disconnect(*p);
+  end_work(*p);
 }
 
 }  // namespace p2p::engine

@@ -473,7 +473,7 @@ void Worker::complete_op(Op* op, const Status& status) {
     return;
   }
   if (op->posted) --rails_[op->rail].inflight;
-  if (status.ok() && op->peer) op->peer->last_heard = now();
+  if (status.ok() && op->peer) op->peer->live.heard(now());
   OpOwner* owner = op->owner;
   if (owner) owner->op_done(*this, *op, status);
   pool_->release(op);
@@ -628,7 +628,7 @@ void Worker::shutdown() {
     if (p->disconnect_id) report(p->disconnect_id, Status{});
     p->disconnect_id = 0;
     // Also to peers that left us, or that we left: alive, they may reconnect (on_bye()).
-    if (p->state == PeerState::Ready || (p->state == PeerState::Left && !p->closed))
+    if (p->state() == PeerState::Ready || (p->state() == PeerState::Left && !p->closed))
       send_control(*p, bye(*p, true), nullptr, true);
   }
   // Give the goodbyes up to a second to be taken, answering meanwhile what peers sent before

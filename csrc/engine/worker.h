@@ -28,6 +28,7 @@
 #include "engine/copier.h"
 #include "engine/messages.h"
 #include "engine/ops.h"
+#include "engine/peer.h"
 #include "engine/rail_driver.h"
 #include "engine/region.h"
 #include "engine/runs.h"
@@ -73,50 +74,8 @@ struct RailFacts {
   bool wait_fd;
 };
 
-struct Peer;
 struct SlotJob;
 struct Slot;
-
-enum class PeerState : uint8_t { Connecting, Ready, Dead, Left };
-
-struct Peer {
-  EngineAddress address;
-  std::string address_bytes;
-  uint64_t incarnation = 0;
-  PeerState state = PeerState::Connecting;
-  Status failure;                // why Dead or Left
-  std::vector<fi_addr_t> fi;     // [local rail * remote rails + remote rail]
-  double last_heard = 0;            // its last sign of life, or when we began waiting on it (occupy())
-  double connect_deadline = 0;
-  // A HELLO to a Ready peer whose silence or failed op needs explaining. New transfers wait
-  // for the answer, as while Connecting; a different incarnation answering means it restarted.
-  bool checking = false;
-  double check_deadline = 0;
-  int hello_failures = 0;          // HELLOs lost to a connection being torn down, in a row
-  double hello_again = 0;          // when to send the next one, 0 = none due
-  bool confirmed = false;          // it answered from these rails: its address is settled
-  std::vector<uint64_t> connect_waiters;
-  std::vector<Transfer*> waiting;  // until Ready
-  size_t busy = 0;                 // transfers, jobs and messages involving it
-  uint64_t disconnect_id = 0;
-  uint32_t next_message = 0;
-  bool revivable = false;          // left by our own disconnect(): a later use reconnects
-  bool closed = false;             // its engine closed (on_bye()): never contact it again
-  int pidfd = -1;                  // same-host peers we map: their process, to see it exit
-  std::unordered_set<uint64_t> closed_regions;  // its regions it told us it deregistered
-  std::unordered_set<uint64_t> to_release;      // of those, the ones we still owe a release
-  // Its live regions when it introduced itself: ids up to census_last not listed were gone.
-  uint64_t census_last = 0;
-  std::vector<std::pair<uint64_t, uint64_t>> census_live;  // sorted id ranges, inclusive
-
-  bool region_gone(uint64_t id) const;
-  std::unordered_map<uint32_t, std::string> partial;  // user messages being reassembled
-  std::unordered_map<uint32_t, uint64_t> unacked;     // our messages to it: id -> transfer
-
-  uint16_t remote_rails() const { return static_cast<uint16_t>(address.rails.size()); }
-  bool failed() const { return state == PeerState::Dead || state == PeerState::Left; }
-  bool waits() const { return state == PeerState::Connecting || checking; }  // new transfers wait
-};
 
 class Worker {
  public:
@@ -258,7 +217,8 @@ class Worker {
   void finish_disconnect(Peer& p);
   void revive(Peer& p);
   void check_peers();
-  void occupy(Peer& p);
+  void begin_work(Peer& p);
+  void end_work(Peer& p);
   void check(Peer& p, double deadline);
   void on_hello_failed(Peer& p, int err, int prov_errno, const Status& status);
   void on_region_closed(Peer& p, uint64_t region);
