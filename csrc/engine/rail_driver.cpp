@@ -126,35 +126,20 @@ bool RailDriver::post_pending() {
 
 bool RailDriver::poll() {
   bool any = false;
-  fi_cq_data_entry entries[64];
   for (uint16_t r : mine_) {
-    fabric::Rail& rail = *rails_[r];
-    for (int round = 0; round < 4; ++round) {
-      const ssize_t n = rail.poll(entries, 64);
-      if (n == -FI_EAVAIL) {
-        fi_cq_err_entry err;
-        std::string message;
-        if (rail.read_error(err, message) && err.op_context) {
+    any |= rails_[r]->drain(
+        4,
+        [&](void* context, size_t len) {
+          Op* op = static_cast<Op*>(context);
+          if (op->kind != OpKind::Recv) --outstanding_;
+          emit({op, 0, 0, len, nullptr});
+        },
+        [&](const fi_cq_err_entry& err, std::string& message) {
+          if (!err.op_context) return;
           Op* op = static_cast<Op*>(err.op_context);
           if (op->kind != OpKind::Recv) --outstanding_;
           emit({op, err.err, err.prov_errno, 0, new std::string(std::move(message))});
-        }
-        any = true;
-        continue;
-      }
-      if (n < 0) {
-        P2P_LOG(Error, "fi_cq_read on ", rail.domain_name(), ": ", fi_error_name(-n));
-        break;
-      }
-      for (ssize_t i = 0; i < n; ++i) {
-        if (entries[i].flags & (FI_REMOTE_WRITE | FI_REMOTE_READ) || !entries[i].op_context) continue;
-        Op* op = static_cast<Op*>(entries[i].op_context);
-        if (op->kind != OpKind::Recv) --outstanding_;
-        emit({op, 0, 0, entries[i].len, nullptr});
-      }
-      any |= n > 0;
-      if (n < 64) break;
-    }
+        });
   }
   return any;
 }

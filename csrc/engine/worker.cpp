@@ -291,13 +291,8 @@ void Worker::post_receive(Op* op) {
     return;
   }
   ssize_t rc;
-  while ((rc = rails_[0].rail->recv(op->iov[0].iov_base, op->iov[0].iov_len, op->desc[0], &op->ctx)) == -FI_EAGAIN) {
-    fi_cq_data_entry entries[16];
-    const ssize_t n = rails_[0].rail->poll(entries, 16);
-    for (ssize_t i = 0; i < n; ++i)
-      if (!(entries[i].flags & (FI_REMOTE_WRITE | FI_REMOTE_READ)))
-        on_completion(static_cast<Op*>(entries[i].op_context), entries[i].len);
-  }
+  while ((rc = rails_[0].rail->recv(op->iov[0].iov_base, op->iov[0].iov_len, op->desc[0], &op->ctx)) == -FI_EAGAIN)
+    drain_cq(*rails_[0].rail, 1);  // the provider's receive queue is full: take what completed
   if (rc < 0) P2P_LOG(Error, "could not post a receive buffer: ", fi_error_name(-rc));
 }
 
@@ -393,30 +388,21 @@ bool Worker::poll_rails() {
       }
     });
   }
-  fi_cq_data_entry entries[64];
-  for (auto& rs : rails_) {
-    if (rs.driver) continue;
-    for (int round = 0; round < 4; ++round) {
-      const ssize_t n = rs.rail->poll(entries, 64);
-      if (n == -FI_EAVAIL) {
-        on_error(rs);
-        any = true;
-        continue;
-      }
-      if (n < 0) {
-        P2P_LOG(Error, "fi_cq_read on ", rs.rail->domain_name(), ": ", fi_error_name(-n));
-        break;
-      }
-      for (ssize_t i = 0; i < n; ++i) {
-        // Events of peers' RMA into our memory (remote CQ data) name no op of ours.
-        if (entries[i].flags & (FI_REMOTE_WRITE | FI_REMOTE_READ)) continue;
-        on_completion(static_cast<Op*>(entries[i].op_context), entries[i].len);
-      }
-      any |= n > 0;
-      if (n < 64) break;
-    }
-  }
+  for (auto& rs : rails_)
+    if (!rs.driver) any |= drain_cq(*rs.rail, 4);
   return any;
+}
+
+bool Worker::drain_cq(fabric::Rail& rail, int rounds) {
+  return rail.drain(
+      rounds, [&](void* op, size_t len) { on_completion(static_cast<Op*>(op), len); },
+      [&](const fi_cq_err_entry& err, const std::string& message) {
+        if (!err.op_context) {
+          P2P_LOG(Warn, "completion error without an operation: ", message);
+          return;
+        }
+        op_failed(static_cast<Op*>(err.op_context), err.err, err.prov_errno, message);
+      });
 }
 
 void Worker::on_completion(Op* op, size_t len) {
@@ -428,17 +414,6 @@ void Worker::on_completion(Op* op, size_t len) {
     return;
   }
   complete_op(op, Status{});
-}
-
-void Worker::on_error(RailState& rs) {
-  fi_cq_err_entry err;
-  std::string message;
-  if (!rs.rail->read_error(err, message)) return;
-  if (!err.op_context) {
-    P2P_LOG(Warn, "completion error without an operation: ", message);
-    return;
-  }
-  op_failed(static_cast<Op*>(err.op_context), err.err, err.prov_errno, message);
 }
 
 void Worker::op_failed(Op* op, int err, int prov_errno, const std::string& message) {

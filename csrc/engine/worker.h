@@ -161,7 +161,7 @@ class Worker {
   bool drain_commands();
   bool poll_rails();
   void on_completion(Op* op, size_t len);
-  void on_error(RailState& rs);
+  bool drain_cq(fabric::Rail& rail, int rounds);  // Rail::drain, ops completing here
   void op_failed(Op* op, int err, int prov_errno, const std::string& message);
   void start_drivers();
   void complete_op(Op* op, const Status& status);
