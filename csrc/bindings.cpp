@@ -13,25 +13,22 @@ using namespace p2p::engine;
 
 namespace {
 
-const char* exception_name(ErrorKind kind) {
-  switch (kind) {
-    case ErrorKind::Peer: return "PeerError";
-    case ErrorKind::Timeout: return "TimeoutError";
-    case ErrorKind::Closed: return "ClosedError";
-    case ErrorKind::Cancelled: return "CancelledError";
-    case ErrorKind::Remote: return "RemoteError";
-    default: return "P2PError";
-  }
-}
-
 // Messages may quote bytes from peers or users: decode them leniently.
 py::str text(const std::string& message) { return py::bytes(message).attr("decode")("utf-8", "replace"); }
 
+// The exception an error's kind names (errors.from_kind reads the kind table, error_kinds).
 void raise(const Error& e) {
-  py::object cls = e.kind() == ErrorKind::Value   ? py::reinterpret_borrow<py::object>(PyExc_ValueError)
-                   : e.kind() == ErrorKind::Index ? py::reinterpret_borrow<py::object>(PyExc_IndexError)
-                   : py::module_::import("torch_p2p.errors").attr(exception_name(e.kind()));
-  PyErr_SetObject(cls.ptr(), text(e.what()).ptr());
+  py::object exc = py::module_::import("torch_p2p.errors").attr("from_kind")(static_cast<int>(e.kind()), text(e.what()));
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+}
+
+py::dict error_kinds() {
+  py::dict kinds;
+#define P2P_ERROR_KIND_ENTRY(kind, value, exception) \
+  if (value != 0) kinds[py::int_(value)] = exception;
+  P2P_ERROR_KINDS(P2P_ERROR_KIND_ENTRY)
+#undef P2P_ERROR_KIND_ENTRY
+  return kinds;
 }
 
 WorkerConfig make_config(const py::dict& d) {
@@ -186,6 +183,8 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+
+  m.attr("error_kinds") = error_kinds();
 
   m.def("libfabric_version", [] {
     const uint32_t v = fi_version();

@@ -5,6 +5,7 @@ from typing import Any
 import torch
 
 with_cuda: bool
+error_kinds: dict[int, str]  # csrc/common/error.h's kinds: number -> exception name
 
 def libfabric_version() -> tuple[int, int]:
     """(major, minor) of the libfabric loaded at run time."""

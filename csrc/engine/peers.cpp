@@ -453,7 +453,7 @@ void Worker::on_notify(ByteReader& r) {
   const uint32_t tag = r.get<uint32_t>();
   const uint8_t kind = r.get<uint8_t>();
   Status status{static_cast<ErrorKind>(kind), std::string(r.get_bytes(kMessageBytes))};
-  if (kind > static_cast<uint8_t>(ErrorKind::Remote)) r.fail("bad status");
+  if (!is_error_kind(kind)) r.fail("bad status");
   if (!status.ok()) status.message = cat("the sender's write failed: ", status.message);
   NotifyState& s = notify_[tag];
   if (!s.waiters.empty()) {

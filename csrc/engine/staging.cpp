@@ -142,7 +142,7 @@ void Worker::on_stage_ack(ByteReader& r) {
   const uint64_t id = r.get<uint64_t>();
   const uint8_t kind = r.get<uint8_t>();
   const std::string_view text = r.get_bytes(kMessageBytes);
-  if (kind > static_cast<uint8_t>(ErrorKind::Remote)) r.fail("bad status");
+  if (!is_error_kind(kind)) r.fail("bad status");
   auto it = jobs_.find(id);
   if (it == jobs_.end() || !it->second->transfer || it->second->step() != Step::Request) return;
   SlotJob& job = *it->second;
