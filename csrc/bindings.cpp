@@ -51,7 +51,7 @@ WorkerConfig make_config(const py::dict& d) {
   get("staging_bytes", c.staging_bytes);
   get("staging_slot_bytes", c.slot_bytes);
   // NOTE: shm is one rail, and each of its RMAs of GPU memory is one CUDA IPC copy: 64 MiB
-  // GPU-to-GPU writes reached 291 GB/s in 4 MiB chunks and 422 GB/s in one on the GPU machine.
+  // GPU-to-GPU writes reach 291 GB/s in 4 MiB chunks and 422 GB/s in one on the GPU machine.
   if (c.provider == "shm") c.max_chunk = 64 << 20;
   get("max_chunk_bytes", c.max_chunk);
   get("min_chunk_bytes", c.min_chunk);

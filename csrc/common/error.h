@@ -56,7 +56,7 @@ struct Status {
 };
 
 // cat("a", 1, "b") -> "a1b": builds messages. NOTE: no iostreams anywhere in this library:
-// with a toolchain that links libstdc++ statically into the extension (seen on the GPU
+// with a toolchain that links libstdc++ statically into the extension (as on the GPU
 // machine), std::ostringstream crashes on the process's global locale, which belongs to the
 // other libstdc++.
 namespace detail {

@@ -44,9 +44,9 @@ struct Peer {
   int pidfd = -1;                  // same-host peers we map: their process, to see it exit
   std::unordered_set<uint64_t> closed_regions;  // its regions it told us it deregistered
   std::unordered_set<uint64_t> to_release;      // of those, the ones we still owe a release
-  // Its live regions when it introduced itself: ids up to census_last not listed were gone.
-  uint64_t census_last = 0;
-  std::vector<std::pair<uint64_t, uint64_t>> census_live;  // sorted id ranges, inclusive
+  // Its live regions when it introduced itself: ids up to live_regions_upto not listed were gone.
+  uint64_t live_regions_upto = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> live_regions;  // sorted id ranges, inclusive
   std::unordered_map<uint32_t, std::string> partial;  // user messages being reassembled
   std::unordered_map<uint32_t, uint64_t> unacked;     // our messages to it: id -> transfer
 

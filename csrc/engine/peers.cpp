@@ -27,9 +27,9 @@ ByteWriter Worker::message(MsgType type, const Peer& to) const {
 // address naming it at others is forged or corrupt and is refused. Until then addresses are
 // only claims (the first one may have been the forgery): another is tried once the attempt
 // under way has failed, or at once when the process itself introduces itself from it. One
-// attempt at a time: a fuzz run that handed connect() thousands of addresses of two
-// incarnations at dead ports, each starting a new HELLO, kept rail 0's 256 send buffers busy
-// and held up a real peer's introduction past peer_timeout (test_connect_survives_mutated_addresses).
+// attempt at a time: thousands of addresses of one incarnation at dead ports, each starting a
+// HELLO, would keep rail 0's send buffers busy and hold up a real peer's introduction past
+// peer_timeout.
 Peer* Worker::peer_for(const std::string& address_bytes, Contact how) {
   EngineAddress a = EngineAddress::decode(address_bytes);
   P2P_CHECK(a.provider == provider_, ErrorKind::Value, "the peer uses provider ", a.provider,
@@ -79,7 +79,7 @@ void Worker::revive(Peer& p) {
 void Worker::send_hello(Peer& p) {
   ByteWriter w = message(MsgType::Hello, p);
   w.put_bytes(address_);
-  put_census(w);
+  put_live_regions(w);
   send_control(p, std::move(w));
 }
 
@@ -189,9 +189,9 @@ ByteWriter Worker::bye(const Peer& to, bool closing) const {
 
 // The peer leaves us, or closes. A closed peer must never be sent anything again, not even our
 // BYE (usable()) or a HELLO to reconnect: shm (libfabric 1.17) stalls every later completion
-// of our endpoint behind a command that a closed peer never answered. Seen when a disconnect()
-// crossed the peer's close(), and when a write reconnected to a peer that had closed after we
-// disconnected from it (test_peer_closed_after_disconnect_is_not_contacted).
+// of our endpoint behind a command that a closed peer never answers. That happens when a
+// disconnect() crosses the peer's close(), or when a write would reconnect to a peer that
+// closed after we disconnected from it.
 void Worker::on_bye(Peer& p, bool closing) {
   p.closed |= closing;
   const Status left =
@@ -274,7 +274,7 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
       if (p.confirmed) return;
       readdress(p, std::move(a), address);
     }
-    read_census(p, r);
+    read_live_regions(p, r);
     p.live.heard(now());
     return peer_ready(p);
   }
@@ -292,11 +292,11 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
     return;
   }
   p->live.heard(now());
-  read_census(*p, r);
+  read_live_regions(*p, r);
   ByteWriter w = message(MsgType::HelloAck, *p);
   w.put_bytes(address_);
   w.put(h.to);
-  put_census(w);
+  put_live_regions(w);
   send_control(*p, std::move(w));
   if (p->waits()) peer_ready(*p);
 }

@@ -50,7 +50,7 @@ RailDriver::RailDriver(const std::vector<fabric::Rail*>& rails, std::vector<uint
     if (rails_[r]->wait_fd() >= 0) epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, rails_[r]->wait_fd(), &ev);
   thread_ = std::thread([this] { run(); });
   // NOTE: a thread inherits its creator's affinity, and the worker may be pinned to one core:
-  // left alone, every driver of a GPU engine shared it (staged GPU transfers fell to 1.5 Gbps).
+  // left alone, every driver of a GPU engine shares it (staged GPU transfers then run at 1.5 Gbps).
   pthread_setaffinity_np(thread_.native_handle(), sizeof cpus_, &cpus_);
   pthread_setname_np(thread_.native_handle(), name_.substr(0, 15).c_str());
 }
@@ -76,9 +76,9 @@ void RailDriver::run() {
     busy |= post_pending();
     busy |= poll();
     const double t = seconds();
-    // NOTE: completions that the provider's progress thread writes did not always wake a
+    // NOTE: completions that the provider's progress thread writes do not always wake a
     // driver sleeping on the CQ's fd (a staged GPU transfer, a chain of dependent round trips,
-    // fell from 45 to 7 Gbps): a driver with ops out keeps polling.
+    // runs at 7 Gbps instead of 45 then): a driver with ops out keeps polling.
     if (busy || spin_us_ < 0 || outstanding_ > 0)
       idle_since = t;
     else if ((t - idle_since) * 1e6 > spin_us_)

@@ -36,7 +36,7 @@ void Worker::start(Transfer* raw) {
   if (p.failed()) return fail(t, p.failure);
   if (p.waits()) {
     t.enter(TransferState::WaitingForPeer);
-    p.waiting.push_back(&t);  // the census comes with the peer's answer
+    p.waiting.push_back(&t);  // check_remote() needs the live regions its answer lists
     return;
   }
   if (Status s = check_remote(t); !s.ok()) return fail(t, std::move(s));
@@ -198,10 +198,9 @@ void Worker::advance(Transfer& t) {
 }
 
 // NOTE: shm's CUDA IPC path (libfabric 2.6) completes an RMA once the target has queued its
-// cudaMemcpy, which CUDA runs asynchronously for device-to-device copies. Measured on the
-// GPU machine, 256 MiB at a time: at completion 25-58% of a read had landed, and a writer
-// reusing its buffer at once changed 28-77% of what the target got (libfabric issue 11231 is
-// the same bug). So the transfer completes only when the peer answers a Fence, which it does
+// cudaMemcpy, which CUDA runs asynchronously for device-to-device copies. On the GPU
+// machine, 256 MiB at a time, 25-58% of a read has landed at its completion, and a writer
+// reusing its buffer at once changes 28-77% of what the target gets (libfabric issue 11231). So the transfer completes only when the peer answers a Fence, which it does
 // once the copies its provider queued before it are done; the Fence comes after the RMA in
 // the peer's command queue.
 bool Worker::needs_fence(const Transfer& t) const {

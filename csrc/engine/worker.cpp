@@ -141,12 +141,11 @@ bool Worker::region_staged(bool cuda) const {
 
 // ---------------------------------------------------------------------------------------------
 // Start-up: pin, then open the rails, so that libfabric allocates its queues on this core's
-// NUMA node (the seed program's "open domains after pinning").
+// NUMA node.
 
 void Worker::open(std::promise<void>& ready) {
   // Open everything on the worker core's NUMA node, so that libfabric's and CUDA's memory lands
-  // there (the seed program's "open domains after pinning"), and only then narrow the worker
-  // to its core. NOTE: threads inherit their creator's affinity: providers' own threads (tcp
+  // there, and only then narrow the worker to its core. NOTE: threads inherit their creator's affinity: providers' own threads (tcp
   // runs one per rail) and the rail drivers, created meanwhile, get the node, not one core.
   sched_getaffinity(0, sizeof process_cpus_, &process_cpus_);
   if (config_.cpu >= 0) {
@@ -240,7 +239,7 @@ void Worker::open(std::promise<void>& ready) {
   ready.set_value();
 }
 
-// Some builds grant FI_HMEM and then refuse CUDA memory (seen: Ubuntu's 1.17 shm). Trying one
+// Some builds grant FI_HMEM and then refuse CUDA memory (Ubuntu's libfabric 1.17 shm). Trying one
 // small registration decides the automatic data path honestly, before any user memory.
 void Worker::probe_hmem() {
   void* probe = copier_->alloc_device(1 << 16);
@@ -255,7 +254,7 @@ void Worker::probe_hmem() {
   copier_->free_device(probe);
 }
 
-// NOTE: with one thread posting for every rail, tcp plateaued at about one stream's
+// NOTE: with one thread posting for every rail, tcp plateaus at about one stream's
 // bandwidth (50 Gbps for 1, 2, 4 and 8 rails on the GPU machine, against 232 Gbps for 8
 // plain TCP streams): its provider copies each send into the kernel on the posting thread.
 // Drivers shard the posting per rail. Only for thread-safe (auto progress) domains.
@@ -308,7 +307,7 @@ void Worker::run(std::promise<void>& ready) {
     ready.set_exception(std::current_exception());
     return;
   }
-  // NOTE: a pinned worker owns its core and busy-polls like the seed program; an unpinned one
+  // NOTE: a pinned worker owns its core and busy-polls; an unpinned one
   // (host engines, CI) spins for spin_us after the last event and then sleeps.
   const bool always_spin = config_.spin_us < 0;
   idle_since_ = now();

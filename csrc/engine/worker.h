@@ -5,7 +5,7 @@
 //  - Python threads call only post(), call() and the const accessors of facts fixed at
 //    start-up (address, provider, rails). Everything else runs on the worker thread.
 //  - The worker never takes the GIL: results leave through the CompletionQueue.
-//  - The loop, after the seed program: read every rail's CQ in batches, advance what the
+//  - The loop: read every rail's CQ in batches (Rail::drain), advance what the
 //    completions unblocked, turn queued transfers into ops (bounded by the op pool), post
 //    them in batches with FI_MORE (lazy posting: requeue at the front on -FI_EAGAIN), check
 //    timers; sleep on the CQ wait fds (or back off) only after spin_us without work.
@@ -222,8 +222,8 @@ class Worker {
   void check(Peer& p, double deadline);
   void on_hello_failed(Peer& p, int err, int prov_errno, const Status& status);
   void on_region_closed(Peer& p, uint64_t region);
-  void put_census(ByteWriter& w) const;
-  void read_census(Peer& p, ByteReader& r);
+  void put_live_regions(ByteWriter& w) const;
+  void read_live_regions(Peer& p, ByteReader& r);
   Status check_remote(const Transfer& t) const;
   void finish_closing();
   void release_regions(Peer& p);

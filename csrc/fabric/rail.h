@@ -1,5 +1,5 @@
 // Rail: one NIC (libfabric domain) with its own fabric, domain, completion queue, address
-// vector, event queue and RDM endpoint, as in the seed program: a NIC is a small struct.
+// vector, event queue and RDM endpoint: a NIC is a small struct.
 //
 // Thread model: a Rail is created, used and destroyed by one worker thread only. The domain
 // is opened FI_THREAD_DOMAIN, so nothing here locks and no other thread may touch it, memory
