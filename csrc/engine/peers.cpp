@@ -1,5 +1,5 @@
-// Peers: connection by introduction, control messages, user messages, notifications,
-// liveness and failure. No world: a peer is whoever we were given an address of, or whoever
+// Peers: connection by introduction, disconnection, liveness checks and failure (the control
+// channel is control.cpp, user messages user_messages.cpp). No world: a peer is whoever we were given an address of, or whoever
 // introduced itself.
 #include <unistd.h>
 
@@ -16,10 +16,6 @@ namespace {
 std::string describe(const Peer& p) { return cat("peer ", hex(p.incarnation)); }
 
 }  // namespace
-
-ByteWriter Worker::message(MsgType type, const Peer& to) const {
-  return begin_message(type, incarnation_, to.incarnation);
-}
 
 // Finds or creates the peer behind an engine address. A new peer gets its rails inserted in
 // every local rail's address vector, then a HELLO; transfers to it wait for the answer.
@@ -148,37 +144,6 @@ void Worker::finish_disconnect(Peer& p) {
   report(id, Status{});
 }
 
-// Control messages wait in the outbox for a free send buffer and op.
-void Worker::send_control(Peer& p, ByteWriter&& w, OpOwner* owner, bool farewell) {
-  P2P_ASSERT(w.str().size() <= kMessageBytes);
-  outbox_.push_back({&p, std::move(w.str()), owner, farewell});
-}
-
-bool Worker::flush_outbox() {
-  bool any = false;
-  RailState& rs = rails_[0];
-  while (!outbox_.empty() && !free_send_.empty()) {
-    Outgoing& out = outbox_.front();
-    Op* op = new_op(OpKind::Send, 0, out.owner, out.peer);
-    if (!op) break;
-    const int32_t buf = free_send_.back();
-    free_send_.pop_back();
-    uint8_t* dst = control_.data() + static_cast<size_t>(buf) * kMessageBytes;
-    std::copy(out.bytes.begin(), out.bytes.end(), dst);
-    op->buffer = buf;
-    op->set_buffer(dst, out.bytes.size(), control_mr_[0].desc);
-    op->dest = out.peer->fi[0];  // local rail 0 -> remote rail 0
-    op->farewell = out.farewell;
-    op->hello = type_of(out.bytes) == MsgType::Hello;
-    // A HELLO or BYE must reach a peer that is not (or no longer) Ready; everything else to
-    // a failed peer is dropped by post_ops().
-    rs.pending.push_back(op);
-    outbox_.pop_front();
-    any = true;
-  }
-  return any;
-}
-
 // ---------------------------------------------------------------------------------------------
 
 ByteWriter Worker::bye(const Peer& to, bool closing) const {
@@ -200,58 +165,6 @@ void Worker::on_bye(Peer& p, bool closing) {
     p.failure = left;
   else
     fail_peer(p, left, PeerState::Left);
-}
-
-void Worker::on_message(const char* data, size_t len) {
-  ByteReader r(std::string_view(data, len), "control message");
-  try {
-    const MsgHeader h = read_header(r);
-    if (h.type == MsgType::Hello || h.type == MsgType::HelloAck) return on_hello(h, r, h.type == MsgType::HelloAck);
-    if (h.to != incarnation_) return;  // meant for an earlier process at this address: its
-                                       // sender finds out by a check (check())
-    auto it = peers_.find(h.from);
-    if (it == peers_.end()) return;    // never introduced: drop
-    Peer& p = *it->second;
-    if (h.type == MsgType::Bye) return on_bye(p, r.get<uint8_t>() != 0);
-    if (p.failed()) return;
-    p.live.heard(now());
-    switch (h.type) {
-      case MsgType::User:
-        on_user(p, r);
-        break;
-      case MsgType::UserAck:
-        on_user_ack(p, r);
-        break;
-      case MsgType::Notify:
-        on_notify(r);
-        break;
-      case MsgType::StageReq:
-        on_stage_request(p, r);
-        break;
-      case MsgType::StageAck:
-        on_stage_ack(r);
-        break;
-      case MsgType::Fence:
-        on_fence(p, r);
-        break;
-      case MsgType::FenceAck:
-        acknowledged(p, r.get<uint64_t>());
-        break;
-      case MsgType::RegionClosed:
-        on_region_closed(p, r.get<uint64_t>());
-        break;
-      case MsgType::RegionReleased: {
-        const uint64_t region = r.get<uint64_t>();
-        for (auto& c : closing_)
-          if (c.region->id == region) c.unreleased.erase(p.incarnation);
-        break;
-      }
-      default:
-        r.fail("unknown message type");
-    }
-  } catch (const Error& e) {
-    P2P_LOG(Warn, "dropped a malformed control message: ", e.what());
-  }
 }
 
 void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
@@ -397,99 +310,6 @@ void Worker::check_peers() {
                                                               " s (peer_timeout): a check went unanswered"))});
   }
   for (auto& [p, why] : dead) fail_peer(*p, why);
-}
-
-// ---------------------------------------------------------------------------------------------
-// User messages and notifications.
-
-void Worker::on_user(Peer& p, ByteReader& r) {
-  const uint32_t id = r.get<uint32_t>();
-  const uint64_t total = r.get<uint64_t>();
-  const uint64_t offset = r.get<uint64_t>();
-  const std::string_view part = r.get_bytes(kUserFragmentBytes);
-  if (total > kMaxUserMessageBytes) r.fail("message too large");
-  std::string& buf = p.partial[id];
-  // Fragments arrive in order (send-after-send), so each continues the last.
-  if (offset != buf.size() || offset + part.size() > total) {
-    p.partial.erase(id);
-    r.fail("message fragment out of order");
-  }
-  if (buf.empty()) buf.reserve(total);
-  buf.append(part);
-  if (buf.size() < total) return;
-  std::string payload = std::move(buf);
-  p.partial.erase(id);
-  // Acknowledged here, in the step that takes it: a close() that the delivery itself triggers
-  // (a recv callback) comes later and sends this first.
-  ByteWriter ack = message(MsgType::UserAck, p);
-  ack.put(id);
-  send_control(p, std::move(ack));
-  if (!recv_waiters_.empty()) {
-    const uint64_t waiter = recv_waiters_.front().id;
-    recv_waiters_.erase(recv_waiters_.begin());
-    return report(waiter, Status{}, std::move(payload), p.address_bytes);
-  }
-  inbox_.emplace_back(p.address_bytes, std::move(payload));
-}
-
-void Worker::on_user_ack(Peer& p, ByteReader& r) {
-  auto entry = p.unacked.find(r.get<uint32_t>());
-  if (entry == p.unacked.end()) return;
-  const uint64_t transfer = entry->second;
-  p.unacked.erase(entry);
-  acknowledged(p, transfer);
-}
-
-void Worker::recv(uint64_t id, double timeout_s) {
-  if (!inbox_.empty()) {
-    auto [address, payload] = std::move(inbox_.front());
-    inbox_.erase(inbox_.begin());
-    return report(id, Status{}, std::move(payload), std::move(address));
-  }
-  recv_waiters_.push_back({id, timeout_s > 0 ? now() + timeout_s : 0});
-}
-
-void Worker::on_notify(ByteReader& r) {
-  const uint32_t tag = r.get<uint32_t>();
-  const uint8_t kind = r.get<uint8_t>();
-  Status status{static_cast<ErrorKind>(kind), std::string(r.get_bytes(kMessageBytes))};
-  if (!is_error_kind(kind)) r.fail("bad status");
-  if (!status.ok()) status.message = cat("the sender's write failed: ", status.message);
-  NotifyState& s = notify_[tag];
-  if (!s.waiters.empty()) {
-    const uint64_t waiter = s.waiters.front().id;
-    s.waiters.erase(s.waiters.begin());
-    return report(waiter, std::move(status));
-  }
-  s.arrived.push_back(std::move(status));
-}
-
-void Worker::notification(uint64_t id, uint32_t tag, double timeout_s) {
-  NotifyState& s = notify_[tag];
-  if (!s.arrived.empty()) {
-    Status status = std::move(s.arrived.front());
-    s.arrived.erase(s.arrived.begin());
-    return report(id, std::move(status));
-  }
-  s.waiters.push_back({id, timeout_s > 0 ? now() + timeout_s : 0});
-}
-
-void Worker::cancel(uint64_t id) {
-  const Status cancelled = Status::error(ErrorKind::Cancelled, "cancelled");
-  auto drop = [&](std::vector<Waiter>& waiters) {
-    for (size_t i = 0; i < waiters.size(); ++i) {
-      if (waiters[i].id != id) continue;
-      waiters.erase(waiters.begin() + i);
-      report(id, cancelled);
-      return true;
-    }
-    return false;
-  };
-  if (drop(recv_waiters_)) return;
-  for (auto& [tag, s] : notify_)
-    if (drop(s.waiters)) return;
-  auto it = transfers_.find(id);
-  if (it != transfers_.end()) fail(*it->second, cancelled);
 }
 
 }  // namespace p2p::engine

@@ -154,27 +154,32 @@ class Worker {
     double deadline;  // 0 = none
   };
 
-  // worker.cpp: thread, loop, completions, posting, timers, shutdown.
+  // worker.cpp: thread, loop, timers, shutdown.
   void run(std::promise<void>& ready);
+  bool drain_commands();
+  void tick();
+  void idle_wait();
+  void shutdown();
+
+  // worker_open.cpp: start-up.
   void open(std::promise<void>& ready);
   void probe_hmem();
-  bool drain_commands();
-  bool poll_rails();
-  void on_completion(Op* op, size_t len);
-  bool drain_cq(fabric::Rail& rail, int rounds);  // Rail::drain, ops completing here
-  void op_failed(Op* op, int err, int prov_errno, const std::string& message);
   void start_drivers();
+
+  // worker_ops.cpp: completions, posting.
+  bool poll_rails();
+  bool drain_cq(fabric::Rail& rail, int rounds);  // Rail::drain, ops completing here
+  void on_completion(Op* op, size_t len);
+  void op_failed(Op* op, int err, int prov_errno, const std::string& message);
   void complete_op(Op* op, const Status& status);
   bool post_ops();
   bool usable(Op* op);
   bool hand_over(RailState& rs);
   bool send_forgets();
-  void tick();
-  void idle_wait();
-  void shutdown();
   void post_receive(Op* op);
+  Op* new_op(OpKind kind, uint16_t rail, OpOwner* owner, Peer* peer);
 
-  // ipc.cpp: the same-host CUDA IPC route's hooks (csrc/ipc does the work).
+  // ipc/worker_hooks.cpp: the same-host CUDA IPC route's hooks (csrc/ipc does the work).
   void open_ipc();
   bool ipc_reaches(const EngineAddress& a) const;
   bool start_ipc(Transfer& t);
@@ -193,50 +198,58 @@ class Worker {
   void maybe_free(Transfer& t);
   void advance(Transfer& t);
   void ready_to_generate(Transfer& t);
-  Op* new_op(OpKind kind, uint16_t rail, OpOwner* owner, Peer* peer);
+  Status check_remote(const Transfer& t) const;
 
-  // peers.cpp: connection, control messages, user messages, notifications, failure.
+  // peers.cpp: connection, disconnection, liveness checks, failure.
   // How an address reached peer_for(): a transfer's handle, connect(), or the process's own HELLO.
   enum class Contact : uint8_t { Implicit, Connect, Introduction };
   Peer* peer_for(const std::string& address_bytes, Contact how);
   void readdress(Peer& p, EngineAddress a, const std::string& address_bytes);
+  void revive(Peer& p);
   void send_hello(Peer& p);
+  void on_hello(const MsgHeader& h, ByteReader& r, bool ack);
+  void on_hello_failed(Peer& p, int err, int prov_errno, const Status& status);
+  void peer_ready(Peer& p);
+  ByteWriter bye(const Peer& to, bool closing) const;
+  void on_bye(Peer& p, bool closing);
+  void finish_disconnect(Peer& p);
+  void fail_peer(Peer& p, Status why, PeerState state = PeerState::Dead);
+  void check_peers();
+  void check(Peer& p, double deadline);
+  void begin_work(Peer& p);
+  void end_work(Peer& p);
+
+  // control.cpp: the control channel.
+  ByteWriter message(MsgType type, const Peer& to) const;
   // farewell: sent even though the peer is already marked Left (a BYE).
   void send_control(Peer& p, ByteWriter&& w, OpOwner* owner = nullptr, bool farewell = false);
   bool flush_outbox();
   void on_message(const char* data, size_t len);
-  ByteWriter bye(const Peer& to, bool closing) const;
-  void on_bye(Peer& p, bool closing);
-  void on_hello(const MsgHeader& h, ByteReader& r, bool ack);
-  void peer_ready(Peer& p);
-  void fail_peer(Peer& p, Status why, PeerState state = PeerState::Dead);
+
+  // user_messages.cpp: user messages and notifications received.
   void on_user(Peer& p, ByteReader& r);
   void on_user_ack(Peer& p, ByteReader& r);
   void on_notify(ByteReader& r);
-  void deliver_user(Peer& p, std::string payload);
-  void finish_disconnect(Peer& p);
-  void revive(Peer& p);
-  void check_peers();
-  void begin_work(Peer& p);
-  void end_work(Peer& p);
-  void check(Peer& p, double deadline);
-  void on_hello_failed(Peer& p, int err, int prov_errno, const Status& status);
+
+  // registration.cpp: regions closing, peers' regions closed.
   void on_region_closed(Peer& p, uint64_t region);
   void put_live_regions(ByteWriter& w) const;
   void read_live_regions(Peer& p, ByteReader& r);
-  Status check_remote(const Transfer& t) const;
   void finish_closing();
   void release_regions(Peer& p);
-  ByteWriter message(MsgType type, const Peer& to) const;
 
-  // staging.cpp: slots, the staged path on both sides.
+  // slots.cpp: the staging slot pool.
   void ensure_slots();
+  Slot* take_slot(bool serve);
+  void give_slot(Slot* slot);
+  void rekey(Slot& slot);
+
+  // staging.cpp: the staged path on both sides.
   Gen generate_staged(Transfer& t);
   void start_job(SlotJob& job);
   uint64_t start_copy(SlotJob& job, bool pack);
   void send_request(SlotJob& job);
   void send_ack(Peer& p, uint64_t request, const Status& status);
-  void rekey(Slot& slot);
   size_t request_run_limit(const Peer& p) const;
   void poke_abandoned_jobs();
   void advance(SlotJob& job);
@@ -245,8 +258,6 @@ class Worker {
   void on_stage_request(Peer& p, ByteReader& r);
   void on_stage_ack(ByteReader& r);
   void poll_copies();
-  Slot* take_slot(bool serve);
-  void give_slot(Slot* slot);
   void fail_jobs_of(Peer& p, const Status& why);
 
   WorkerConfig config_;
@@ -310,13 +321,13 @@ class Worker {
   double next_tick_ = 0;
   double idle_since_ = 0;
 
-  // The IPC route (ipc.cpp), null where it is off or impossible.
+  // The IPC route (ipc/worker_hooks.cpp), null where it is off or impossible.
   std::unique_ptr<ipc::Route> ipc_;
   std::string host_;
   std::vector<std::pair<uint64_t, uint64_t>> ipc_copies_;  // (ticket, transfer id), in order
   std::unordered_map<uint64_t, std::string> no_ipc_;  // peers whose mapping failed: why
 
-  // Staging (staging.cpp).
+  // Staging (slots.cpp, staging.cpp).
   std::unique_ptr<Copier> copier_;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<Slot*> free_slots_[2];  // [serve]
