@@ -166,6 +166,46 @@ bool transfer_may_enter(const std::string& from, const std::string& to) {
   }
 }
 
+// Private bindings of engine parts that tests drive alone, without an engine or a process.
+void bind_parts(py::module_& m) {
+  // The striper (tests/test_striper.py).
+  m.def("_stripe", &stripe);
+  m.def("_stripe_slots", &stripe_slots);
+  m.def("_slot_size", &slot_size);
+  // The transfer state machine (csrc/engine/transfer.h; tests/test_transfer_state.py).
+  m.def("_transfer_next_step", &transfer_next_step, py::arg("state"), py::arg("message"), py::arg("ok"),
+        py::arg("held"), py::arg("acked"), py::arg("pending"), py::arg("needs_fence"));
+  m.def("_transfer_may_enter", &transfer_may_enter);
+
+  // One peer's liveness schedule (csrc/engine/liveness.h) on a clock the caller
+  // passes, for tests/test_liveness.py.
+  py::class_<Liveness>(m, "_Liveness")
+      .def(py::init<double>(), py::arg("timeout"))
+      .def_property_readonly("state", [](const Liveness& l) { return name(l.state()); })
+      .def_property_readonly("waits", &Liveness::waits)
+      .def_property_readonly("checking", &Liveness::checking)
+      .def_property_readonly("last_heard", &Liveness::last_heard)
+      .def("connect", &Liveness::connect, py::arg("now"))
+      .def("answered", &Liveness::answered)
+      .def("fail", [](Liveness& l, bool left) { l.fail(left ? PeerState::Left : PeerState::Dead); },
+           py::arg("left") = false)
+      .def("start_check", &Liveness::start_check, py::arg("deadline"))
+      .def("heard", &Liveness::heard, py::arg("now"))
+      .def("watch_from", &Liveness::watch_from, py::arg("now"))
+      .def("hello_failed", [](Liveness& l, double now, bool transient) {
+        const Liveness::Retry r = l.hello_failed(now, transient);
+        return py::make_tuple(r == Liveness::Retry::Ignore ? "Ignore" : r == Liveness::Retry::Later ? "Later" : "GiveUp",
+                              l.retry_at());
+      }, py::arg("now"), py::arg("transient"))
+      .def("tick", [](Liveness& l, double now, bool busy) {
+        const Liveness::Due due = l.tick(now, busy);
+        const char* verdict = due.verdict == Liveness::Verdict::Alive        ? "Alive"
+                              : due.verdict == Liveness::Verdict::Unanswered ? "Unanswered"
+                                                                              : "Silent";
+        return py::make_tuple(due.send_hello, verdict);
+      }, py::arg("now"), py::arg("busy"));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -206,42 +246,7 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("provider"), py::arg("want_hmem"),
      "Resolves a provider name and lists its NICs: (provider, hmem, [nic dicts]).");
 
-  // Private: the striper, for unit tests (tests/test_striper.py).
-  m.def("_stripe", &stripe);
-  m.def("_stripe_slots", &stripe_slots);
-  m.def("_slot_size", &slot_size);
-  // Private: the transfer state machine (csrc/engine/transfer.h), for tests/test_transfer_state.py.
-  m.def("_transfer_next_step", &transfer_next_step, py::arg("state"), py::arg("message"), py::arg("ok"),
-        py::arg("held"), py::arg("acked"), py::arg("pending"), py::arg("needs_fence"));
-  m.def("_transfer_may_enter", &transfer_may_enter);
-
-  // Private: one peer's liveness schedule (csrc/engine/liveness.h) on a clock the caller
-  // passes, for tests/test_liveness.py.
-  py::class_<Liveness>(m, "_Liveness")
-      .def(py::init<double>(), py::arg("timeout"))
-      .def_property_readonly("state", [](const Liveness& l) { return name(l.state()); })
-      .def_property_readonly("waits", &Liveness::waits)
-      .def_property_readonly("checking", &Liveness::checking)
-      .def_property_readonly("last_heard", &Liveness::last_heard)
-      .def("connect", &Liveness::connect, py::arg("now"))
-      .def("answered", &Liveness::answered)
-      .def("fail", [](Liveness& l, bool left) { l.fail(left ? PeerState::Left : PeerState::Dead); },
-           py::arg("left") = false)
-      .def("start_check", &Liveness::start_check, py::arg("deadline"))
-      .def("heard", &Liveness::heard, py::arg("now"))
-      .def("watch_from", &Liveness::watch_from, py::arg("now"))
-      .def("hello_failed", [](Liveness& l, double now, bool transient) {
-        const Liveness::Retry r = l.hello_failed(now, transient);
-        return py::make_tuple(r == Liveness::Retry::Ignore ? "Ignore" : r == Liveness::Retry::Later ? "Later" : "GiveUp",
-                              l.retry_at());
-      }, py::arg("now"), py::arg("transient"))
-      .def("tick", [](Liveness& l, double now, bool busy) {
-        const Liveness::Due due = l.tick(now, busy);
-        const char* verdict = due.verdict == Liveness::Verdict::Alive        ? "Alive"
-                              : due.verdict == Liveness::Verdict::Unanswered ? "Unanswered"
-                                                                              : "Silent";
-        return py::make_tuple(due.send_hello, verdict);
-      }, py::arg("now"), py::arg("busy"));
+  bind_parts(m);
 
   py::class_<RemoteView, std::shared_ptr<RemoteView>>(m, "RemoteView")
       .def_property_readonly("dtype", [](const RemoteView& v) { return v.dtype; })
