@@ -4,6 +4,7 @@
 
 #include "common/error.h"
 #include "engine/engine.h"
+#include "engine/striper.h"
 #include "fabric/info.h"
 
 namespace py = pybind11;
@@ -12,25 +13,22 @@ using namespace p2p::engine;
 
 namespace {
 
-const char* exception_name(ErrorKind kind) {
-  switch (kind) {
-    case ErrorKind::Peer: return "PeerError";
-    case ErrorKind::Timeout: return "TimeoutError";
-    case ErrorKind::Closed: return "ClosedError";
-    case ErrorKind::Cancelled: return "CancelledError";
-    case ErrorKind::Remote: return "RemoteError";
-    default: return "P2PError";
-  }
-}
-
 // Messages may quote bytes from peers or users: decode them leniently.
 py::str text(const std::string& message) { return py::bytes(message).attr("decode")("utf-8", "replace"); }
 
+// The exception an error's kind names (errors.from_kind reads the kind table, error_kinds).
 void raise(const Error& e) {
-  py::object cls = e.kind() == ErrorKind::Value   ? py::reinterpret_borrow<py::object>(PyExc_ValueError)
-                   : e.kind() == ErrorKind::Index ? py::reinterpret_borrow<py::object>(PyExc_IndexError)
-                   : py::module_::import("torch_p2p.errors").attr(exception_name(e.kind()));
-  PyErr_SetObject(cls.ptr(), text(e.what()).ptr());
+  py::object exc = py::module_::import("torch_p2p.errors").attr("from_kind")(static_cast<int>(e.kind()), text(e.what()));
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+}
+
+py::dict error_kinds() {
+  py::dict kinds;
+#define P2P_ERROR_KIND_ENTRY(kind, value, exception) \
+  if (value != 0) kinds[py::int_(value)] = exception;
+  P2P_ERROR_KINDS(P2P_ERROR_KIND_ENTRY)
+#undef P2P_ERROR_KIND_ENTRY
+  return kinds;
 }
 
 WorkerConfig make_config(const py::dict& d) {
@@ -53,7 +51,7 @@ WorkerConfig make_config(const py::dict& d) {
   get("staging_bytes", c.staging_bytes);
   get("staging_slot_bytes", c.slot_bytes);
   // NOTE: shm is one rail, and each of its RMAs of GPU memory is one CUDA IPC copy: 64 MiB
-  // GPU-to-GPU writes reached 291 GB/s in 4 MiB chunks and 422 GB/s in one on the GPU machine.
+  // GPU-to-GPU writes reach 291 GB/s in 4 MiB chunks and 422 GB/s in one on the GPU machine.
   if (c.provider == "shm") c.max_chunk = 64 << 20;
   get("max_chunk_bytes", c.max_chunk);
   get("min_chunk_bytes", c.min_chunk);
@@ -79,6 +77,135 @@ py::tuple completion_tuple(Completion& c) {
   return py::make_tuple(c.id, static_cast<int>(c.status.kind), text(c.status.message), payload, address);
 }
 
+using RunTuple = std::tuple<uint64_t, uint64_t, uint64_t, uint32_t, uint32_t>;
+
+std::vector<Run> to_runs(const std::vector<RunTuple>& tuples) {
+  std::vector<Run> runs;
+  for (const auto& [local, remote, len, lreg, rreg] : tuples) runs.push_back({local, remote, len, lreg, rreg});
+  return runs;
+}
+
+// The ops the direct route makes of `runs`, for tests: (chunk, [(local rail, remote rail,
+// [(run, offset, len, local piece, remote piece, offset in remote piece)])]).
+py::tuple stripe(const std::vector<RunTuple>& tuples, const std::vector<std::pair<uint64_t, uint64_t>>& local,
+                 const std::vector<uint64_t>& remote, size_t local_rails, size_t remote_rails, uint64_t min_chunk,
+                 uint64_t max_chunk, size_t max_iov) {
+  const std::vector<Run> runs = to_runs(tuples);
+  P2P_CHECK(local_rails > 0 && remote_rails > 0 && max_iov > 0 && min_chunk > 0, ErrorKind::Value, "bad geometry");
+  for (const Run& r : runs)
+    P2P_CHECK(r.lreg < local.size() && r.rreg < remote.size(), ErrorKind::Value, "a run names no region");
+  for (const auto& [base, piece] : local) P2P_CHECK(piece > 0, ErrorKind::Value, "piece_bytes must be positive");
+  for (uint64_t piece : remote) P2P_CHECK(piece > 0, ErrorKind::Value, "piece_bytes must be positive");
+  Striper striper(min_chunk, max_chunk);
+  uint64_t total = 0;
+  for (const Run& r : runs) total += r.len;
+  const uint64_t chunk = striper.chunk(total, Striper::pairs(local_rails, remote_rails));
+  auto local_extent = [&](uint32_t i) { return Extent{local[i].first, local[i].second}; };
+  auto remote_extent = [&](uint32_t i) { return Extent{0, remote[i]}; };
+  py::list ops;
+  RunCursor at;
+  while (!at.at_end(runs)) {
+    const RailPair pair = striper.pair(local_rails, remote_rails);
+    Segment segs[kMaxIov];
+    const size_t n = Striper::fill(at, runs, local_extent, remote_extent, chunk, std::min(max_iov, kMaxIov), segs);
+    py::list out;
+    for (size_t i = 0; i < n; ++i)
+      out.append(py::make_tuple(segs[i].run, segs[i].offset, segs[i].len, segs[i].lpiece, segs[i].rpiece,
+                                segs[i].rpiece_offset));
+    ops.append(py::make_tuple(pair.local, pair.remote, out));
+    striper.next();
+  }
+  return py::make_tuple(chunk, ops);
+}
+
+// The slot jobs the staged route makes of `runs`: [(bytes, [run tuples])].
+py::list stripe_slots(const std::vector<RunTuple>& tuples, size_t max_runs, uint64_t slot_bytes) {
+  P2P_CHECK(max_runs > 0 && slot_bytes > 0, ErrorKind::Value, "bad slot geometry");
+  const std::vector<Run> runs = to_runs(tuples);
+  py::list jobs;
+  RunCursor at;
+  while (!at.at_end(runs)) {
+    std::vector<Run> taken;
+    const uint64_t bytes = Striper::fill_slot(at, runs, max_runs, slot_bytes, taken);
+    py::list out;
+    for (const Run& r : taken) out.append(py::make_tuple(r.local, r.remote, r.len, r.lreg, r.rreg));
+    jobs.append(py::make_tuple(bytes, out));
+  }
+  return jobs;
+}
+
+TransferState state_named(const std::string& text) {
+  for (int i = 0; i <= static_cast<int>(TransferState::Reported); ++i)
+    if (text == name(static_cast<TransferState>(i))) return static_cast<TransferState>(i);
+  throw Error(ErrorKind::Value, "no transfer state " + text);
+}
+
+// Transfer::next_step for a transfer in `state` with these facts, for tests.
+std::string transfer_next_step(const std::string& state, bool message, bool ok, bool held, bool acked,
+                               size_t pending, bool needs_fence) {
+  Transfer t;
+  t.state = state_named(state);
+  t.kind = message ? TransferKind::Message : TransferKind::Write;
+  if (!ok) t.status = Status::error(ErrorKind::Peer, "failed");
+  t.held = held;
+  t.acked = acked;
+  t.pending = pending;
+  return name(t.next_step(needs_fence));
+}
+
+// Whether Transfer::enter allows the move, for tests.
+bool transfer_may_enter(const std::string& from, const std::string& to) {
+  Transfer t;
+  t.state = state_named(from);
+  try {
+    t.enter(state_named(to));
+    return true;
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::Value) throw;
+    return false;
+  }
+}
+
+// Private bindings of engine parts that tests drive alone, without an engine or a process.
+void bind_parts(py::module_& m) {
+  // The striper (tests/test_striper.py).
+  m.def("_stripe", &stripe);
+  m.def("_stripe_slots", &stripe_slots);
+  m.def("_slot_size", &slot_size);
+  // The transfer state machine (csrc/engine/transfer.h; tests/test_transfer_state.py).
+  m.def("_transfer_next_step", &transfer_next_step, py::arg("state"), py::arg("message"), py::arg("ok"),
+        py::arg("held"), py::arg("acked"), py::arg("pending"), py::arg("needs_fence"));
+  m.def("_transfer_may_enter", &transfer_may_enter);
+
+  // One peer's liveness schedule (csrc/engine/liveness.h) on a clock the caller
+  // passes, for tests/test_liveness.py.
+  py::class_<Liveness>(m, "_Liveness")
+      .def(py::init<double>(), py::arg("timeout"))
+      .def_property_readonly("state", [](const Liveness& l) { return name(l.state()); })
+      .def_property_readonly("waits", &Liveness::waits)
+      .def_property_readonly("checking", &Liveness::checking)
+      .def_property_readonly("last_heard", &Liveness::last_heard)
+      .def("connect", &Liveness::connect, py::arg("now"))
+      .def("answered", &Liveness::answered)
+      .def("fail", [](Liveness& l, bool left) { l.fail(left ? PeerState::Left : PeerState::Dead); },
+           py::arg("left") = false)
+      .def("start_check", &Liveness::start_check, py::arg("deadline"))
+      .def("heard", &Liveness::heard, py::arg("now"))
+      .def("watch_from", &Liveness::watch_from, py::arg("now"))
+      .def("hello_failed", [](Liveness& l, double now, bool transient) {
+        const Liveness::Retry r = l.hello_failed(now, transient);
+        return py::make_tuple(r == Liveness::Retry::Ignore ? "Ignore" : r == Liveness::Retry::Later ? "Later" : "GiveUp",
+                              l.retry_at());
+      }, py::arg("now"), py::arg("transient"))
+      .def("tick", [](Liveness& l, double now, bool busy) {
+        const Liveness::Due due = l.tick(now, busy);
+        const char* verdict = due.verdict == Liveness::Verdict::Alive        ? "Alive"
+                              : due.verdict == Liveness::Verdict::Unanswered ? "Unanswered"
+                                                                              : "Silent";
+        return py::make_tuple(due.send_hello, verdict);
+      }, py::arg("now"), py::arg("busy"));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -96,6 +223,8 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+
+  m.attr("error_kinds") = error_kinds();
 
   m.def("libfabric_version", [] {
     const uint32_t v = fi_version();
@@ -116,6 +245,8 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(offer.provider, offer.hmem, nics);
   }, py::arg("provider"), py::arg("want_hmem"),
      "Resolves a provider name and lists its NICs: (provider, hmem, [nic dicts]).");
+
+  bind_parts(m);
 
   py::class_<RemoteView, std::shared_ptr<RemoteView>>(m, "RemoteView")
       .def_property_readonly("dtype", [](const RemoteView& v) { return v.dtype; })

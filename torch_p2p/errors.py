@@ -6,6 +6,10 @@ error.
 """
 import builtins
 
+import torch  # noqa: F401  (loads libtorch, which _C links against, before _C)
+
+from . import _C
+
 
 class P2PError(RuntimeError):
     """An operation failed."""
@@ -31,17 +35,9 @@ class RemoteError(P2PError):
     """The peer refused the operation (access, bounds, or a deregistered region)."""
 
 
-# Error kinds as numbered by csrc/common/error.h (ErrorKind).
-_BY_KIND = {
-    1: P2PError,
-    2: ValueError,
-    3: IndexError,
-    4: PeerError,
-    5: TimeoutError,
-    6: ClosedError,
-    7: CancelledError,
-    8: RemoteError,
-}
+# Error kinds as csrc/common/error.h numbers them (P2P_ERROR_KINDS), each naming its exception:
+# one of the classes above, or a builtin.
+_BY_KIND = {kind: globals().get(name) or getattr(builtins, name) for kind, name in _C.error_kinds.items()}
 
 
 def from_kind(kind: int, message: str) -> Exception:

@@ -36,6 +36,16 @@ std::string fi_error_name(int err) {
   return cat(name ? name : "error ", name ? "" : std::to_string(err), " (", fi_strerror(err), ")");
 }
 
+bool is_error_kind(uint8_t value) {
+  switch (value) {
+#define P2P_ERROR_KIND_VALUE(kind, value, exception) case value:
+    P2P_ERROR_KINDS(P2P_ERROR_KIND_VALUE)
+#undef P2P_ERROR_KIND_VALUE
+    return true;
+  }
+  return false;
+}
+
 void throw_error(ErrorKind kind, const std::string& message, const char* file, int line) {
   // Bad input is the caller's to fix: no source location. Everything else names where it
   // was raised so that a report can be traced.

@@ -1,4 +1,4 @@
-// Errors in three tiers (see STYLE.md):
+// Errors in three tiers:
 //  - p2p::Error is thrown on API and setup paths; bindings.cpp turns it into the Python
 //    exception its kind names (torch_p2p/errors.py).
 //  - p2p::Status travels inside a completion on worker paths and becomes a Future's exception.
@@ -15,18 +15,28 @@
 
 namespace p2p {
 
-// The Python exception an error becomes. Values are part of the contract with errors.py.
+// Every error kind, with its number and the Python exception it becomes (a builtin, or a
+// class of torch_p2p/errors.py). The one table of kinds: the enum below and errors.py's
+// table (through _C.error_kinds), by which bindings.cpp and the futures raise, come from it.
+#define P2P_ERROR_KINDS(X)                                                                  \
+  X(None, 0, "")                                                                            \
+  X(Generic, 1, "P2PError")                                                                 \
+  X(Value, 2, "ValueError")     /* bad argument */                                          \
+  X(Index, 3, "IndexError")                                                                 \
+  X(Peer, 4, "PeerError")       /* the peer is dead, left, restarted or unreachable */      \
+  X(Timeout, 5, "TimeoutError") /* torch_p2p.TimeoutError, a P2PError */                    \
+  X(Closed, 6, "ClosedError")   /* engine or region closed */                               \
+  X(Cancelled, 7, "CancelledError")                                                         \
+  X(Remote, 8, "RemoteError")   /* the peer refused the operation (bounds, access, key) */
+
 enum class ErrorKind : uint8_t {
-  None = 0,
-  Generic = 1,    // P2PError
-  Value = 2,      // ValueError: bad argument
-  Index = 3,      // IndexError
-  Peer = 4,       // PeerError: the peer is dead, left, restarted or unreachable
-  Timeout = 5,    // TimeoutError (P2PError subclass)
-  Closed = 6,     // ClosedError: engine or region closed
-  Cancelled = 7,  // CancelledError
-  Remote = 8,     // RemoteError: the peer refused the operation (bounds, access, key)
+#define P2P_ERROR_KIND_ENUM(kind, value, exception) kind = value,
+  P2P_ERROR_KINDS(P2P_ERROR_KIND_ENUM)
+#undef P2P_ERROR_KIND_ENUM
 };
+
+// Whether a byte from the wire names a kind.
+bool is_error_kind(uint8_t value);
 
 class Error : public std::runtime_error {
  public:
@@ -46,7 +56,7 @@ struct Status {
 };
 
 // cat("a", 1, "b") -> "a1b": builds messages. NOTE: no iostreams anywhere in this library:
-// with a toolchain that links libstdc++ statically into the extension (seen on the GPU
+// with a toolchain that links libstdc++ statically into the extension (as on the GPU
 // machine), std::ostringstream crashes on the process's global locale, which belongs to the
 // other libstdc++.
 namespace detail {

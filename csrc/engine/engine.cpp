@@ -13,8 +13,6 @@
 namespace p2p::engine {
 namespace {
 
-constexpr uint64_t kMaxMessage = uint64_t{1} << 30;
-
 std::string dims(at::IntArrayRef v) {
   std::string s = "[";
   for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
@@ -394,7 +392,7 @@ void Engine::disconnect(uint64_t id, const std::string& address) {
 
 void Engine::send(uint64_t id, const std::string& address, std::string payload, double timeout_s) {
   EngineAddress::decode(address);
-  P2P_CHECK(payload.size() <= kMaxMessage, ErrorKind::Value, "a message may hold at most ", kMaxMessage,
+  P2P_CHECK(payload.size() <= kMaxUserMessageBytes, ErrorKind::Value, "a message may hold at most ", kMaxUserMessageBytes,
             " bytes, not ", payload.size());
   auto t = std::make_unique<Transfer>();
   t->id = id;

@@ -73,8 +73,8 @@ class Engine {
  private:
   // NOTE: PyTorch takes the GIL when a tensor that Python also holds gains its first or loses its
   // last C++ reference, and submit() takes mu_ with the GIL held: a LocalRegion is created and
-  // destroyed outside mu_, or the two threads wait for each other forever (seen as a hang of
-  // deregister() against write_slices() in test_join_and_leave_while_others_transfer).
+  // destroyed outside mu_, or the two threads wait for each other forever (deregister()
+  // racing write_slices() hangs).
   struct LocalRegion {
     uint64_t id;
     uintptr_t start, end;

@@ -65,5 +65,7 @@ inline MsgType type_of(std::string_view message) { return static_cast<MsgType>(m
 
 constexpr size_t kHeaderBytes = 4 + 1 + 1 + 8 + 8;
 constexpr size_t kUserFragmentBytes = kMessageBytes - kHeaderBytes - 4 - 8 - 8 - 4;
+// The largest user message (send()): the receiver reassembles it in memory.
+constexpr uint64_t kMaxUserMessageBytes = uint64_t{1} << 30;
 
 }  // namespace p2p::engine

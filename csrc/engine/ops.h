@@ -20,7 +20,8 @@ class Worker;
 struct Peer;
 struct Region;
 
-// Whoever posted an op hears how it ended. Implemented by Transfer, SlotJob and Message.
+// Whoever posted an op hears how it ended: a Transfer (calls and user messages) or a SlotJob.
+// Control messages sent for the worker itself (HELLO, acknowledgements) have no owner.
 struct OpOwner {
   virtual ~OpOwner() = default;
   virtual void op_done(Worker& worker, Op& op, const Status& status) = 0;

@@ -1,5 +1,5 @@
-// Peers: connection by introduction, control messages, user messages, notifications,
-// liveness and failure. No world: a peer is whoever we were given an address of, or whoever
+// Peers: connection by introduction, disconnection, liveness checks and failure (the control
+// channel is control.cpp, user messages user_messages.cpp). No world: a peer is whoever we were given an address of, or whoever
 // introduced itself.
 #include <unistd.h>
 
@@ -13,15 +13,9 @@
 namespace p2p::engine {
 namespace {
 
-constexpr uint64_t kMaxUserMessage = uint64_t{1} << 30;
-
 std::string describe(const Peer& p) { return cat("peer ", hex(p.incarnation)); }
 
 }  // namespace
-
-ByteWriter Worker::message(MsgType type, const Peer& to) const {
-  return begin_message(type, incarnation_, to.incarnation);
-}
 
 // Finds or creates the peer behind an engine address. A new peer gets its rails inserted in
 // every local rail's address vector, then a HELLO; transfers to it wait for the answer.
@@ -29,9 +23,9 @@ ByteWriter Worker::message(MsgType type, const Peer& to) const {
 // address naming it at others is forged or corrupt and is refused. Until then addresses are
 // only claims (the first one may have been the forgery): another is tried once the attempt
 // under way has failed, or at once when the process itself introduces itself from it. One
-// attempt at a time: a fuzz run that handed connect() thousands of addresses of two
-// incarnations at dead ports, each starting a new HELLO, kept rail 0's 256 send buffers busy
-// and held up a real peer's introduction past peer_timeout (test_connect_survives_mutated_addresses).
+// attempt at a time: thousands of addresses of one incarnation at dead ports, each starting a
+// HELLO, would keep rail 0's send buffers busy and hold up a real peer's introduction past
+// peer_timeout.
 Peer* Worker::peer_for(const std::string& address_bytes, Contact how) {
   EngineAddress a = EngineAddress::decode(address_bytes);
   P2P_CHECK(a.provider == provider_, ErrorKind::Value, "the peer uses provider ", a.provider,
@@ -52,7 +46,7 @@ Peer* Worker::peer_for(const std::string& address_bytes, Contact how) {
     }
     return &p;
   }
-  auto owned = std::make_unique<Peer>();
+  auto owned = std::make_unique<Peer>(config_.peer_timeout_s);
   Peer& p = *owned;
   p.incarnation = a.incarnation;
   readdress(p, std::move(a), address_bytes);
@@ -72,21 +66,16 @@ void Worker::readdress(Peer& p, EngineAddress a, const std::string& address_byte
 }
 
 void Worker::revive(Peer& p) {
-  p.state = PeerState::Connecting;
+  p.live.connect(now());
   p.failure = Status{};
   p.revivable = false;
-  p.checking = false;
-  p.hello_failures = 0;
-  p.hello_again = 0;
-  p.last_heard = now();
-  p.connect_deadline = p.last_heard + config_.peer_timeout_s;
   send_hello(p);
 }
 
 void Worker::send_hello(Peer& p) {
   ByteWriter w = message(MsgType::Hello, p);
   w.put_bytes(address_);
-  put_census(w);
+  put_live_regions(w);
   send_control(p, std::move(w));
 }
 
@@ -95,28 +84,25 @@ void Worker::send_hello(Peer& p) {
 // still the same process. A HELLO rather than a ping, since a process that replaced it at
 // its address does not know us and can answer only a message that carries our address.
 void Worker::check(Peer& p, double deadline) {
-  if (p.state != PeerState::Ready || p.checking) return;
-  p.checking = true;
-  p.hello_failures = 0;
-  p.hello_again = 0;
-  p.check_deadline = deadline;
-  send_hello(p);
+  if (p.live.start_check(deadline)) send_hello(p);
 }
 
-// NOTE: on tcp;ofi_rxm every peer named by one network address shares a connection, and a
-// refused RMA makes the provider drop it: HELLOs posted during the teardown fail with
-// FI_ENOTCONN / EPIPE (measured, test_restart_old_handle_used_first: about 1 run in 6, and
-// four HELLOs in a row when sent at once). Those are sent again after a growing pause until
-// the peer's deadline; any other failure (nobody listening, say) is final.
+// A HELLO lost while the connection under it is torn down (tcp;ofi_rxm drops a connection
+// whose RMA the owner refused) is sent again after a pause (Liveness::hello_failed); any
+// other failure is final.
 void Worker::on_hello_failed(Peer& p, int err, int prov_errno, const Status& status) {
   const auto tearing_down = [](int e) { return e == FI_ENOTCONN || e == EPIPE || e == FI_ECONNRESET || e == FI_ECONNABORTED; };
   const bool transient = tearing_down(err) || (err == FI_ECANCELED && tearing_down(prov_errno));
-  if (!p.waits()) return;  // answered, or failed, meanwhile
-  const double t = now(), deadline = p.checking ? p.check_deadline : p.connect_deadline;
-  const double pause = std::min(0.5, 0.01 * (1 << std::min(p.hello_failures++, 6)));
-  if (!transient || t + pause >= deadline) return fail_peer(p, status);
-  P2P_LOG(Info, "introducing ourselves to ", describe(p), " again in ", pause, " s after: ", status.message);
-  p.hello_again = t + pause;
+  const double t = now();
+  switch (p.live.hello_failed(t, transient)) {
+    case Liveness::Retry::Ignore:
+      return;
+    case Liveness::Retry::GiveUp:
+      return fail_peer(p, status);
+    case Liveness::Retry::Later:
+      P2P_LOG(Info, "introducing ourselves to ", describe(p), " again in ", p.live.retry_at() - t,
+              " s after: ", status.message);
+  }
 }
 
 void Worker::connect(uint64_t id, const std::string& address) {
@@ -126,7 +112,7 @@ void Worker::connect(uint64_t id, const std::string& address) {
   } catch (const Error& e) {
     return report(id, Status::error(e.kind(), e.what()));
   }
-  if (p->state == PeerState::Ready) return report(id, Status{});
+  if (p->state() == PeerState::Ready) return report(id, Status{});
   if (p->failed()) return report(id, p->failure);  // it closed: that process is gone
   p->connect_waiters.push_back(id);
 }
@@ -150,43 +136,12 @@ void Worker::disconnect(uint64_t id, const std::string& address) {
 void Worker::finish_disconnect(Peer& p) {
   const uint64_t id = p.disconnect_id;
   p.disconnect_id = 0;
-  if (p.state == PeerState::Ready || p.state == PeerState::Connecting)
+  if (p.state() == PeerState::Ready || p.state() == PeerState::Connecting)
     send_control(p, bye(p, false), nullptr, true);
   fail_peer(p, Status::error(ErrorKind::Peer, cat(describe(p), " was disconnected by this engine")),
             PeerState::Left);
   p.revivable = true;
   report(id, Status{});
-}
-
-// Control messages wait in the outbox for a free send buffer and op.
-void Worker::send_control(Peer& p, ByteWriter&& w, OpOwner* owner, bool farewell) {
-  P2P_ASSERT(w.str().size() <= kMessageBytes);
-  outbox_.push_back({&p, std::move(w.str()), owner, farewell});
-}
-
-bool Worker::flush_outbox() {
-  bool any = false;
-  RailState& rs = rails_[0];
-  while (!outbox_.empty() && !free_send_.empty()) {
-    Outgoing& out = outbox_.front();
-    Op* op = new_op(OpKind::Send, 0, out.owner, out.peer);
-    if (!op) break;
-    const int32_t buf = free_send_.back();
-    free_send_.pop_back();
-    uint8_t* dst = control_.data() + static_cast<size_t>(buf) * kMessageBytes;
-    std::copy(out.bytes.begin(), out.bytes.end(), dst);
-    op->buffer = buf;
-    op->set_buffer(dst, out.bytes.size(), control_mr_[0].desc);
-    op->dest = out.peer->fi[0];  // local rail 0 -> remote rail 0
-    op->farewell = out.farewell;
-    op->hello = type_of(out.bytes) == MsgType::Hello;
-    // A HELLO or BYE must reach a peer that is not (or no longer) Ready; everything else to
-    // a failed peer is dropped by post_ops().
-    rs.pending.push_back(op);
-    outbox_.pop_front();
-    any = true;
-  }
-  return any;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -199,9 +154,9 @@ ByteWriter Worker::bye(const Peer& to, bool closing) const {
 
 // The peer leaves us, or closes. A closed peer must never be sent anything again, not even our
 // BYE (usable()) or a HELLO to reconnect: shm (libfabric 1.17) stalls every later completion
-// of our endpoint behind a command that a closed peer never answered. Seen when a disconnect()
-// crossed the peer's close(), and when a write reconnected to a peer that had closed after we
-// disconnected from it (test_peer_closed_after_disconnect_is_not_contacted).
+// of our endpoint behind a command that a closed peer never answers. That happens when a
+// disconnect() crosses the peer's close(), or when a write would reconnect to a peer that
+// closed after we disconnected from it.
 void Worker::on_bye(Peer& p, bool closing) {
   p.closed |= closing;
   const Status left =
@@ -210,58 +165,6 @@ void Worker::on_bye(Peer& p, bool closing) {
     p.failure = left;
   else
     fail_peer(p, left, PeerState::Left);
-}
-
-void Worker::on_message(const char* data, size_t len) {
-  ByteReader r(std::string_view(data, len), "control message");
-  try {
-    const MsgHeader h = read_header(r);
-    if (h.type == MsgType::Hello || h.type == MsgType::HelloAck) return on_hello(h, r, h.type == MsgType::HelloAck);
-    if (h.to != incarnation_) return;  // meant for an earlier process at this address: its
-                                       // sender finds out by a check (check())
-    auto it = peers_.find(h.from);
-    if (it == peers_.end()) return;    // never introduced: drop
-    Peer& p = *it->second;
-    if (h.type == MsgType::Bye) return on_bye(p, r.get<uint8_t>() != 0);
-    if (p.failed()) return;
-    p.last_heard = now();
-    switch (h.type) {
-      case MsgType::User:
-        on_user(p, r);
-        break;
-      case MsgType::UserAck:
-        on_user_ack(p, r);
-        break;
-      case MsgType::Notify:
-        on_notify(r);
-        break;
-      case MsgType::StageReq:
-        on_stage_request(p, r);
-        break;
-      case MsgType::StageAck:
-        on_stage_ack(r);
-        break;
-      case MsgType::Fence:
-        on_fence(p, r);
-        break;
-      case MsgType::FenceAck:
-        acknowledged(p, r.get<uint64_t>());
-        break;
-      case MsgType::RegionClosed:
-        on_region_closed(p, r.get<uint64_t>());
-        break;
-      case MsgType::RegionReleased: {
-        const uint64_t region = r.get<uint64_t>();
-        for (auto& c : closing_)
-          if (c.region->id == region) c.unreleased.erase(p.incarnation);
-        break;
-      }
-      default:
-        r.fail("unknown message type");
-    }
-  } catch (const Error& e) {
-    P2P_LOG(Warn, "dropped a malformed control message: ", e.what());
-  }
 }
 
 void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
@@ -284,8 +187,8 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
       if (p.confirmed) return;
       readdress(p, std::move(a), address);
     }
-    read_census(p, r);
-    p.last_heard = now();
+    read_live_regions(p, r);
+    p.live.heard(now());
     return peer_ready(p);
   }
   // A HELLO: the sender introduces itself. An older process at the same address is gone.
@@ -301,12 +204,12 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
     P2P_LOG(Warn, "ignored an introduction: ", e.what());
     return;
   }
-  p->last_heard = now();
-  read_census(*p, r);
+  p->live.heard(now());
+  read_live_regions(*p, r);
   ByteWriter w = message(MsgType::HelloAck, *p);
   w.put_bytes(address_);
   w.put(h.to);
-  put_census(w);
+  put_live_regions(w);
   send_control(*p, std::move(w));
   if (p->waits()) peer_ready(*p);
 }
@@ -314,8 +217,7 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
 // The peer answered as itself: what waited on that goes on, and transfers held for a check
 // report their own failure (the peer did not restart).
 void Worker::peer_ready(Peer& p) {
-  p.state = PeerState::Ready;
-  p.checking = false;
+  p.live.answered();
   p.confirmed = true;
   for (uint64_t id : p.connect_waiters) report(id, Status{});
   p.connect_waiters.clear();
@@ -340,14 +242,13 @@ void Worker::peer_ready(Peer& p) {
 void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   if (p.failed()) return;
   P2P_LOG(Info, "peer ", hex(p.incarnation), " is gone: ", why.message);
-  p.state = state;
+  p.live.fail(state);
   p.failure = why;
-  p.checking = false;
   for (uint64_t id : p.connect_waiters) report(id, why);
   p.connect_waiters.clear();
   std::vector<Transfer*> affected;
   for (auto& [id, t] : transfers_)
-    if (t->peer == &p && !t->reported) affected.push_back(t.get());
+    if (t->peer == &p && !t->reported()) affected.push_back(t.get());
   for (Transfer* t : affected) {
     if (t->held) t->status = why;  // what the check found out is the answer
     fail(*t, why);
@@ -383,12 +284,15 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   }
 }
 
-// Something now waits on the peer. Its silence counts from here, not from before: a peer idle
-// for longer than peer_timeout would otherwise be checked at once, with its deadline already
-// past (seen: test_restart_message_to_old_incarnation_fails under the sanitizers, with the
-// peer idle for over 3 s while the test started another process).
-void Worker::occupy(Peer& p) {
-  if (p.busy++ == 0) p.last_heard = std::max(p.last_heard, now());
+// Something now waits on the peer: a transfer, a job serving it, or a message.
+void Worker::begin_work(Peer& p) {
+  if (p.busy++ == 0) p.live.watch_from(now());
+}
+
+// That work is over; a disconnect() waiting for it goes on.
+void Worker::end_work(Peer& p) {
+  P2P_ASSERT(p.busy > 0);
+  if (--p.busy == 0 && p.disconnect_id) finish_disconnect(p);
 }
 
 void Worker::check_peers() {
@@ -396,115 +300,16 @@ void Worker::check_peers() {
   std::vector<std::pair<Peer*, Status>> dead;
   for (auto& [inc, owned] : peers_) {
     Peer& p = *owned;
-    if (p.hello_again > 0 && t >= p.hello_again) {
-      p.hello_again = 0;
-      if (p.waits()) send_hello(p);
-    }
-    if (p.state == PeerState::Connecting && t > p.connect_deadline) {
+    const Liveness::Due due = p.live.tick(t, p.busy > 0);
+    if (due.send_hello) send_hello(p);
+    if (due.verdict == Liveness::Verdict::Unanswered)
       dead.push_back({&p, Status::error(ErrorKind::Peer, cat(describe(p), " did not answer within ",
                                                               timeout, " s (peer_timeout)"))});
-    } else if (p.checking && t > p.check_deadline) {
+    else if (due.verdict == Liveness::Verdict::Silent)
       dead.push_back({&p, Status::error(ErrorKind::Peer, cat(describe(p), " was silent for ", timeout,
                                                               " s (peer_timeout): a check went unanswered"))});
-    } else if (p.state == PeerState::Ready && p.busy > 0 && t - p.last_heard > timeout / 4) {
-      // Only a peer that something waits on is watched; an idle one costs nothing.
-      check(p, p.last_heard + timeout);
-    }
   }
   for (auto& [p, why] : dead) fail_peer(*p, why);
-}
-
-// ---------------------------------------------------------------------------------------------
-// User messages and notifications.
-
-void Worker::on_user(Peer& p, ByteReader& r) {
-  const uint32_t id = r.get<uint32_t>();
-  const uint64_t total = r.get<uint64_t>();
-  const uint64_t offset = r.get<uint64_t>();
-  const std::string_view part = r.get_bytes(kUserFragmentBytes);
-  if (total > kMaxUserMessage) r.fail("message too large");
-  std::string& buf = p.partial[id];
-  // Fragments arrive in order (send-after-send), so each continues the last.
-  if (offset != buf.size() || offset + part.size() > total) {
-    p.partial.erase(id);
-    r.fail("message fragment out of order");
-  }
-  if (buf.empty()) buf.reserve(total);
-  buf.append(part);
-  if (buf.size() < total) return;
-  std::string payload = std::move(buf);
-  p.partial.erase(id);
-  // Acknowledged here, in the step that takes it: a close() that the delivery itself triggers
-  // (a recv callback) comes later and sends this first.
-  ByteWriter ack = message(MsgType::UserAck, p);
-  ack.put(id);
-  send_control(p, std::move(ack));
-  if (!recv_waiters_.empty()) {
-    const uint64_t waiter = recv_waiters_.front().id;
-    recv_waiters_.erase(recv_waiters_.begin());
-    return report(waiter, Status{}, std::move(payload), p.address_bytes);
-  }
-  inbox_.emplace_back(p.address_bytes, std::move(payload));
-}
-
-void Worker::on_user_ack(Peer& p, ByteReader& r) {
-  auto entry = p.unacked.find(r.get<uint32_t>());
-  if (entry == p.unacked.end()) return;
-  const uint64_t transfer = entry->second;
-  p.unacked.erase(entry);
-  acknowledged(p, transfer);
-}
-
-void Worker::recv(uint64_t id, double timeout_s) {
-  if (!inbox_.empty()) {
-    auto [address, payload] = std::move(inbox_.front());
-    inbox_.erase(inbox_.begin());
-    return report(id, Status{}, std::move(payload), std::move(address));
-  }
-  recv_waiters_.push_back({id, timeout_s > 0 ? now() + timeout_s : 0});
-}
-
-void Worker::on_notify(ByteReader& r) {
-  const uint32_t tag = r.get<uint32_t>();
-  const uint8_t kind = r.get<uint8_t>();
-  Status status{static_cast<ErrorKind>(kind), std::string(r.get_bytes(kMessageBytes))};
-  if (kind > static_cast<uint8_t>(ErrorKind::Remote)) r.fail("bad status");
-  if (!status.ok()) status.message = cat("the sender's write failed: ", status.message);
-  NotifyState& s = notify_[tag];
-  if (!s.waiters.empty()) {
-    const uint64_t waiter = s.waiters.front().id;
-    s.waiters.erase(s.waiters.begin());
-    return report(waiter, std::move(status));
-  }
-  s.arrived.push_back(std::move(status));
-}
-
-void Worker::notification(uint64_t id, uint32_t tag, double timeout_s) {
-  NotifyState& s = notify_[tag];
-  if (!s.arrived.empty()) {
-    Status status = std::move(s.arrived.front());
-    s.arrived.erase(s.arrived.begin());
-    return report(id, std::move(status));
-  }
-  s.waiters.push_back({id, timeout_s > 0 ? now() + timeout_s : 0});
-}
-
-void Worker::cancel(uint64_t id) {
-  const Status cancelled = Status::error(ErrorKind::Cancelled, "cancelled");
-  auto drop = [&](std::vector<Waiter>& waiters) {
-    for (size_t i = 0; i < waiters.size(); ++i) {
-      if (waiters[i].id != id) continue;
-      waiters.erase(waiters.begin() + i);
-      report(id, cancelled);
-      return true;
-    }
-    return false;
-  };
-  if (drop(recv_waiters_)) return;
-  for (auto& [tag, s] : notify_)
-    if (drop(s.waiters)) return;
-  auto it = transfers_.find(id);
-  if (it != transfers_.end()) fail(*it->second, cancelled);
 }
 
 }  // namespace p2p::engine

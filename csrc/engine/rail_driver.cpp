@@ -50,7 +50,7 @@ RailDriver::RailDriver(const std::vector<fabric::Rail*>& rails, std::vector<uint
     if (rails_[r]->wait_fd() >= 0) epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, rails_[r]->wait_fd(), &ev);
   thread_ = std::thread([this] { run(); });
   // NOTE: a thread inherits its creator's affinity, and the worker may be pinned to one core:
-  // left alone, every driver of a GPU engine shared it (staged GPU transfers fell to 1.5 Gbps).
+  // left alone, every driver of a GPU engine shares it (staged GPU transfers then run at 1.5 Gbps).
   pthread_setaffinity_np(thread_.native_handle(), sizeof cpus_, &cpus_);
   pthread_setname_np(thread_.native_handle(), name_.substr(0, 15).c_str());
 }
@@ -76,9 +76,9 @@ void RailDriver::run() {
     busy |= post_pending();
     busy |= poll();
     const double t = seconds();
-    // NOTE: completions that the provider's progress thread writes did not always wake a
+    // NOTE: completions that the provider's progress thread writes do not always wake a
     // driver sleeping on the CQ's fd (a staged GPU transfer, a chain of dependent round trips,
-    // fell from 45 to 7 Gbps): a driver with ops out keeps polling.
+    // runs at 7 Gbps instead of 45 then): a driver with ops out keeps polling.
     if (busy || spin_us_ < 0 || outstanding_ > 0)
       idle_since = t;
     else if ((t - idle_since) * 1e6 > spin_us_)
@@ -126,35 +126,20 @@ bool RailDriver::post_pending() {
 
 bool RailDriver::poll() {
   bool any = false;
-  fi_cq_data_entry entries[64];
   for (uint16_t r : mine_) {
-    fabric::Rail& rail = *rails_[r];
-    for (int round = 0; round < 4; ++round) {
-      const ssize_t n = rail.poll(entries, 64);
-      if (n == -FI_EAVAIL) {
-        fi_cq_err_entry err;
-        std::string message;
-        if (rail.read_error(err, message) && err.op_context) {
+    any |= rails_[r]->drain(
+        4,
+        [&](void* context, size_t len) {
+          Op* op = static_cast<Op*>(context);
+          if (op->kind != OpKind::Recv) --outstanding_;
+          emit({op, 0, 0, len, nullptr});
+        },
+        [&](const fi_cq_err_entry& err, std::string& message) {
+          if (!err.op_context) return;
           Op* op = static_cast<Op*>(err.op_context);
           if (op->kind != OpKind::Recv) --outstanding_;
           emit({op, err.err, err.prov_errno, 0, new std::string(std::move(message))});
-        }
-        any = true;
-        continue;
-      }
-      if (n < 0) {
-        P2P_LOG(Error, "fi_cq_read on ", rail.domain_name(), ": ", fi_error_name(-n));
-        break;
-      }
-      for (ssize_t i = 0; i < n; ++i) {
-        if (entries[i].flags & (FI_REMOTE_WRITE | FI_REMOTE_READ) || !entries[i].op_context) continue;
-        Op* op = static_cast<Op*>(entries[i].op_context);
-        if (op->kind != OpKind::Recv) --outstanding_;
-        emit({op, 0, 0, entries[i].len, nullptr});
-      }
-      any |= n > 0;
-      if (n < 64) break;
-    }
+        });
   }
   return any;
 }

@@ -83,7 +83,7 @@ void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> 
   // have it mapped (IPC copies check nothing at our end).
   const bool wait = std::any_of(rails_.begin(), rails_.end(), [](auto& rs) { return rs.rail->peers_must_release(); });
   for (auto& [inc, p] : peers_) {
-    if (p->state != PeerState::Ready) continue;
+    if (p->state() != PeerState::Ready) continue;
     ByteWriter w = message(MsgType::RegionClosed, *p);
     w.put(id);
     send_control(*p, std::move(w));
@@ -92,11 +92,11 @@ void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> 
   closing_.push_back(std::move(c));
 }
 
-// The census a peer gets when we introduce ourselves: the last region id handed out and the
-// ranges of ids still registered, so that a handle to a region deregistered before the peer
+// What a peer learns of our regions when we introduce ourselves: the last region id handed
+// out and the ranges of ids still registered, so that a handle to a region deregistered before the peer
 // connected is refused before its first RMA. NOTE: shm writes by CMA straight into our memory
 // and checks no key: without this a stale handle would land in memory the user reuses.
-void Worker::put_census(ByteWriter& w) const {
+void Worker::put_live_regions(ByteWriter& w) const {
   std::vector<uint64_t> live;
   for (const auto& [id, r] : regions_) live.push_back(id);
   std::sort(live.begin(), live.end());
@@ -119,20 +119,20 @@ void Worker::put_census(ByteWriter& w) const {
   }
 }
 
-void Worker::read_census(Peer& p, ByteReader& r) {
-  p.census_last = r.get<uint64_t>();
+void Worker::read_live_regions(Peer& p, ByteReader& r) {
+  p.live_regions_upto = r.get<uint64_t>();
   const uint16_t n = r.get<uint16_t>();
-  p.census_live.clear();
+  p.live_regions.clear();
   for (uint16_t i = 0; i < n; ++i) {
     const uint64_t first = r.get<uint64_t>(), last = r.get<uint64_t>();
-    p.census_live.push_back({first, last});
+    p.live_regions.push_back({first, last});
   }
 }
 
 bool Peer::region_gone(uint64_t id) const {
   if (closed_regions.count(id)) return true;
-  if (id > census_last) return false;  // registered after it introduced itself
-  return std::none_of(census_live.begin(), census_live.end(),
+  if (id > live_regions_upto) return false;  // registered after it introduced itself
+  return std::none_of(live_regions.begin(), live_regions.end(),
                       [&](auto& range) { return range.first <= id && id <= range.second; });
 }
 

@@ -1,7 +1,5 @@
 #include "engine/staging.h"
 
-#include <rdma/fi_domain.h>
-
 #include <algorithm>
 #include <cstring>
 
@@ -11,72 +9,12 @@
 namespace p2p::engine {
 namespace {
 
-constexpr uint64_t kSlotAccess = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
-
-uint64_t round_page(uint64_t n) { return (n + 4095) & ~uint64_t{4095}; }
-
 // StageReq direction: who moves the bytes between the two slots.
 enum : uint8_t { kOwnerPulls = 0, kOwnerPushes = 1 };
 
 }  // namespace
 
 void SlotJob::op_done(Worker& worker, Op&, const Status& status) { worker.job_op_done(*this, status); }
-
-void Worker::ensure_slots() {
-  if (!slots_.empty()) return;
-  const uint64_t slot_bytes = round_page(std::max<uint64_t>(config_.slot_bytes, 4096));
-  const size_t n = std::max<size_t>(2, config_.staging_bytes / slot_bytes);
-  const uint64_t span_bytes = round_page(kMaxJobRuns * sizeof(CopySpan));
-  auto* base = static_cast<uint8_t*>(copier_->alloc_pinned(n * (slot_bytes + span_bytes)));
-  slot_memory_ = base;
-  for (size_t i = 0; i < n; ++i) {
-    auto slot = std::make_unique<Slot>();
-    slot->ptr = base + i * slot_bytes;
-    slot->bytes = slot_bytes;
-    slot->spans = reinterpret_cast<CopySpan*>(base + n * slot_bytes + i * span_bytes);
-    slot->serve = i >= n / 2;
-    for (auto& rs : rails_) slot->mrs.push_back(rs.rail->register_memory(slot->ptr, slot_bytes, kSlotAccess, -1));
-    free_slots_[slot->serve].push_back(slot.get());
-    slots_.push_back(std::move(slot));
-  }
-  P2P_LOG(Info, "staging: ", n, " slots of ", slot_bytes, " bytes (", n - n / 2, " for serving peers)");
-}
-
-Slot* Worker::take_slot(bool serve) {
-  auto& free = free_slots_[serve];
-  if (free.empty()) return nullptr;
-  Slot* slot = free.back();
-  free.pop_back();
-  return slot;
-}
-
-void Worker::give_slot(Slot* slot) {
-  free_slots_[slot->serve].push_back(slot);
-  if (slot->serve) {
-    while (!serve_queue_.empty() && !free_slots_[1].empty()) {
-      auto it = jobs_.find(serve_queue_.front());
-      serve_queue_.pop_front();
-      if (it == jobs_.end()) continue;  // its peer failed while it waited
-      it->second->slot = take_slot(true);
-      start_job(*it->second);
-    }
-    return;
-  }
-  // A transfer parked for want of a slot resumes ahead of newer ones.
-  if (!slot_waiters_.empty()) {
-    gen_queue_.push_front(slot_waiters_.front());
-    slot_waiters_.pop_front();
-  }
-}
-
-// A slot whose job failed with its peer unreachable may still be named in a peer's posted
-// RMA; a new key makes the provider refuse it.
-void Worker::rekey(Slot& slot) {
-  for (size_t r = 0; r < rails_.size(); ++r) {
-    rails_[r].rail->deregister(slot.mrs[r]);
-    slot.mrs[r] = rails_[r].rail->register_memory(slot.ptr, slot.bytes, kSlotAccess, -1);
-  }
-}
 
 size_t Worker::request_run_limit(const Peer&) const {
   // Header, fixed fields, one (base, key) per local rail, then 12 bytes a run.
@@ -90,7 +28,7 @@ size_t Worker::request_run_limit(const Peer&) const {
 Gen Worker::generate_staged(Transfer& t) {
   ensure_slots();
   const bool write = t.kind == TransferKind::Write;
-  while (t.next_run < t.runs.size()) {
+  while (!t.at.at_end(t.runs)) {
     Slot* slot = take_slot(false);
     if (!slot) {
       slot_waiters_.push_back(&t);
@@ -102,22 +40,9 @@ Gen Worker::generate_staged(Transfer& t) {
     job.transfer = &t;
     job.peer = t.peer;
     job.slot = slot;
-    // A job names one remote region: a StageReq addresses one region of its owner.
-    const uint32_t rreg = t.runs[t.next_run].rreg;
-    const bool remote_staged = t.remote[rreg]->staged;
+    const bool remote_staged = t.remote[t.runs[t.at.run].rreg]->staged;
     const size_t max_runs = remote_staged ? request_run_limit(*t.peer) : kMaxJobRuns;
-    while (t.next_run < t.runs.size() && job.runs.size() < max_runs && job.bytes < slot->bytes) {
-      const Run& run = t.runs[t.next_run];
-      if (run.rreg != rreg) break;
-      const uint64_t len = std::min(run.len - t.run_pos, slot->bytes - job.bytes);
-      job.runs.push_back({run.local + t.run_pos, run.remote + t.run_pos, len, run.lreg, run.rreg});
-      job.bytes += len;
-      t.run_pos += len;
-      if (t.run_pos == run.len) {
-        ++t.next_run;
-        t.run_pos = 0;
-      }
-    }
+    job.bytes = Striper::fill_slot(t.at, t.runs, max_runs, slot->bytes, job.runs);
     if (remote_staged) {
       job.steps[0] = write ? Step::Pack : Step::Request;
       job.steps[1] = write ? Step::Request : Step::Unpack;
@@ -157,7 +82,7 @@ void Worker::on_stage_ack(ByteReader& r) {
   const uint64_t id = r.get<uint64_t>();
   const uint8_t kind = r.get<uint8_t>();
   const std::string_view text = r.get_bytes(kMessageBytes);
-  if (kind > static_cast<uint8_t>(ErrorKind::Remote)) r.fail("bad status");
+  if (!is_error_kind(kind)) r.fail("bad status");
   auto it = jobs_.find(id);
   if (it == jobs_.end() || !it->second->transfer || it->second->step() != Step::Request) return;
   SlotJob& job = *it->second;
@@ -216,8 +141,7 @@ void Worker::on_stage_request(Peer& p, ByteReader& r) {
     run.local = reinterpret_cast<uint64_t>(region->ptr) + run.remote;
     sum += run.len;
   }
-  const uint64_t slot_bytes = round_page(std::max<uint64_t>(config_.slot_bytes, 4096));
-  if (sum != bytes || bytes == 0 || bytes > slot_bytes) return refuse("malformed stage request");
+  if (sum != bytes || bytes == 0 || bytes > slot_size(config_.slot_bytes)) return refuse("malformed stage request");
 
   auto owned = std::make_unique<SlotJob>();
   SlotJob& job = *owned;
@@ -239,7 +163,7 @@ void Worker::on_stage_request(Peer& p, ByteReader& r) {
     job.steps[1] = Step::RmaSlot;
   }
   job.steps[2] = Step::Ack;
-  occupy(p);
+  begin_work(p);
   jobs_.emplace(job.id, std::move(owned));
   ensure_slots();
   job.slot = take_slot(true);
@@ -282,7 +206,7 @@ uint64_t Worker::start_copy(SlotJob& job, bool pack) {
 
 void Worker::advance(SlotJob& job) {
   while (true) {
-    if (job.status.ok() && job.transfer && job.transfer->reported)
+    if (job.status.ok() && job.transfer && job.transfer->reported())
       job.status = Status::error(ErrorKind::Cancelled, "the transfer ended");
     const Step step = job.step();
     const bool copy_step = step == Step::Pack || step == Step::Unpack;
@@ -322,7 +246,8 @@ void Worker::advance(SlotJob& job) {
         if (!job.started) {
           job.started = true;
           job.ops_generated = false;
-          job.gen_run = job.gen_pos = job.gen_slot = 0;
+          job.gen = {};
+          job.gen_slot = 0;
           job_gen_queue_.push_back(&job);
           return;
         }
@@ -351,41 +276,38 @@ bool Worker::generate_job_ops(SlotJob& job) {
     return true;
   }
   Peer& p = *job.peer;
-  const size_t L = rails_.size(), R = p.remote_rails(), P = pairs(p);
-  const uint64_t chunk = std::clamp<uint64_t>((job.bytes + P - 1) / P, config_.min_chunk, config_.max_chunk);
+  const size_t L = rails_.size(), R = p.remote_rails();
+  const uint64_t chunk = striper_.chunk(job.bytes, Striper::pairs(L, R));
   const OpKind kind = job.write_out ? OpKind::Write : OpKind::Read;
+  // The local side is the slot, one registration; the remote side is the requester's slot
+  // (serving) or the runs of a directly registered region.
   const bool to_slot = job.step() == Step::RmaSlot;
-  while (to_slot ? job.gen_slot < job.bytes : job.gen_run < job.runs.size()) {
-    const size_t pair = rr_cursor_ % P;
-    const uint16_t lrail = static_cast<uint16_t>(pair % L), rrail = static_cast<uint16_t>(pair % R);
-    uint64_t len, remote_addr, key;
-    if (to_slot) {
-      len = std::min(chunk, job.bytes - job.gen_slot);
-      remote_addr = job.peer_base[rrail] + job.gen_slot;
-      key = job.peer_key[rrail];
-    } else {
-      const Run& run = job.runs[job.gen_run];
-      const RemoteRegion& rr = *job.transfer->remote[run.rreg];
-      const uint64_t roff = run.remote + job.gen_pos;
-      const uint64_t rpiece = roff / rr.piece_bytes;
-      len = std::min({chunk, run.len - job.gen_pos, (rpiece + 1) * rr.piece_bytes - roff});
-      remote_addr = rr.base[rpiece * R + rrail] + (roff - rpiece * rr.piece_bytes);
-      key = rr.key[rpiece * R + rrail];
-    }
-    RailState& rs = rails_[lrail];
+  const Run whole_slot{0, 0, job.bytes, 0, 0};
+  const std::span<const Run> runs = to_slot ? std::span<const Run>(&whole_slot, 1) : std::span<const Run>(job.runs);
+  auto remote = [&](uint32_t i) { return to_slot ? Extent{} : Extent{0, job.transfer->remote[i]->piece_bytes}; };
+  while (!job.gen.at_end(runs)) {
+    const RailPair pair = striper_.pair(L, R);
+    RailState& rs = rails_[pair.local];
     if (rs.pending.size() >= 2 * rs.depth) return false;
-    Op* op = new_op(kind, lrail, &job, &p);
+    Op* op = new_op(kind, pair.local, &job, &p);
     if (!op) return false;
-    op->add(job.slot->ptr + job.gen_slot, len, job.slot->mrs[lrail].desc, remote_addr, key);
-    op->dest = p.fi[lrail * R + rrail];
+    Segment s{};
+    Striper::fill(job.gen, runs, [](uint32_t) { return Extent{}; }, remote, chunk, 1, &s);
+    uint64_t remote_addr, key;
+    if (to_slot) {
+      remote_addr = job.peer_base[pair.remote] + s.offset;
+      key = job.peer_key[pair.remote];
+    } else {
+      const RemoteRegion& rr = *job.transfer->remote[runs[s.run].rreg];
+      remote_addr = rr.base[mr_index(s.rpiece, R, pair.remote)] + s.rpiece_offset;
+      key = rr.key[mr_index(s.rpiece, R, pair.remote)];
+    }
+    op->add(job.slot->ptr + job.gen_slot, s.len, job.slot->mrs[pair.local].desc, remote_addr, key);
+    op->dest = p.fi[pair.address(R)];
     rs.pending.push_back(op);
     ++job.ops_left;
-    ++rr_cursor_;
-    job.gen_slot += len;
-    if (!to_slot && (job.gen_pos += len) == job.runs[job.gen_run].len) {
-      ++job.gen_run;
-      job.gen_pos = 0;
-    }
+    striper_.next();
+    job.gen_slot += s.len;
   }
   job.ops_generated = true;
   return true;
@@ -421,8 +343,7 @@ void Worker::finish_job(SlotJob& job) {
     transfer_op_done(t, job.status);  // a job is one pending unit of its transfer
   } else {
     if (!job.status.ok()) send_ack(*job.peer, job.request, job.status);
-    Peer& p = *job.peer;
-    if (--p.busy == 0 && p.disconnect_id) finish_disconnect(p);
+    end_work(*job.peer);
   }
   jobs_.erase(id);
   if (slot) {
@@ -452,7 +373,7 @@ void Worker::fail_jobs_of(Peer& p, const Status& why) {
 void Worker::poke_abandoned_jobs() {
   std::vector<uint64_t> ids;
   for (auto& [id, job] : jobs_)
-    if (job->transfer && job->transfer->reported && job->step() == Step::Request) ids.push_back(id);
+    if (job->transfer && job->transfer->reported() && job->step() == Step::Request) ids.push_back(id);
   for (uint64_t id : ids) {
     auto it = jobs_.find(id);
     if (it != jobs_.end()) advance(*it->second);

@@ -18,6 +18,7 @@
 #include "engine/copier.h"
 #include "engine/ops.h"
 #include "engine/runs.h"
+#include "engine/striper.h"
 #include "fabric/rail.h"
 
 namespace p2p::engine {
@@ -69,8 +70,8 @@ struct SlotJob final : OpOwner {
   // Progress.
   size_t ops_left = 0;
   bool ops_generated = false;
-  size_t gen_run = 0;
-  uint64_t gen_pos = 0, gen_slot = 0;
+  RunCursor gen;          // through runs (RmaRuns) or the slot (RmaSlot)
+  uint64_t gen_slot = 0;  // slot bytes taken by ops
   uint64_t ticket = 0;
   bool waiting_copy = false;  // in the worker's list of jobs with a copy in flight
   Status status;

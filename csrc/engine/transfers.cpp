@@ -12,8 +12,6 @@ void Transfer::op_done(Worker& worker, Op&, const Status& status) {
   worker.transfer_op_done(*this, status);
 }
 
-size_t Worker::pairs(const Peer& p) const { return std::max<size_t>(rails_.size(), p.remote_rails()); }
-
 void Worker::start(Transfer* raw) {
   Transfer& t = *raw;
   transfers_[t.id].reset(raw);
@@ -24,19 +22,21 @@ void Worker::start(Transfer* raw) {
     if (it == regions_.end() || it->second->closing)
       return fail(t, Status::error(ErrorKind::Closed, cat("region ", id, " was deregistered")));
     t.local.push_back(it->second);
-    t.staged |= it->second->staged;
+    if (it->second->staged) t.route = TransferRoute::Staged;
   }
-  for (const auto& r : t.remote) t.staged |= r->staged;
+  for (const auto& r : t.remote)
+    if (r->staged) t.route = TransferRoute::Staged;
   try {
     t.peer = peer_for(t.peer_address, Contact::Implicit);
   } catch (const Error& e) {
     return fail(t, Status::error(e.kind(), e.what()));
   }
   Peer& p = *t.peer;
-  occupy(p);
+  begin_work(p);
   if (p.failed()) return fail(t, p.failure);
   if (p.waits()) {
-    p.waiting.push_back(&t);  // the census comes with the peer's answer
+    t.enter(TransferState::WaitingForPeer);
+    p.waiting.push_back(&t);  // check_remote() needs the live regions its answer lists
     return;
   }
   if (Status s = check_remote(t); !s.ok()) return fail(t, std::move(s));
@@ -60,10 +60,8 @@ void Worker::ready_to_generate(Transfer& t) {
   if (start_ipc(t)) return;
   uint64_t total = 0;
   for (const Run& r : t.runs) total += r.len;
-  // Large runs are cut so that every rail pair carries a share; small runs stay whole and
-  // spread round-robin.
-  const uint64_t share = (total + pairs(*t.peer) - 1) / pairs(*t.peer);
-  t.chunk = std::clamp<uint64_t>(share, config_.min_chunk, config_.max_chunk);
+  t.chunk = striper_.chunk(total, Striper::pairs(rails_.size(), t.peer->remote_rails()));
+  t.enter(TransferState::Queued);
   t.queued = true;
   gen_queue_.push_back(&t);
 }
@@ -80,18 +78,18 @@ bool Worker::generate() {
   }
   while (!gen_queue_.empty()) {
     Transfer& t = *gen_queue_.front();
-    if (t.reported) {
+    if (t.reported()) {
       gen_queue_.pop_front();
       t.queued = false;
       maybe_free(t);
       continue;
     }
     // The direct path must not read memory before the caller's stream has written it.
-    if (t.cuda_event && !t.staged && !copier_->event_done(t.cuda_event)) break;
+    if (t.cuda_event && t.route != TransferRoute::Staged && !copier_->event_done(t.cuda_event)) break;
     Gen g;
     if (t.kind == TransferKind::Message) {
       g = generate_message(t);
-    } else if (t.staged) {
+    } else if (t.route == TransferRoute::Staged) {
       g = generate_staged(t);
     } else {
       g = generate_direct(t) ? Gen::Done : Gen::Blocked;
@@ -101,60 +99,41 @@ bool Worker::generate() {
     gen_queue_.pop_front();
     if (g == Gen::Parked) continue;  // moved to the slot waiters, still queued
     t.queued = false;
-    t.generated = true;
-    if (t.pending == 0) finish(t, t.status);
-    maybe_free(t);
+    t.enter(TransferState::Running);
+    advance(t);  // may free t
   }
   return any;
 }
 
-// NOTE: segments below this share an op (scatter-gather, up to the rail's max_iov): on the
-// GPU machine 256 random 64 KiB pages ran at 64% of one contiguous 16 MiB view over tcp, the
-// difference being per-op cost.
-constexpr uint64_t kGatherBelow = 256 << 10;
-
 bool Worker::generate_direct(Transfer& t) {
   Peer& p = *t.peer;
-  const size_t L = rails_.size(), R = p.remote_rails(), P = pairs(p);
+  const size_t L = rails_.size(), R = p.remote_rails();
   const OpKind kind = t.kind == TransferKind::Write ? OpKind::Write : OpKind::Read;
-  while (t.next_run < t.runs.size()) {
-    const size_t pair = rr_cursor_ % P;
-    const uint16_t lrail = static_cast<uint16_t>(pair % L), rrail = static_cast<uint16_t>(pair % R);
-    RailState& rs = rails_[lrail];
+  auto local = [&](uint32_t i) { return Extent{reinterpret_cast<uint64_t>(t.local[i]->ptr), t.local[i]->piece_bytes}; };
+  auto remote = [&](uint32_t i) { return Extent{0, t.remote[i]->piece_bytes}; };
+  while (!t.at.at_end(t.runs)) {
+    const RailPair pair = striper_.pair(L, R);
+    RailState& rs = rails_[pair.local];
     if (rs.pending.size() >= 2 * rs.depth) return false;
-    Op* op = new_op(kind, lrail, &t, &p);
+    Op* op = new_op(kind, pair.local, &t, &p);
     if (!op) return false;
-    op->dest = p.fi[lrail * R + rrail];
-    uint64_t op_bytes = 0;
-    // One large segment, or up to max_iov small ones from one local region.
-    while (t.next_run < t.runs.size() && op->niov < rs.rail->max_iov()) {
-      const Run& run = t.runs[t.next_run];
+    op->dest = p.fi[pair.address(R)];
+    Segment segs[kMaxIov];
+    const size_t n = Striper::fill(t.at, t.runs, local, remote, t.chunk, std::min(rs.rail->max_iov(), kMaxIov), segs);
+    for (size_t i = 0; i < n; ++i) {
+      const Segment& s = segs[i];
+      const Run& run = t.runs[s.run];
       const Region& lr = *t.local[run.lreg];
       const RemoteRegion& rr = *t.remote[run.rreg];
-      uint8_t* local = reinterpret_cast<uint8_t*>(run.local) + t.run_pos;
-      const uint64_t roff = run.remote + t.run_pos;
-      const size_t lpiece = lr.piece_of(local);
-      const uint64_t rpiece = roff / rr.piece_bytes;
-      // A segment never crosses a registration piece on either side.
-      uint64_t len = std::min<uint64_t>(run.len - t.run_pos, t.chunk);
-      len = std::min<uint64_t>(len, lr.ptr + (lpiece + 1) * lr.piece_bytes - local);
-      len = std::min<uint64_t>(len, (rpiece + 1) * rr.piece_bytes - roff);
-      if (op->niov > 0 && (len >= kGatherBelow || op_bytes + len > t.chunk || op->region != &lr)) break;
+      const size_t rkey = mr_index(s.rpiece, R, pair.remote);
       op->region = t.local[run.lreg].get();
       op->device = lr.cuda_device >= 0;
-      op->add(local, len, lr.mrs[lpiece * L + lrail].desc,
-              rr.base[rpiece * R + rrail] + (roff - rpiece * rr.piece_bytes), rr.key[rpiece * R + rrail]);
-      op_bytes += len;
-      t.run_pos += len;
-      if (t.run_pos == run.len) {
-        ++t.next_run;
-        t.run_pos = 0;
-      }
-      if (len >= kGatherBelow) break;
+      op->add(reinterpret_cast<uint8_t*>(run.local + s.offset), s.len, lr.mrs[mr_index(s.lpiece, L, pair.local)].desc,
+              rr.base[rkey] + s.rpiece_offset, rr.key[rkey]);
     }
     rs.pending.push_back(op);
     ++t.pending;
-    ++rr_cursor_;
+    striper_.next();
   }
   return true;
 }
@@ -196,33 +175,41 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
     const bool telling = status.kind == ErrorKind::Peer || status.kind == ErrorKind::Remote;
     t.held = telling && t.peer && !t.peer->failed();
   }
-  if (!t.status.ok() && !t.reported) {
-    if (!t.held) finish(t, t.status);  // fail fast; what is still in flight drains in the background
-  } else if (t.generated && t.pending == 0) {
-    if (t.status.ok() && t.kind == TransferKind::Message && !t.acked) {
-      t.fencing = true;  // sent, not yet acknowledged (acknowledged())
+  advance(t);
+}
+
+// Does what the transfer's facts call for next (Transfer::next_step); t may be gone after.
+void Worker::advance(Transfer& t) {
+  switch (t.next_step(needs_fence(t))) {
+    case TransferStep::Wait:
+      break;
+    case TransferStep::AwaitAck:  // sent, not yet acknowledged (acknowledged())
+      t.enter(TransferState::AwaitingAck);
       return;
-    }
-    if (t.status.ok() && !t.fenced && needs_fence(t)) return fence(t);
-    finish(t, t.status);
+    case TransferStep::Fence:
+      t.enter(TransferState::AwaitingAck);  // a failing peer or the deadline fails it meanwhile
+      send_fence(t);
+      return;
+    case TransferStep::Report:
+      finish(t, t.status);
+      break;
   }
   maybe_free(t);
 }
 
 // NOTE: shm's CUDA IPC path (libfabric 2.6) completes an RMA once the target has queued its
-// cudaMemcpy, which CUDA runs asynchronously for device-to-device copies. Measured on the
-// GPU machine, 256 MiB at a time: at completion 25-58% of a read had landed, and a writer
-// reusing its buffer at once changed 28-77% of what the target got (libfabric issue 11231 is
-// the same bug). So the transfer completes only when the peer answers a Fence, which it does
+// cudaMemcpy, which CUDA runs asynchronously for device-to-device copies. On the GPU
+// machine, 256 MiB at a time, 25-58% of a read has landed at its completion, and a writer
+// reusing its buffer at once changes 28-77% of what the target gets (libfabric issue 11231). So the transfer completes only when the peer answers a Fence, which it does
 // once the copies its provider queued before it are done; the Fence comes after the RMA in
 // the peer's command queue.
 bool Worker::needs_fence(const Transfer& t) const {
-  if (t.kind == TransferKind::Message || t.staged || t.ipc || !rails_[0].rail->cuda_ipc()) return false;
+  if (t.kind == TransferKind::Message || t.route != TransferRoute::Direct || !rails_[0].rail->cuda_ipc()) return false;
+  if (t.runs.empty()) return false;  // nothing was written
   return std::any_of(t.local.begin(), t.local.end(), [](const auto& r) { return r->cuda_device >= 0; });
 }
 
-void Worker::fence(Transfer& t) {
-  t.fenced = t.fencing = true;  // stays in transfers_: a failing peer or the deadline fails it
+void Worker::send_fence(Transfer& t) {
   ByteWriter w = message(MsgType::Fence, *t.peer);
   w.put(t.id);
   send_control(*t.peer, std::move(w));
@@ -257,37 +244,35 @@ void Worker::acknowledged(Peer& p, uint64_t transfer) {
   if (it == transfers_.end() || it->second->peer != &p) return;
   Transfer& t = *it->second;
   t.acked = true;
-  if (!t.fencing) return;  // a message whose own send completion comes later
-  t.fencing = false;
-  finish(t, t.status);
-  maybe_free(t);
+  // A message's acknowledgement may come before its own send completion, which then moves it.
+  if (t.state == TransferState::AwaitingAck) advance(t);
 }
 
 void Worker::finish(Transfer& t, Status status) {
-  if (t.reported) return;
+  if (t.reported()) return;
   if (t.status.ok() && !status.ok()) t.status = std::move(status);
   Peer* p = t.peer;
   const bool peer_alive = p && !p->failed();
-  if (t.notify && !t.notify_sent && peer_alive) {
+  if (t.notify && t.state != TransferState::Notifying && peer_alive) {
     // The receiver's notification completes with this status. On success the future waits
     // for the notice to leave, so "future done" implies "notice sent".
-    t.notify_sent = true;
     ByteWriter w = message(MsgType::Notify, *p);
     w.put(t.tag);
     w.put(static_cast<uint8_t>(t.status.kind));
     w.put_bytes(t.status.message);
     if (t.status.ok()) {
+      t.enter(TransferState::Notifying);
       ++t.pending;
       send_control(*p, std::move(w), &t);
       return;
     }
     send_control(*p, std::move(w));
   }
-  if (p) {
+  if (p && t.state == TransferState::WaitingForPeer) {
     auto& w = p->waiting;
     w.erase(std::remove(w.begin(), w.end(), &t), w.end());
   }
-  t.reported = true;
+  t.enter(TransferState::Reported);
   report(t.id, t.status);
 }
 
@@ -297,13 +282,13 @@ void Worker::fail(Transfer& t, Status status) {
 }
 
 void Worker::maybe_free(Transfer& t) {
-  if (!t.reported || t.pending > 0 || t.queued) return;
+  if (!t.reported() || t.pending > 0 || t.queued) return;
   if (t.cuda_event) copier_->release_event(t.cuda_event);
   Peer* p = t.peer;
   transfers_.erase(t.id);  // t is gone from here on
   if (!p) return;
   if (!p->to_release.empty()) release_regions(*p);
-  if (--p->busy == 0 && p->disconnect_id) finish_disconnect(*p);
+  end_work(*p);
 }
 
 }  // namespace p2p::engine

@@ -5,7 +5,7 @@
 //  - Python threads call only post(), call() and the const accessors of facts fixed at
 //    start-up (address, provider, rails). Everything else runs on the worker thread.
 //  - The worker never takes the GIL: results leave through the CompletionQueue.
-//  - The loop, after the seed program: read every rail's CQ in batches, advance what the
+//  - The loop: read every rail's CQ in batches (Rail::drain), advance what the
 //    completions unblocked, turn queued transfers into ops (bounded by the op pool), post
 //    them in batches with FI_MORE (lazy posting: requeue at the front on -FI_EAGAIN), check
 //    timers; sleep on the CQ wait fds (or back off) only after spin_us without work.
@@ -28,8 +28,12 @@
 #include "engine/copier.h"
 #include "engine/messages.h"
 #include "engine/ops.h"
+#include "engine/peer.h"
 #include "engine/rail_driver.h"
+#include "engine/region.h"
 #include "engine/runs.h"
+#include "engine/striper.h"
+#include "engine/transfer.h"
 #include "fabric/info.h"
 #include "fabric/rail.h"
 #include "ipc/route.h"
@@ -70,118 +74,8 @@ struct RailFacts {
   bool wait_fd;
 };
 
-// A registered storage, as the worker knows it. Transfers hold it; so do ops orphaned by a
-// dead peer until their provider gives them back, so its registrations (and the tensor,
-// which the engine keeps until then) outlive every operation that may touch the memory.
-struct Region : std::enable_shared_from_this<Region> {
-  uint64_t id = 0;
-  uint8_t* ptr = nullptr;
-  uint64_t nbytes = 0;
-  int cuda_device = -1;
-  uint8_t access = 0;   // Access bits granted to peers
-  bool staged = false;  // not registered with the NICs: peers go through the owner's slots
-  bool exported = false;  // for CUDA IPC: same-host peers may have it mapped
-  uint64_t piece_bytes = 0;
-  std::vector<fabric::MrHandle> mrs;  // [piece * rails + rail]
-  bool closing = false;
-
-  size_t piece_of(const uint8_t* p) const { return (p - ptr) / piece_bytes; }
-};
-
-struct Peer;
-struct Transfer;
 struct SlotJob;
 struct Slot;
-
-enum class TransferKind : uint8_t { Write, Read, Message };
-
-// What generating a queued transfer achieved this turn.
-enum class Gen : uint8_t {
-  Done,     // every op or job exists
-  Blocked,  // out of ops or queue room: retry next turn, keep the queue's order
-  Parked,   // waiting for a staging slot: moved to the slot waiters
-};
-
-// One call of write_slices / read_slices / send. Created by the engine on a Python thread,
-// owned by the worker from post() on.
-struct Transfer final : OpOwner {
-  uint64_t id = 0;
-  TransferKind kind = TransferKind::Write;
-  std::string peer_address;
-  std::vector<uint64_t> local_ids;  // resolved into `local` by the worker
-  std::vector<std::shared_ptr<const RemoteRegion>> remote;
-  std::vector<Run> runs;
-  std::string payload;  // Message
-  bool notify = false;
-  uint32_t tag = 0;
-  void* cuda_event = nullptr;  // the caller's stream work this transfer must follow
-  double timeout_s = 0;
-
-  // Worker state.
-  Peer* peer = nullptr;
-  std::vector<std::shared_ptr<Region>> local;
-  double deadline = 0;
-  bool staged = false;
-  bool ipc = false;  // one copy on the IPC route (csrc/ipc) instead of ops
-  uint64_t chunk = 0;
-  size_t next_run = 0;
-  uint64_t run_pos = 0;
-  size_t pending = 0;      // ops or slot jobs not finished
-  bool generated = false;  // every op or job has been created
-  bool queued = false;     // in the generation queue
-  bool reported = false;   // the future has its result
-  bool notify_sent = false;
-  bool fenced = false;   // a Fence went to the peer (fence())
-  bool fencing = false;  // its FenceAck (or a message's UserAck) is still due
-  bool acked = false;    // a message the receiver has acknowledged
-  bool held = false;     // failed; the caller hears once a check of the peer tells whether it
-                         // restarted (check()), which then is the error reported
-  Status status;
-
-  void op_done(Worker& worker, Op& op, const Status& status) override;
-  bool abandoned() const override { return reported; }
-};
-
-enum class PeerState : uint8_t { Connecting, Ready, Dead, Left };
-
-struct Peer {
-  EngineAddress address;
-  std::string address_bytes;
-  uint64_t incarnation = 0;
-  PeerState state = PeerState::Connecting;
-  Status failure;                // why Dead or Left
-  std::vector<fi_addr_t> fi;     // [local rail * remote rails + remote rail]
-  double last_heard = 0;            // its last sign of life, or when we began waiting on it (occupy())
-  double connect_deadline = 0;
-  // A HELLO to a Ready peer whose silence or failed op needs explaining. New transfers wait
-  // for the answer, as while Connecting; a different incarnation answering means it restarted.
-  bool checking = false;
-  double check_deadline = 0;
-  int hello_failures = 0;          // HELLOs lost to a connection being torn down, in a row
-  double hello_again = 0;          // when to send the next one, 0 = none due
-  bool confirmed = false;          // it answered from these rails: its address is settled
-  std::vector<uint64_t> connect_waiters;
-  std::vector<Transfer*> waiting;  // until Ready
-  size_t busy = 0;                 // transfers, jobs and messages involving it
-  uint64_t disconnect_id = 0;
-  uint32_t next_message = 0;
-  bool revivable = false;          // left by our own disconnect(): a later use reconnects
-  bool closed = false;             // its engine closed (on_bye()): never contact it again
-  int pidfd = -1;                  // same-host peers we map: their process, to see it exit
-  std::unordered_set<uint64_t> closed_regions;  // its regions it told us it deregistered
-  std::unordered_set<uint64_t> to_release;      // of those, the ones we still owe a release
-  // Its live regions when it introduced itself: ids up to census_last not listed were gone.
-  uint64_t census_last = 0;
-  std::vector<std::pair<uint64_t, uint64_t>> census_live;  // sorted id ranges, inclusive
-
-  bool region_gone(uint64_t id) const;
-  std::unordered_map<uint32_t, std::string> partial;  // user messages being reassembled
-  std::unordered_map<uint32_t, uint64_t> unacked;     // our messages to it: id -> transfer
-
-  uint16_t remote_rails() const { return static_cast<uint16_t>(address.rails.size()); }
-  bool failed() const { return state == PeerState::Dead || state == PeerState::Left; }
-  bool waits() const { return state == PeerState::Connecting || checking; }  // new transfers wait
-};
 
 class Worker {
  public:
@@ -233,7 +127,7 @@ class Worker {
   // Used by op owners (worker thread).
   void transfer_op_done(Transfer& t, const Status& status);
   bool needs_fence(const Transfer& t) const;
-  void fence(Transfer& t);
+  void send_fence(Transfer& t);
   void on_fence(Peer& p, ByteReader& r);
   void acknowledged(Peer& p, uint64_t transfer);
   void poll_fences();
@@ -260,27 +154,32 @@ class Worker {
     double deadline;  // 0 = none
   };
 
-  // worker.cpp: thread, loop, completions, posting, timers, shutdown.
+  // worker.cpp: thread, loop, timers, shutdown.
   void run(std::promise<void>& ready);
+  bool drain_commands();
+  void tick();
+  void idle_wait();
+  void shutdown();
+
+  // worker_open.cpp: start-up.
   void open(std::promise<void>& ready);
   void probe_hmem();
-  bool drain_commands();
-  bool poll_rails();
-  void on_completion(Op* op, size_t len);
-  void on_error(RailState& rs);
-  void op_failed(Op* op, int err, int prov_errno, const std::string& message);
   void start_drivers();
+
+  // worker_ops.cpp: completions, posting.
+  bool poll_rails();
+  bool drain_cq(fabric::Rail& rail, int rounds);  // Rail::drain, ops completing here
+  void on_completion(Op* op, size_t len);
+  void op_failed(Op* op, int err, int prov_errno, const std::string& message);
   void complete_op(Op* op, const Status& status);
   bool post_ops();
   bool usable(Op* op);
   bool hand_over(RailState& rs);
   bool send_forgets();
-  void tick();
-  void idle_wait();
-  void shutdown();
   void post_receive(Op* op);
+  Op* new_op(OpKind kind, uint16_t rail, OpOwner* owner, Peer* peer);
 
-  // ipc.cpp: the same-host CUDA IPC route's hooks (csrc/ipc does the work).
+  // ipc/worker_hooks.cpp: the same-host CUDA IPC route's hooks (csrc/ipc does the work).
   void open_ipc();
   bool ipc_reaches(const EngineAddress& a) const;
   bool start_ipc(Transfer& t);
@@ -297,51 +196,60 @@ class Worker {
   void finish(Transfer& t, Status status);
   void fail(Transfer& t, Status status);
   void maybe_free(Transfer& t);
+  void advance(Transfer& t);
   void ready_to_generate(Transfer& t);
-  size_t pairs(const Peer& p) const;
-  Op* new_op(OpKind kind, uint16_t rail, OpOwner* owner, Peer* peer);
+  Status check_remote(const Transfer& t) const;
 
-  // peers.cpp: connection, control messages, user messages, notifications, failure.
+  // peers.cpp: connection, disconnection, liveness checks, failure.
   // How an address reached peer_for(): a transfer's handle, connect(), or the process's own HELLO.
   enum class Contact : uint8_t { Implicit, Connect, Introduction };
   Peer* peer_for(const std::string& address_bytes, Contact how);
   void readdress(Peer& p, EngineAddress a, const std::string& address_bytes);
+  void revive(Peer& p);
   void send_hello(Peer& p);
+  void on_hello(const MsgHeader& h, ByteReader& r, bool ack);
+  void on_hello_failed(Peer& p, int err, int prov_errno, const Status& status);
+  void peer_ready(Peer& p);
+  ByteWriter bye(const Peer& to, bool closing) const;
+  void on_bye(Peer& p, bool closing);
+  void finish_disconnect(Peer& p);
+  void fail_peer(Peer& p, Status why, PeerState state = PeerState::Dead);
+  void check_peers();
+  void check(Peer& p, double deadline);
+  void begin_work(Peer& p);
+  void end_work(Peer& p);
+
+  // control.cpp: the control channel.
+  ByteWriter message(MsgType type, const Peer& to) const;
   // farewell: sent even though the peer is already marked Left (a BYE).
   void send_control(Peer& p, ByteWriter&& w, OpOwner* owner = nullptr, bool farewell = false);
   bool flush_outbox();
   void on_message(const char* data, size_t len);
-  ByteWriter bye(const Peer& to, bool closing) const;
-  void on_bye(Peer& p, bool closing);
-  void on_hello(const MsgHeader& h, ByteReader& r, bool ack);
-  void peer_ready(Peer& p);
-  void fail_peer(Peer& p, Status why, PeerState state = PeerState::Dead);
+
+  // user_messages.cpp: user messages and notifications received.
   void on_user(Peer& p, ByteReader& r);
   void on_user_ack(Peer& p, ByteReader& r);
   void on_notify(ByteReader& r);
-  void deliver_user(Peer& p, std::string payload);
-  void finish_disconnect(Peer& p);
-  void revive(Peer& p);
-  void check_peers();
-  void occupy(Peer& p);
-  void check(Peer& p, double deadline);
-  void on_hello_failed(Peer& p, int err, int prov_errno, const Status& status);
+
+  // registration.cpp: regions closing, peers' regions closed.
   void on_region_closed(Peer& p, uint64_t region);
-  void put_census(ByteWriter& w) const;
-  void read_census(Peer& p, ByteReader& r);
-  Status check_remote(const Transfer& t) const;
+  void put_live_regions(ByteWriter& w) const;
+  void read_live_regions(Peer& p, ByteReader& r);
   void finish_closing();
   void release_regions(Peer& p);
-  ByteWriter message(MsgType type, const Peer& to) const;
 
-  // staging.cpp: slots, the staged path on both sides.
+  // slots.cpp: the staging slot pool.
   void ensure_slots();
+  Slot* take_slot(bool serve);
+  void give_slot(Slot* slot);
+  void rekey(Slot& slot);
+
+  // staging.cpp: the staged path on both sides.
   Gen generate_staged(Transfer& t);
   void start_job(SlotJob& job);
   uint64_t start_copy(SlotJob& job, bool pack);
   void send_request(SlotJob& job);
   void send_ack(Peer& p, uint64_t request, const Status& status);
-  void rekey(Slot& slot);
   size_t request_run_limit(const Peer& p) const;
   void poke_abandoned_jobs();
   void advance(SlotJob& job);
@@ -350,8 +258,6 @@ class Worker {
   void on_stage_request(Peer& p, ByteReader& r);
   void on_stage_ack(ByteReader& r);
   void poll_copies();
-  Slot* take_slot(bool serve);
-  void give_slot(Slot* slot);
   void fail_jobs_of(Peer& p, const Status& why);
 
   WorkerConfig config_;
@@ -404,7 +310,7 @@ class Worker {
   std::unordered_map<uint64_t, std::unique_ptr<Peer>> peers_;  // by incarnation
   std::unordered_map<uint64_t, std::unique_ptr<Transfer>> transfers_;
   Ring<Transfer*> gen_queue_;
-  uint64_t rr_cursor_ = 0;
+  Striper striper_{config_.min_chunk, config_.max_chunk};
   std::vector<std::pair<std::string, std::string>> inbox_;  // (address, payload) unclaimed
   std::vector<Waiter> recv_waiters_;
   struct NotifyState {
@@ -415,13 +321,13 @@ class Worker {
   double next_tick_ = 0;
   double idle_since_ = 0;
 
-  // The IPC route (ipc.cpp), null where it is off or impossible.
+  // The IPC route (ipc/worker_hooks.cpp), null where it is off or impossible.
   std::unique_ptr<ipc::Route> ipc_;
   std::string host_;
   std::vector<std::pair<uint64_t, uint64_t>> ipc_copies_;  // (ticket, transfer id), in order
   std::unordered_map<uint64_t, std::string> no_ipc_;  // peers whose mapping failed: why
 
-  // Staging (staging.cpp).
+  // Staging (slots.cpp, staging.cpp).
   std::unique_ptr<Copier> copier_;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<Slot*> free_slots_[2];  // [serve]

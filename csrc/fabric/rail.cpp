@@ -47,7 +47,7 @@ bool wants_cuda_ipc(const std::string& prov) {
 
 // NOTE: shm names an endpoint's shared-memory file after the process id ("<pid>:<uid>:<n>" in
 // /dev/shm), and a process killed with SIGKILL leaves its file behind: a later process that
-// gets the same pid could not open its endpoint (fi_enable: FI_EBUSY, seen in CI). Our own
+// gets the same pid cannot open its endpoint (fi_enable: FI_EBUSY). Our own
 // name carries 64 random bits.
 void name_shm_endpoint(fi_info* info) {
   if (std::string(info->fabric_attr->prov_name) != "shm" || info->addr_format != FI_ADDR_STR) return;

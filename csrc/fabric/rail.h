@@ -1,5 +1,5 @@
 // Rail: one NIC (libfabric domain) with its own fabric, domain, completion queue, address
-// vector, event queue and RDM endpoint, as in the seed program: a NIC is a small struct.
+// vector, event queue and RDM endpoint: a NIC is a small struct.
 //
 // Thread model: a Rail is created, used and destroyed by one worker thread only. The domain
 // is opened FI_THREAD_DOMAIN, so nothing here locks and no other thread may touch it, memory
@@ -12,9 +12,12 @@
 #include <rdma/fi_rma.h>
 #include <sys/uio.h>
 
+#include <rdma/fi_errno.h>
+
 #include <string>
 #include <unordered_map>
 
+#include "common/log.h"
 #include "fabric/info.h"
 
 namespace p2p::fabric {
@@ -73,6 +76,12 @@ class Rail {
   ssize_t poll(fi_cq_data_entry* entries, size_t n);
   // Reads the next error entry; the message names the libfabric and provider error.
   bool read_error(fi_cq_err_entry& entry, std::string& message);
+  // The completion-queue loop of the worker and of the rail threads: reads completions in
+  // batches, up to `rounds` batches (fewer once one comes back short). on_done(op_context, len)
+  // for each completion of an op of ours (peers' RMA into our memory, remote CQ data, names
+  // none); on_error(entry, message) for each error entry. Returns whether anything was read.
+  template <typename OnDone, typename OnError>
+  bool drain(int rounds, OnDone&& on_done, OnError&& on_error);
 
   int wait_fd() const { return wait_fd_; }
   // True when nothing is pending and sleeping on wait_fd() cannot miss an event.
@@ -100,5 +109,32 @@ class Rail {
   };
   std::unordered_map<std::string, AvEntry> av_entries_;
 };
+
+template <typename OnDone, typename OnError>
+bool Rail::drain(int rounds, OnDone&& on_done, OnError&& on_error) {
+  constexpr size_t kBatch = 64;
+  fi_cq_data_entry entries[kBatch];
+  bool any = false;
+  for (int round = 0; round < rounds; ++round) {
+    const ssize_t n = poll(entries, kBatch);
+    if (n == -FI_EAVAIL) {
+      fi_cq_err_entry err;
+      std::string message;
+      if (read_error(err, message)) on_error(err, message);
+      any = true;
+      continue;
+    }
+    if (n < 0) {
+      P2P_LOG(Error, "fi_cq_read on ", domain_name(), ": ", fi_error_name(-n));
+      break;
+    }
+    for (ssize_t i = 0; i < n; ++i)
+      if (!(entries[i].flags & (FI_REMOTE_WRITE | FI_REMOTE_READ)) && entries[i].op_context)
+        on_done(entries[i].op_context, entries[i].len);
+    any |= n > 0;
+    if (n < static_cast<ssize_t>(kBatch)) break;
+  }
+  return any;
+}
 
 }  // namespace p2p::fabric

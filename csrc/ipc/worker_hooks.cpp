@@ -56,7 +56,8 @@ bool Worker::start_ipc(Transfer& t) {
   std::vector<const RemoteRegion*> regions;
   for (const auto& r : t.remote) regions.push_back(r.get());
   const uint64_t ticket = ipc_->copy(p.incarnation, regions, t.runs, t.kind == TransferKind::Write, t.cuda_event);
-  t.ipc = t.generated = true;
+  t.route = TransferRoute::Ipc;
+  t.enter(TransferState::Running);
   ++t.pending;
   ipc_copies_.push_back({ticket, t.id});
   return true;

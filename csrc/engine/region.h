@@ -1,0 +1,28 @@
+// Region: a storage registered with this engine, as the worker knows it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "fabric/rail.h"
+
+namespace p2p::engine {
+
+// Transfers hold it; so do ops orphaned by a dead peer until their provider gives them back,
+// so its registrations (and the tensor, which the engine keeps until then) outlive every
+// operation that may touch the memory.
+struct Region : std::enable_shared_from_this<Region> {
+  uint64_t id = 0;
+  uint8_t* ptr = nullptr;
+  uint64_t nbytes = 0;
+  int cuda_device = -1;
+  uint8_t access = 0;     // Access bits granted to peers
+  bool staged = false;    // not registered with the NICs: peers go through the owner's slots
+  bool exported = false;  // for CUDA IPC: same-host peers may have it mapped
+  uint64_t piece_bytes = 0;
+  std::vector<fabric::MrHandle> mrs;  // [piece * rails + rail] (mr_index)
+  bool closing = false;
+};
+
+}  // namespace p2p::engine

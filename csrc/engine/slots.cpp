@@ -1,0 +1,74 @@
+// The staging slot pool: pinned host memory registered with every rail, half for transfers
+// this engine starts, half for serving peers (staging.h says why).
+#include <rdma/fi_domain.h>
+
+#include <algorithm>
+
+#include "common/log.h"
+#include "engine/staging.h"
+#include "engine/worker.h"
+
+namespace p2p::engine {
+namespace {
+
+constexpr uint64_t kSlotAccess = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
+
+}  // namespace
+
+void Worker::ensure_slots() {
+  if (!slots_.empty()) return;
+  const uint64_t slot_bytes = slot_size(config_.slot_bytes);
+  const size_t n = std::max<size_t>(2, config_.staging_bytes / slot_bytes);
+  const uint64_t span_bytes = round_page(kMaxJobRuns * sizeof(CopySpan));
+  auto* base = static_cast<uint8_t*>(copier_->alloc_pinned(n * (slot_bytes + span_bytes)));
+  slot_memory_ = base;
+  for (size_t i = 0; i < n; ++i) {
+    auto slot = std::make_unique<Slot>();
+    slot->ptr = base + i * slot_bytes;
+    slot->bytes = slot_bytes;
+    slot->spans = reinterpret_cast<CopySpan*>(base + n * slot_bytes + i * span_bytes);
+    slot->serve = i >= n / 2;
+    for (auto& rs : rails_) slot->mrs.push_back(rs.rail->register_memory(slot->ptr, slot_bytes, kSlotAccess, -1));
+    free_slots_[slot->serve].push_back(slot.get());
+    slots_.push_back(std::move(slot));
+  }
+  P2P_LOG(Info, "staging: ", n, " slots of ", slot_bytes, " bytes (", n - n / 2, " for serving peers)");
+}
+
+Slot* Worker::take_slot(bool serve) {
+  auto& free = free_slots_[serve];
+  if (free.empty()) return nullptr;
+  Slot* slot = free.back();
+  free.pop_back();
+  return slot;
+}
+
+void Worker::give_slot(Slot* slot) {
+  free_slots_[slot->serve].push_back(slot);
+  if (slot->serve) {
+    while (!serve_queue_.empty() && !free_slots_[1].empty()) {
+      auto it = jobs_.find(serve_queue_.front());
+      serve_queue_.pop_front();
+      if (it == jobs_.end()) continue;  // its peer failed while it waited
+      it->second->slot = take_slot(true);
+      start_job(*it->second);
+    }
+    return;
+  }
+  // A transfer parked for want of a slot resumes ahead of newer ones.
+  if (!slot_waiters_.empty()) {
+    gen_queue_.push_front(slot_waiters_.front());
+    slot_waiters_.pop_front();
+  }
+}
+
+// A slot whose job failed with its peer unreachable may still be named in a peer's posted
+// RMA; a new key makes the provider refuse it.
+void Worker::rekey(Slot& slot) {
+  for (size_t r = 0; r < rails_.size(); ++r) {
+    rails_[r].rail->deregister(slot.mrs[r]);
+    slot.mrs[r] = rails_[r].rail->register_memory(slot.ptr, slot.bytes, kSlotAccess, -1);
+  }
+}
+
+}  // namespace p2p::engine

@@ -1,0 +1,115 @@
+// Transfer: one call of write_slices / read_slices / send, and its life as a state machine.
+//
+// The engine creates it on a Python thread; from Worker::post() on, only the worker touches
+// it. Its life is one TransferState, moved forward by Worker::advance(Transfer&), which does
+// what next_step() decides from the transfer's facts, and by Worker::finish(), which gives
+// the future its result from any state.
+//
+//   New -> WaitingForPeer -> Queued -> Running -> AwaitingAck -> Notifying -> Reported
+//
+// Any state may end in Reported (a failure, the deadline, cancel()); WaitingForPeer and
+// Queued are skipped where there is nothing to wait for, AwaitingAck and Notifying where no
+// fence, acknowledgement or notification is due.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "engine/address.h"
+#include "engine/ops.h"
+#include "engine/region.h"
+#include "engine/runs.h"
+#include "engine/striper.h"
+
+namespace p2p::engine {
+
+struct Peer;
+
+enum class TransferKind : uint8_t { Write, Read, Message };
+
+// How its bytes move, decided once its regions and its peer are known.
+enum class TransferRoute : uint8_t {
+  Direct,  // RMA between registered memory
+  Staged,  // through pinned slots (staging.cpp): one side's memory is not registered
+  Ipc,     // one CUDA IPC copy (csrc/ipc), no ops
+};
+
+enum class TransferState : uint8_t {
+  New,             // made by the engine; the worker has not looked at it yet
+  WaitingForPeer,  // its peer is connecting or being checked (in Peer::waiting)
+  Queued,          // in the generation queue, or parked there for a staging slot
+  Running,         // every op or job exists (or the IPC copy is queued)
+  AwaitingAck,     // its ops are done; the peer's FenceAck, or a message's UserAck, is due
+  Notifying,       // it succeeded; the future completes once the Notify to the receiver leaves
+  Reported,        // the future has its result; freed once no op, job or queue refers to it
+};
+const char* name(TransferState state);
+
+// What advance() does next.
+enum class TransferStep : uint8_t {
+  Wait,      // nothing until more completes or arrives
+  AwaitAck,  // a message is out: wait for the receiver's acknowledgement
+  Fence,     // send a Fence, and wait for its answer
+  Report,    // the result is known: finish()
+};
+const char* name(TransferStep step);
+
+// What generating a queued transfer achieved this turn.
+enum class Gen : uint8_t {
+  Done,     // every op or job exists
+  Blocked,  // out of ops or queue room: retry next turn, keep the queue's order
+  Parked,   // waiting for a staging slot: moved to the slot waiters
+};
+
+struct Transfer final : OpOwner {
+  // The call, as the engine made it.
+  uint64_t id = 0;
+  TransferKind kind = TransferKind::Write;
+  std::string peer_address;
+  std::vector<uint64_t> local_ids;  // resolved into `local` by the worker
+  std::vector<std::shared_ptr<const RemoteRegion>> remote;
+  std::vector<Run> runs;
+  std::string payload;  // Message
+  bool notify = false;  // the receiver hears of the end (notification(tag))
+  uint32_t tag = 0;
+  void* cuda_event = nullptr;  // the caller's stream work this transfer must follow
+  double timeout_s = 0;
+
+  // Worker state.
+  TransferState state = TransferState::New;
+  TransferRoute route = TransferRoute::Direct;
+  Peer* peer = nullptr;
+  std::vector<std::shared_ptr<Region>> local;
+  double deadline = 0;
+  uint64_t chunk = 0;
+  RunCursor at;        // how far generation has come
+  size_t pending = 0;  // ops, slot jobs or IPC copies not finished (the Notify too)
+  Status status;       // the first failure, if any
+  // Facts that are not steps of its life, so not states:
+  //  - queued: the generation queue (or the slot waiters) holds a pointer to it. That pointer
+  //    outlives Queued: a transfer reported while queued leaves the queue only when generate()
+  //    reaches it, and must not be freed before.
+  //  - held: it failed, but the caller hears only once a check of the peer tells whether the
+  //    peer restarted (check()), which is then the error reported. A hold begins in whichever
+  //    state an op fails (Queued, Running, Notifying) and that state must be kept.
+  //  - acked: the peer acknowledged it. A message's UserAck may arrive before the send's own
+  //    completion, that is, before the transfer reaches AwaitingAck.
+  bool queued = false;
+  bool held = false;
+  bool acked = false;
+
+  bool reported() const { return state == TransferState::Reported; }
+  // Decides advance()'s next move; needs_fence: the peer must confirm that the provider's
+  // copies are done (Worker::needs_fence).
+  TransferStep next_step(bool needs_fence) const;
+  // Moves to `to`; a move the diagram above does not allow is a bug (asserted).
+  void enter(TransferState to);
+
+  void op_done(Worker& worker, Op& op, const Status& status) override;
+  bool abandoned() const override { return reported(); }
+};
+
+}  // namespace p2p::engine

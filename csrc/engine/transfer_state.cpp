@@ -1,0 +1,66 @@
+// Transfer's state machine, apart from the worker: what may follow what, and what comes next.
+#include "engine/transfer.h"
+
+namespace p2p::engine {
+
+const char* name(TransferState state) {
+  switch (state) {
+    case TransferState::New: return "New";
+    case TransferState::WaitingForPeer: return "WaitingForPeer";
+    case TransferState::Queued: return "Queued";
+    case TransferState::Running: return "Running";
+    case TransferState::AwaitingAck: return "AwaitingAck";
+    case TransferState::Notifying: return "Notifying";
+    case TransferState::Reported: return "Reported";
+  }
+  return "?";
+}
+
+const char* name(TransferStep step) {
+  switch (step) {
+    case TransferStep::Wait: return "Wait";
+    case TransferStep::AwaitAck: return "AwaitAck";
+    case TransferStep::Fence: return "Fence";
+    case TransferStep::Report: return "Report";
+  }
+  return "?";
+}
+
+TransferStep Transfer::next_step(bool needs_fence) const {
+  using S = TransferState;
+  if (state == S::Reported) return TransferStep::Wait;
+  // Fail fast: what is still in flight drains in the background. A held failure waits for
+  // the check of the peer (peer_ready() or fail_peer() reports it).
+  if (!status.ok()) return held ? TransferStep::Wait : TransferStep::Report;
+  switch (state) {
+    case S::Running:
+      if (pending > 0) return TransferStep::Wait;
+      if (kind == TransferKind::Message && !acked) return TransferStep::AwaitAck;
+      return needs_fence ? TransferStep::Fence : TransferStep::Report;
+    case S::AwaitingAck:
+      return acked ? TransferStep::Report : TransferStep::Wait;
+    case S::Notifying:
+      return pending > 0 ? TransferStep::Wait : TransferStep::Report;
+    default:  // nothing done yet can finish it
+      return TransferStep::Wait;
+  }
+}
+
+void Transfer::enter(TransferState to) {
+  using S = TransferState;
+  bool allowed = false;
+  switch (to) {
+    case S::New: allowed = false; break;
+    case S::WaitingForPeer: allowed = state == S::New; break;
+    case S::Queued: allowed = state == S::New || state == S::WaitingForPeer; break;
+    case S::Running: allowed = state == S::New || state == S::WaitingForPeer || state == S::Queued; break;
+    case S::AwaitingAck: allowed = state == S::Running; break;
+    case S::Notifying: allowed = state == S::Running || state == S::AwaitingAck; break;
+    case S::Reported: allowed = state != S::Reported; break;
+  }
+  if (!allowed) throw_error(ErrorKind::Generic, cat("internal error: transfer ", id, " cannot go from ", name(state),
+                                                    " to ", name(to)), __FILE__, __LINE__);
+  state = to;
+}
+
+}  // namespace p2p::engine
