@@ -283,7 +283,7 @@ bool Worker::generate_job_ops(SlotJob& job) {
   // (serving) or the runs of a directly registered region.
   const bool to_slot = job.step() == Step::RmaSlot;
   const Run whole_slot{0, 0, job.bytes, 0, 0};
-  const std::span<const Run> runs = to_slot ? std::span<const Run>(&whole_slot, 1) : std::span<const Run>(job.runs);
+  const RunView runs = to_slot ? RunView(&whole_slot, 1) : RunView(job.runs);
   auto remote = [&](uint32_t i) { return to_slot ? Extent{} : Extent{0, job.transfer->remote[i]->piece_bytes}; };
   while (!job.gen.at_end(runs)) {
     const RailPair pair = striper_.pair(L, R);

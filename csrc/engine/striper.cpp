@@ -24,7 +24,7 @@ RailPair Striper::pair(size_t local_rails, size_t remote_rails) const {
   return {static_cast<uint16_t>(pair % local_rails), static_cast<uint16_t>(pair % remote_rails)};
 }
 
-uint64_t Striper::fill_slot(RunCursor& at, std::span<const Run> runs, size_t max_runs, uint64_t slot_bytes,
+uint64_t Striper::fill_slot(RunCursor& at, RunView runs, size_t max_runs, uint64_t slot_bytes,
                             std::vector<Run>& out) {
   if (at.at_end(runs)) return 0;
   const uint32_t rreg = runs[at.run].rreg;  // a StageReq addresses one region of its owner

@@ -10,7 +10,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <span>
 #include <vector>
 
 #include "engine/runs.h"
@@ -53,11 +52,24 @@ struct Extent {
 };
 
 // A position in a list of runs.
+// A read-only view of runs: std::span, which the extension cannot use while older torch builds
+// it as C++17.
+struct RunView {
+  const Run* data = nullptr;
+  size_t count = 0;
+  RunView(const std::vector<Run>& v) : data(v.data()), count(v.size()) {}  // NOLINT: converts
+  RunView(const Run* d, size_t n) : data(d), count(n) {}
+  size_t size() const { return count; }
+  const Run& operator[](size_t i) const { return data[i]; }
+  const Run* begin() const { return data; }
+  const Run* end() const { return data + count; }
+};
+
 struct RunCursor {
   size_t run = 0;
   uint64_t pos = 0;  // bytes of runs[run] already taken
 
-  bool at_end(std::span<const Run> runs) const { return run >= runs.size(); }
+  bool at_end(RunView runs) const { return run >= runs.size(); }
   void advance(uint64_t len, uint64_t run_len) {
     pos += len;
     if (pos == run_len) {
@@ -95,12 +107,12 @@ class Striper {
   // to max_iov smaller ones of one local region. A segment never crosses a registration
   // piece on either side, nor exceeds chunk. Returns how many it wrote to out.
   template <typename LocalExtent, typename RemoteExtent>
-  static size_t fill(RunCursor& at, std::span<const Run> runs, LocalExtent local, RemoteExtent remote,
+  static size_t fill(RunCursor& at, RunView runs, LocalExtent local, RemoteExtent remote,
                      uint64_t chunk, size_t max_iov, Segment* out);
 
   // A staging slot's share of a call, taken from `at` on: runs of one remote region, at
   // most max_runs of them and slot_bytes in all. Appends them to out; returns their bytes.
-  static uint64_t fill_slot(RunCursor& at, std::span<const Run> runs, size_t max_runs, uint64_t slot_bytes,
+  static uint64_t fill_slot(RunCursor& at, RunView runs, size_t max_runs, uint64_t slot_bytes,
                             std::vector<Run>& out);
 
  private:
@@ -109,7 +121,7 @@ class Striper {
 };
 
 template <typename LocalExtent, typename RemoteExtent>
-size_t Striper::fill(RunCursor& at, std::span<const Run> runs, LocalExtent local, RemoteExtent remote,
+size_t Striper::fill(RunCursor& at, RunView runs, LocalExtent local, RemoteExtent remote,
                      uint64_t chunk, size_t max_iov, Segment* out) {
   size_t n = 0;
   uint64_t op_bytes = 0;
