@@ -162,8 +162,14 @@ class Worker {
   void shutdown();
 
   // worker_open.cpp: start-up.
-  void open(std::promise<void>& ready);
+  void open(std::promise<void>& ready);  // the steps below, in order
+  void move_to_node();
+  size_t open_rails();
   void probe_hmem();
+  void publish_address();
+  void open_control_buffers();
+  void watch_fds();
+  void pin_to_core();
   void start_drivers();
 
   // worker_ops.cpp: completions, posting.

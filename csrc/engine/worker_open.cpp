@@ -49,13 +49,32 @@ cpu_set_t node_of(int cpu, const cpu_set_t& allowed) {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// Start-up: pin, then open the rails, so that libfabric allocates its queues on this core's
-// NUMA node.
-
+// Set-up, as named steps. Everything opens on the worker core's NUMA node, so that libfabric's
+// and CUDA's memory lands there, and only then is the worker narrowed to its core. NOTE: threads
+// inherit their creator's affinity: providers' own threads (tcp runs one per rail) and the rail
+// drivers, created meanwhile, get the node, not one core.
 void Worker::open(std::promise<void>& ready) {
-  // Open everything on the worker core's NUMA node, so that libfabric's and CUDA's memory lands
-  // there, and only then narrow the worker to its core. NOTE: threads inherit their creator's affinity: providers' own threads (tcp
-  // runs one per rail) and the rail drivers, created meanwhile, get the node, not one core.
+  move_to_node();
+  copier_ = make_copier(config_.cuda_device);
+  open_ipc();
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  P2P_CHECK(wake_fd_ >= 0 && epoll_fd_ >= 0, ErrorKind::Generic, "eventfd/epoll: ", std::strerror(errno));
+  const size_t total_depth = open_rails();
+  if (config_.cuda_device >= 0 && hmem_ && config_.data_path == DataPath::Auto) probe_hmem();
+  publish_address();
+  start_drivers();
+  // Ops for RMA and sends: two per posting credit, so that queues can be filled while the
+  // posted half is in flight.
+  pool_ = std::make_unique<OpPool>(2 * total_depth + config_.send_buffers);
+  open_control_buffers();
+  watch_fds();
+  pthread_setname_np(pthread_self(), "p2p-worker");
+  pin_to_core();
+  ready.set_value();
+}
+
+void Worker::move_to_node() {
   sched_getaffinity(0, sizeof process_cpus_, &process_cpus_);
   if (config_.cpu >= 0) {
     node_cpus_ = node_of(config_.cpu, process_cpus_);
@@ -63,12 +82,10 @@ void Worker::open(std::promise<void>& ready) {
   } else {
     node_cpus_ = process_cpus_;
   }
-  copier_ = make_copier(config_.cuda_device);
-  open_ipc();
-  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
-  P2P_CHECK(wake_fd_ >= 0 && epoll_fd_ >= 0, ErrorKind::Generic, "eventfd/epoll: ", std::strerror(errno));
+}
 
+// Queries the provider and opens one Rail per configured domain; returns their posting depth.
+size_t Worker::open_rails() {
   const bool cuda = config_.cuda_device >= 0;
   fabric::Offer offer = fabric::query(config_.provider, cuda && config_.data_path != DataPath::Staged);
   provider_ = offer.provider;
@@ -100,26 +117,22 @@ void Worker::open(std::promise<void>& ready) {
     total_depth += rs.depth;
     rails_.push_back(std::move(rs));
   }
+  return total_depth;
+}
 
-  if (cuda && hmem_ && config_.data_path == DataPath::Auto) probe_hmem();
-
+void Worker::publish_address() {
   while (incarnation_ == 0) (void)!getrandom(&incarnation_, sizeof incarnation_, 0);
   EngineAddress me{provider_, incarnation_, {}, host_, static_cast<uint32_t>(getpid()), ipc_ != nullptr};
   for (auto& rs : rails_) me.rails.push_back(rs.rail->address());
   address_ = me.encode();
+}
 
-  start_drivers();
-
-  // Ops for RMA and sends: two per posting credit, so that queues can be filled while the
-  // posted half is in flight.
-  pool_ = std::make_unique<OpPool>(2 * total_depth + config_.send_buffers);
-
-  // Control messages use rail 0 only: receive buffers, then send buffers.
+// Control messages use rail 0 only: receive buffers, then send buffers.
+void Worker::open_control_buffers() {
   const size_t nbuf = config_.recv_buffers + config_.send_buffers;
   control_.assign(nbuf * kMessageBytes, 0);
   fabric::Rail& rail0 = *rails_[0].rail;
-  control_mr_.push_back(
-      rail0.register_memory(control_.data(), control_.size(), FI_SEND | FI_RECV, -1));
+  control_mr_.push_back(rail0.register_memory(control_.data(), control_.size(), FI_SEND | FI_RECV, -1));
   recv_ops_.resize(config_.recv_buffers);
   for (size_t i = 0; i < config_.recv_buffers; ++i) {
     Op& op = recv_ops_[i];
@@ -129,7 +142,10 @@ void Worker::open(std::promise<void>& ready) {
     post_receive(&op);
   }
   for (size_t i = config_.recv_buffers; i < nbuf; ++i) free_send_.push_back(static_cast<int32_t>(i));
+}
 
+// What idle_wait() sleeps on: the wake eventfd and every rail the worker itself polls.
+void Worker::watch_fds() {
   epoll_event ev{};
   ev.events = EPOLLIN;
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
@@ -137,15 +153,15 @@ void Worker::open(std::promise<void>& ready) {
     if (rs.driver || rs.rail->wait_fd() < 0) continue;
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, rs.rail->wait_fd(), &ev);
   }
-  pthread_setname_np(pthread_self(), "p2p-worker");
-  if (config_.cpu >= 0) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(config_.cpu, &set);
-    if (const int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set))
-      P2P_LOG(Warn, "could not pin the progress thread to cpu ", config_.cpu, ": ", std::strerror(rc));
-  }
-  ready.set_value();
+}
+
+void Worker::pin_to_core() {
+  if (config_.cpu < 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(config_.cpu, &set);
+  if (const int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set))
+    P2P_LOG(Warn, "could not pin the progress thread to cpu ", config_.cpu, ": ", std::strerror(rc));
 }
 
 // Some builds grant FI_HMEM and then refuse CUDA memory (Ubuntu's libfabric 1.17 shm). Trying one
