@@ -34,7 +34,6 @@ class CudaCopier final : public Copier {
   ~CudaCopier() override {
     cudaStreamSynchronize(stream_);
     for (auto& [ticket, ev] : outstanding_) cudaEventDestroy(ev);
-    for (cudaEvent_t ev : free_events_) cudaEventDestroy(ev);
     cudaStreamDestroy(stream_);
   }
 
@@ -46,13 +45,7 @@ class CudaCopier final : public Copier {
     } else {
       note(p2p::cuda::launch_copy_spans(spans, n, stream_));
     }
-    cudaEvent_t ev;
-    if (free_events_.empty()) {
-      CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
-    } else {
-      ev = free_events_.back();
-      free_events_.pop_back();
-    }
+    auto ev = static_cast<cudaEvent_t>(cuda::take_event(device_));
     note(cudaEventRecord(ev, stream_));
     outstanding_.emplace_back(++issued_, ev);
     return issued_;
@@ -66,7 +59,7 @@ class CudaCopier final : public Copier {
       if (rc == cudaErrorNotReady) break;
       note(rc);
       completed_ = t;
-      free_events_.push_back(ev);
+      cuda::recycle_event(device_, ev);
       outstanding_.pop_front();
     }
     return ticket <= completed_;
@@ -83,8 +76,7 @@ class CudaCopier final : public Copier {
   void release_event(void* event) override { cuda::recycle_event(device_, event); }
 
   void* record_provider_event() override {
-    cudaEvent_t ev;
-    CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    auto ev = static_cast<cudaEvent_t>(cuda::take_event(device_));
     note(cudaEventRecord(ev, cudaStreamLegacy));
     return ev;
   }
@@ -113,7 +105,6 @@ class CudaCopier final : public Copier {
   int device_;
   cudaStream_t stream_ = nullptr;
   std::deque<std::pair<uint64_t, cudaEvent_t>> outstanding_;
-  std::vector<cudaEvent_t> free_events_;
   uint64_t issued_ = 0, completed_ = 0;
   std::string error_;
 };

@@ -46,19 +46,30 @@ std::mutex events_mu;
 std::vector<std::vector<cudaEvent_t>> free_events;
 }  // namespace
 
-void* record_event(int device, void* stream) {
-  cudaEvent_t ev = nullptr;
+void* take_event(int device) {
   {
     std::lock_guard<std::mutex> lock(events_mu);
     if (static_cast<size_t>(device) < free_events.size() && !free_events[device].empty()) {
-      ev = free_events[device].back();
+      cudaEvent_t ev = free_events[device].back();
       free_events[device].pop_back();
+      return ev;
     }
   }
   int previous = 0;
   cudaGetDevice(&previous);
   CUDA_OK(cudaSetDevice(device), "cudaSetDevice");
-  if (!ev) CUDA_OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+  cudaEvent_t ev = nullptr;
+  const cudaError_t rc = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  cudaSetDevice(previous);
+  CUDA_OK(rc, "cudaEventCreate");
+  return ev;
+}
+
+void* record_event(int device, void* stream) {
+  auto ev = static_cast<cudaEvent_t>(take_event(device));
+  int previous = 0;
+  cudaGetDevice(&previous);
+  CUDA_OK(cudaSetDevice(device), "cudaSetDevice");
   const cudaError_t rc = cudaEventRecord(ev, static_cast<cudaStream_t>(stream));
   cudaSetDevice(previous);
   if (rc != cudaSuccess) {

@@ -15,6 +15,9 @@ bool is_vmm_memory(const void* ptr);
 // Creates an event recorded on `stream` (a cudaStream_t of `device`): the point a transfer
 // must wait for. The worker hands it back with recycle_event once nothing waits on it.
 void* record_event(int device, void* stream);
+// An event of `device` (DisableTiming) from the process's pool, to record on a stream of one's
+// own; every event of the engine goes back with recycle_event.
+void* take_event(int device);
 void recycle_event(int device, void* event);
 
 // Pinned host flags that CUDA streams can wait on (cuStreamWaitValue32): a receiver orders its

@@ -14,6 +14,7 @@
 
 #include "common/log.h"
 #include "cuda/copy_kernels.h"
+#include "cuda/device.h"
 
 namespace p2p::ipc {
 namespace {
@@ -67,7 +68,6 @@ class CudaMemory final : public Memory {
   ~CudaMemory() override {
     cudaStreamSynchronize(stream_);
     for (auto& t : outstanding_) cudaEventDestroy(t.event);
-    for (cudaEvent_t ev : free_events_) cudaEventDestroy(ev);
     for (Block& b : blocks_) cudaFreeHost(b.host);
     cudaFreeHost(flag_);
     cudaFree(done_.arrivals);
@@ -155,12 +155,7 @@ class CudaMemory final : public Memory {
     // The final kernel comes after every copy-engine copy of the call, so its flag covers them.
     launch(true);
     if (!t.signaled) {
-      if (free_events_.empty()) {
-        IPC_CUDA_CHECK(cudaEventCreateWithFlags(&t.event, cudaEventDisableTiming), "cudaEventCreate");
-      } else {
-        t.event = free_events_.back();
-        free_events_.pop_back();
-      }
+      t.event = static_cast<cudaEvent_t>(cuda::take_event(device_));
       note(cudaEventRecord(t.event, stream_));
     }
     t.id = ++issued_;
@@ -173,7 +168,7 @@ class CudaMemory final : public Memory {
       Ticket& t = outstanding_.front();
       if (!finished(t)) break;
       completed_ = t.id;
-      if (t.event) free_events_.push_back(t.event);
+      if (t.event) cuda::recycle_event(device_, t.event);
       for (size_t b : t.blocks) free_blocks_.push_back(b);
       outstanding_.pop_front();
     }
@@ -253,7 +248,6 @@ class CudaMemory final : public Memory {
   uint64_t* flag_ = nullptr;  // host side of done_.flag: the last ticket whose kernel ended
   std::chrono::steady_clock::time_point next_stream_check_{};
   std::deque<Ticket> outstanding_;
-  std::vector<cudaEvent_t> free_events_;
   std::deque<Block> blocks_;  // stable addresses
   std::vector<size_t> free_blocks_;
   uint64_t issued_ = 0, completed_ = 0;
