@@ -1,6 +1,7 @@
 // The only file that knows pybind11: wraps engine::Engine and engine::RemoteView as
 // torch_p2p._C, and turns p2p::Error into the Python exception its kind names.
 #include <torch/extension.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 
 #include "common/error.h"
 #include "engine/engine.h"
@@ -66,6 +67,20 @@ WorkerConfig make_config(const py::dict& d) {
     if (v == 0) throw Error(ErrorKind::Value, "sizes and batch must be positive");
   if (c.timeout_s <= 0 || c.peer_timeout_s <= 0) throw Error(ErrorKind::Value, "timeouts must be positive");
   return c;
+}
+
+// An operation completes the torch future made for it in Python: the engine gets the future
+// before the operation starts (so that it can complete it without the GIL: TorchFutures) and
+// gives it back if the operation does not start.
+template <typename Start>
+void start(Engine& e, uint64_t id, const py::object& future, Start&& operation) {
+  e.expect(id, future.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut);
+  try {
+    operation();
+  } catch (...) {
+    e.forget(id);
+    throw;
+  }
 }
 
 py::tuple completion_tuple(Completion& c) {
@@ -297,19 +312,33 @@ PYBIND11_MODULE(_C, m) {
         return e.register_tensor(t, access, timeout);
       })
       .def("deregister", &Engine::deregister, py::call_guard<py::gil_scoped_release>())
-      .def("submit", &Engine::submit)
+      .def("submit", [](Engine& e, uint64_t id, const py::object& future, bool write, const std::vector<at::Tensor>& local,
+                        const std::vector<std::shared_ptr<RemoteView>>& remote, const std::vector<Engine::Pages>& local_pages,
+                        const std::vector<Engine::Pages>& remote_pages, bool mirror, int64_t notify, double timeout) {
+        start(e, id, future, [&] {
+          py::gil_scoped_release release;  // the dispatcher completes earlier calls meanwhile
+          e.submit(id, write, local, remote, local_pages, remote_pages, mirror, notify, timeout);
+        });
+      })
       .def("route", [](Engine& e, const py::bytes& address, std::shared_ptr<RemoteView> view) {
         std::string a = address;
         py::gil_scoped_release release;
         return e.route(a, view);
       })
-      .def("connect", [](Engine& e, uint64_t id, const py::bytes& a) { e.connect(id, a); })
-      .def("disconnect", [](Engine& e, uint64_t id, const py::bytes& a) { e.disconnect(id, a); })
-      .def("send", [](Engine& e, uint64_t id, const py::bytes& a, const py::bytes& payload, double timeout) {
-        e.send(id, a, std::string(payload), timeout);
+      .def("connect", [](Engine& e, uint64_t id, const py::object& future, const py::bytes& a) {
+        start(e, id, future, [&] { e.connect(id, a); });
       })
-      .def("recv", &Engine::recv)
-      .def("notification", &Engine::notification)
+      .def("disconnect", [](Engine& e, uint64_t id, const py::object& future, const py::bytes& a) {
+        start(e, id, future, [&] { e.disconnect(id, a); });
+      })
+      .def("send", [](Engine& e, uint64_t id, const py::object& future, const py::bytes& a, const py::bytes& payload,
+                      double timeout) { start(e, id, future, [&] { e.send(id, a, std::string(payload), timeout); }); })
+      .def("recv", [](Engine& e, uint64_t id, const py::object& future, double timeout) {
+        start(e, id, future, [&] { e.recv(id, timeout); });
+      })
+      .def("notification", [](Engine& e, uint64_t id, const py::object& future, uint32_t tag, double timeout) {
+        start(e, id, future, [&] { e.notification(id, tag, timeout); });
+      })
       .def("cancel", &Engine::cancel)
       .def("poll", [](Engine& e, int timeout_ms) {
         std::vector<Completion> batch;
@@ -323,6 +352,7 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("drained", &Engine::drained)
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
-      .def("stream_wait", [](Engine& e, uint64_t stream) { return e.stream_wait(reinterpret_cast<void*>(stream)); })
+      .def("stream_wait", [](Engine& e, uint64_t stream) { return e.stream_wait(reinterpret_cast<void*>(stream)); },
+           py::call_guard<py::gil_scoped_release>())
       .def("stream_release", &Engine::stream_release);
 }

@@ -61,13 +61,16 @@ class Pages:
     def __init__(self, base, ids, dim: int = 0):
         if not isinstance(base, (torch.Tensor, RemoteTensor)):
             raise TypeError(f"pages() takes a tensor or a RemoteTensor, not {type(base).__name__}")
-        ids = torch.as_tensor(ids, dtype=torch.int64, device="cpu")
+        # A KV block table is usually an int64 CPU tensor already: take it as it is (a
+        # conversion costs a microsecond per call, and a call may hold one entry per layer).
+        if not (isinstance(ids, torch.Tensor) and ids.dtype is torch.int64 and ids.is_cpu):
+            ids = torch.as_tensor(ids, dtype=torch.int64, device="cpu")
         if ids.dim() != 1:
             raise ValueError(f"page ids must be one-dimensional, not of shape {tuple(ids.shape)}")
         ndim = base.dim()
         if not -ndim <= dim < ndim:
             raise IndexError(f"page dimension {dim} is out of range for a tensor of dimension {ndim}")
-        self.base, self.ids, self.dim = base, ids.contiguous(), dim % ndim
+        self.base, self.ids, self.dim = base, ids if ids.is_contiguous() else ids.contiguous(), dim % ndim
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -83,12 +86,28 @@ def pages(base, ids, dim: int = 0) -> Pages:
     return Pages(base, ids, dim)
 
 
-def _as_list(x, what: str) -> list:
-    if isinstance(x, (torch.Tensor, RemoteTensor, Pages)):
-        return [x]
-    if isinstance(x, Sequence):
-        return list(x)
-    raise TypeError(f"{what} must be a tensor or a sequence of them, not {type(x).__name__}")
+def _unpack(views, kind: type) -> tuple[list, list]:
+    """The bases and the (ids, dim) page lists (None where not pages) of one side of
+    write_slices / read_slices: a `kind` (tensor, or RemoteTensor), a Pages of one, or a
+    sequence of them."""
+    local = kind is torch.Tensor
+    if isinstance(views, (torch.Tensor, RemoteTensor, Pages)):
+        views = (views,)
+    elif not isinstance(views, Sequence):
+        raise TypeError(f"the {'local views' if local else 'remote tensors'} must be a tensor or a sequence of "
+                        f"them, not {type(views).__name__}")
+    bases, pages = [], []
+    for i, v in enumerate(views):
+        if isinstance(v, Pages):
+            pages.append((v.ids, v.dim))
+            v = v.base
+        else:
+            pages.append(None)
+        if not isinstance(v, kind):
+            raise TypeError(f"{'local view' if local else 'remote'} {i} is a {type(v).__name__}, "
+                            f"not {'a tensor' if local else 'a RemoteTensor'}")
+        bases.append(v)
+    return bases, pages
 
 
 class Region:
@@ -269,37 +288,26 @@ class Engine:
         return self._submit(False, dst_views, src, None, timeout)
 
     def _submit(self, write, local, remote, notify, timeout):
-        local = _as_list(local, "the local views")
-        for i, v in enumerate(local):
-            base = v.base if isinstance(v, Pages) else v
-            if not isinstance(base, torch.Tensor):
-                raise TypeError(f"local view {i} is a {type(base).__name__}, not a tensor")
+        # NOTE: this runs once per call, and small paged calls are bound by its cost: one pass
+        # over each side, no closure.
         mirror = isinstance(remote, RemoteTensor)
-        remote = _as_list(remote, "the remote tensors")
-        for i, r in enumerate(remote):
-            base = r.base if isinstance(r, Pages) else r
-            if not isinstance(base, RemoteTensor):
-                raise TypeError(f"remote {i} is a {type(base).__name__}, not a RemoteTensor")
+        local, local_pages = _unpack(local, torch.Tensor)
+        remote, remote_pages = _unpack(remote, RemoteTensor)
         if notify is not None and not 0 <= int(notify) < 1 << 32:
             raise ValueError(f"notify must be a 32-bit unsigned tag, not {notify}")
-        tag = -1 if notify is None else int(notify)
-        local_pages = [(v.ids, v.dim) if isinstance(v, Pages) else None for v in local]
-        remote_pages = [(r.ids, r.dim) if isinstance(r, Pages) else None for r in remote]
-        local = [v.base if isinstance(v, Pages) else v for v in local]
-        remote = [(r.base if isinstance(r, Pages) else r)._v for r in remote]
-        return self._call(lambda fid: self._c.submit(fid, write, local, remote, local_pages, remote_pages, mirror,
-                                                     tag, _worker_timeout(timeout)))
+        return self._call(self._c.submit, write, local, [r._v for r in remote], local_pages, remote_pages, mirror,
+                          -1 if notify is None else int(notify), _worker_timeout(timeout))
 
     # -- peers and messages --------------------------------------------------------------------
     def connect(self, address: bytes) -> torch.futures.Future:
         """Introduces this engine to a peer; completes when the peer answered. Optional:
         using a RemoteTensor of an unknown owner connects implicitly. A peer whose engine
         closed is not contacted again: this fails at once with ``PeerError``."""
-        return self._call(lambda fid: self._c.connect(fid, _address(address)))
+        return self._call(self._c.connect, _address(address))
 
     def disconnect(self, address: bytes) -> torch.futures.Future:
         """Leaves a peer cleanly: operations in flight to it finish, then it is told goodbye."""
-        return self._call(lambda fid: self._c.disconnect(fid, _address(address)))
+        return self._call(self._c.disconnect, _address(address))
 
     def send(self, address: bytes, payload: bytes, *, timeout: float | None = None) -> torch.futures.Future:
         """Sends a message (any size up to 1 GiB); per-peer order is kept. The future completes
@@ -307,19 +315,19 @@ class Engine:
         peer's new process drops fails with ``PeerError`` instead of passing as sent."""
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"payload must be bytes, not {type(payload).__name__}")
-        return self._call(lambda fid: self._c.send(fid, _address(address), bytes(payload), _worker_timeout(timeout)))
+        return self._call(self._c.send, _address(address), bytes(payload), _worker_timeout(timeout))
 
     def recv(self, *, timeout: float | None = None) -> torch.futures.Future:
         """The next message from any peer, as (sender address, payload). Without a timeout it
         waits until a message arrives, ``cancel()`` or ``close()``."""
-        return self._call(lambda fid: self._c.recv(fid, _worker_timeout(timeout)))
+        return self._call(self._c.recv, _worker_timeout(timeout))
 
     def notification(self, tag: int, *, timeout: float | None = None) -> torch.futures.Future:
         """Completes when a peer's ``write_slices(..., notify=tag)`` has all its bytes here
         (or fails with the sender's error). Arrivals are counted: each call consumes one."""
         if not 0 <= int(tag) < 1 << 32:
             raise ValueError(f"tag must be a 32-bit unsigned integer, not {tag}")
-        return self._call(lambda fid: self._c.notification(fid, int(tag), _worker_timeout(timeout)))
+        return self._call(self._c.notification, int(tag), _worker_timeout(timeout))
 
     def cancel(self, future: torch.futures.Future) -> None:
         """Fails a pending recv, notification or transfer with CancelledError."""
@@ -381,14 +389,15 @@ class Engine:
         if self._closed:
             raise errors.ClosedError("the engine is closed")
 
-    def _call(self, start) -> torch.futures.Future:
-        """Registers a future under a fresh id, then starts the operation that completes it."""
+    def _call(self, start, *args) -> torch.futures.Future:
+        """Registers a future under a fresh id, then starts the operation that completes it:
+        ``start(id, future, *args)``."""
         self._check_open()
         fid = next(self._ids)
         fut = torch.futures.Future()
         self._futures[fid] = fut
         try:
-            start(fid)
+            start(fid, fut, *args)
         except BaseException:
             self._futures.pop(fid, None)
             raise

@@ -17,6 +17,17 @@ struct CopySpan {
   uint64_t len;
 };
 
+// Pages of one size at strided addresses: page k moves `bytes` from src + src_ids[k] *
+// src_stride to dst + dst_ids[k] * dst_stride.
+struct CopyPages {
+  void* dst;
+  const void* src;
+  int64_t dst_stride, src_stride;
+  const int64_t* dst_ids;
+  const int64_t* src_ids;
+  uint64_t bytes, n;
+};
+
 class Copier {
  public:
   virtual ~Copier() = default;

@@ -264,7 +264,7 @@ void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& loca
         if (static_cast<size_t>(lidx) == t->local_ids.size()) t->local_ids.push_back(lr.id);
         auto ridx = std::find(t->remote.begin(), t->remote.end(), rv.region) - t->remote.begin();
         if (static_cast<size_t>(ridx) == t->remote.size()) t->remote.push_back(rv.region);
-        append_page_runs(page, ls, rs, n, elem, static_cast<uint32_t>(lidx), static_cast<uint32_t>(ridx), t->runs);
+        append_pages(page, ls, rs, n, elem, static_cast<uint32_t>(lidx), static_cast<uint32_t>(ridx), *t);
         cuda |= v.is_cuda();
         continue;
       }
@@ -331,10 +331,11 @@ void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& loca
   enqueue(std::move(t));
 }
 
-void Engine::append_page_runs(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
-                              int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, std::vector<Run>& out) {
+void Engine::append_pages(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
+                          int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, Transfer& t) {
   auto at = [&](const PageSide& s, int64_t k) { return s.base + static_cast<uint64_t>(s.ids[k] * s.stride); };
-  // A page that is one run on both sides (the usual KV block) needs no decomposition.
+  // A page that is one run on both sides (the usual KV block) stays a page: one entry and its
+  // ids, expanded into runs by the worker only for a route that needs them.
   std::vector<Run> first;
   append_runs(shape, Strided{at(local, 0), local.strides.data()}, Strided{at(remote, 0), remote.strides.data()},
               elem, lreg, rreg, first);
@@ -342,20 +343,13 @@ void Engine::append_page_runs(const std::vector<int64_t>& shape, const PageSide&
   if (first.size() != 1 || first[0].len != bytes) {
     for (int64_t k = 0; k < n; ++k)
       append_runs(shape, Strided{at(local, k), local.strides.data()}, Strided{at(remote, k), remote.strides.data()},
-                  elem, lreg, rreg, out);
+                  elem, lreg, rreg, t.runs);
     return;
   }
-  // Grow geometrically: a call holds one entry per layer, and reserving each entry's exact
-  // size would copy the runs so far once per entry.
-  if (out.capacity() < out.size() + n) out.reserve(std::max(out.size() + n, 2 * out.capacity()));
-  for (int64_t k = 0; k < n; ++k) {
-    const uint64_t l = at(local, k), r = at(remote, k);
-    Run* last = out.empty() ? nullptr : &out.back();
-    if (last && last->lreg == lreg && last->rreg == rreg && last->local + last->len == l && last->remote + last->len == r)
-      last->len += bytes;
-    else
-      out.push_back({l, r, bytes, lreg, rreg});
-  }
+  t.pages.push_back({local.base, local.stride, remote.base, remote.stride, bytes, t.page_ids.size(),
+                     static_cast<size_t>(n), lreg, rreg});
+  t.page_ids.insert(t.page_ids.end(), local.ids, local.ids + n);
+  t.page_ids.insert(t.page_ids.end(), remote.ids, remote.ids + n);
 }
 
 std::string Engine::route(const std::string& address, const std::shared_ptr<RemoteView>& view) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/completions.h"
+#include "engine/futures.h"
 #include "engine/remote_view.h"
 #include "engine/worker.h"
 
@@ -62,7 +63,15 @@ class Engine {
   void notification(uint64_t id, uint32_t tag, double timeout_s);
   void cancel(uint64_t id);
 
-  std::vector<Completion> poll(int timeout_ms) { return completions_.pop(timeout_ms); }
+  // The torch future that operation `id` completes (see TorchFutures); forget() takes it back
+  // when the operation could not start.
+  void expect(uint64_t id, TorchFutures::Future future) { futures_.add(id, std::move(future)); }
+  void forget(uint64_t id) { futures_.drop(id); }
+  std::vector<Completion> poll(int timeout_ms) {
+    std::vector<Completion> batch = completions_.pop(timeout_ms);
+    futures_.complete(batch);
+    return batch;
+  }
   bool drained() { return completions_.closed(); }
   void close();
 
@@ -82,7 +91,7 @@ class Engine {
     bool closed = false;
   };
   const LocalRegion& region_of(const at::Tensor& view, uint64_t extent, const char* what, size_t index);
-  // The runs of entry i's pages: local page k at lbase + lids[k] * lstride, remote page k at
+  // Adds entry i's pages to t: local page k at lbase + lids[k] * lstride, remote page k at
   // rbase + rids[k] * rstride (bytes), page shape and strides as given.
   struct PageSide {
     uint64_t base;
@@ -90,13 +99,14 @@ class Engine {
     const int64_t* ids;
     std::vector<int64_t> strides;  // of a page, in elements
   };
-  static void append_page_runs(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
-                               int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, std::vector<Run>& out);
+  static void append_pages(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
+                           int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, Transfer& t);
   void check_device(const at::Tensor& t, const char* what) const;
   void post(std::function<void(Worker&)> fn, uint64_t id);
   void enqueue(std::unique_ptr<Transfer> t);
 
   CompletionQueue completions_;
+  TorchFutures futures_;
   std::unique_ptr<Worker> worker_;
   int cuda_device_;
   std::mutex mu_;

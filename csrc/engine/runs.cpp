@@ -72,6 +72,24 @@ void append_runs(const std::vector<int64_t>& shape, Strided local, Strided remot
   }
 }
 
+void append_page_runs(const PageRuns& p, const int64_t* ids, std::vector<Run>& out) {
+  const int64_t* lids = ids + p.first;
+  const int64_t* rids = lids + p.n;
+  // Grow geometrically: a call holds one entry per layer, and reserving each entry's exact
+  // size would copy the runs so far once per entry.
+  if (out.capacity() < out.size() + p.n) out.reserve(std::max(out.size() + p.n, 2 * out.capacity()));
+  for (size_t k = 0; k < p.n; ++k) {
+    const uint64_t l = p.local + static_cast<uint64_t>(lids[k] * p.local_stride);
+    const uint64_t r = p.remote + static_cast<uint64_t>(rids[k] * p.remote_stride);
+    Run* last = out.empty() ? nullptr : &out.back();
+    if (last && last->lreg == p.lreg && last->rreg == p.rreg && last->local + last->len == l &&
+        last->remote + last->len == r)
+      last->len += p.bytes;
+    else
+      out.push_back({l, r, p.bytes, p.lreg, p.rreg});
+  }
+}
+
 uint64_t extent_bytes(const std::vector<int64_t>& shape, const int64_t* strides, int64_t elem) {
   uint64_t last = 0;
   for (size_t i = 0; i < shape.size(); ++i) {

@@ -1,6 +1,7 @@
 // Decomposition of a strided view pair into contiguous byte runs.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -15,6 +16,23 @@ struct Run {
   uint32_t lreg;
   uint32_t rreg;
 };
+
+// The pages of one write_slices entry when each page is one run on both sides (a KV block):
+// page k moves `bytes` between local + ids[k] * local_stride and the remote byte offset
+// remote + ids[n + k] * remote_stride, `ids` being the transfer's page ids from `first` on.
+// Kept as pages until a route needs runs: the IPC route's kernel reads the ids itself.
+struct PageRuns {
+  uint64_t local;
+  int64_t local_stride;
+  uint64_t remote;
+  int64_t remote_stride;
+  uint64_t bytes;
+  size_t first, n;
+  uint32_t lreg, rreg;
+};
+
+// Appends the runs of `pages`, merging pages that continue each other on both sides.
+void append_page_runs(const PageRuns& pages, const int64_t* ids, std::vector<Run>& out);
 
 struct Strided {
   uint64_t base;            // byte address (local) or byte offset (remote) of element 0

@@ -72,6 +72,9 @@ struct Transfer final : OpOwner {
   std::vector<uint64_t> local_ids;  // resolved into `local` by the worker
   std::vector<std::shared_ptr<const RemoteRegion>> remote;
   std::vector<Run> runs;
+  // Entries of whole-run pages, kept as pages (see PageRuns) until a route needs their runs.
+  std::vector<PageRuns> pages;
+  std::vector<int64_t> page_ids;
   std::string payload;  // Message
   bool notify = false;  // the receiver hears of the end (notification(tag))
   uint32_t tag = 0;

@@ -58,6 +58,10 @@ Status Worker::check_remote(const Transfer& t) const {
 
 void Worker::ready_to_generate(Transfer& t) {
   if (start_ipc(t)) return;
+  // The fabric routes move runs.
+  for (const PageRuns& p : t.pages) append_page_runs(p, t.page_ids.data(), t.runs);
+  t.pages = {};
+  t.page_ids = {};
   uint64_t total = 0;
   for (const Run& r : t.runs) total += r.len;
   t.chunk = striper_.chunk(total, Striper::pairs(rails_.size(), t.peer->remote_rails()));

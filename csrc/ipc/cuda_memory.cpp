@@ -68,7 +68,7 @@ class CudaMemory final : public Memory {
   ~CudaMemory() override {
     cudaStreamSynchronize(stream_);
     for (auto& t : outstanding_) cudaEventDestroy(t.event);
-    for (Block& b : blocks_) cudaFreeHost(b.host);
+    for (Pinned& b : blocks_) cudaFreeHost(b.host);
     cudaFreeHost(flag_);
     cudaFree(done_.arrivals);
     cudaStreamDestroy(stream_);
@@ -120,40 +120,28 @@ class CudaMemory final : public Memory {
     return address_range(ptr, base, size) && ptr + nbytes <= base + size;
   }
 
-  uint64_t copy(const std::vector<engine::CopySpan>& spans, void* after) override {
+  uint64_t copy(const std::vector<engine::CopySpan>& spans, const std::vector<engine::CopyPages>& pages,
+                void* after) override {
     Ticket t;
     if (after) note(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(after), 0));
-    Block* block = nullptr;
-    size_t used = 0;
-    // The kernel reads the descriptors from pinned host memory: one PCIe read per span (the
-    // block shares it), cheaper than a copy to the GPU, which is one more CUDA call per call.
-    // Only the last launch signals: the stream runs launches in order.
-    auto launch = [&](bool last) {
-      if (!used) return;
-      cuda::CopyDone done;
-      if (last) {
-        done = done_;
-        done.value = issued_ + 1;
-      }
-      note(cuda::launch_copy_spans(block->device, used, stream_, done));
-      t.signaled = last;
-      block = nullptr;
-      used = 0;
-    };
-    for (const engine::CopySpan& s : spans) {
-      if (s.len >= copy_engine_bytes_) {
-        note(cudaMemcpyAsync(s.dst, s.src, s.len, cudaMemcpyDefault, stream_));
+    small_pages_.clear();
+    big_pages_.clear();
+    for (const engine::CopyPages& p : pages) {
+      if (p.bytes <= kKernelSpan) {
+        small_pages_.push_back(p);
         continue;
       }
-      for (uint64_t off = 0; off < s.len; off += kKernelSpan) {
-        if (used == kBlockSpans) launch(false);
-        if (!block) block = take_block(t);
-        block->host[used++] = {static_cast<char*>(s.dst) + off, static_cast<const char*>(s.src) + off,
-                         std::min(kKernelSpan, s.len - off)};
-      }
+      for (uint64_t k = 0; k < p.n; ++k)
+        big_pages_.push_back({static_cast<char*>(p.dst) + p.dst_ids[k] * p.dst_stride,
+                              static_cast<const char*>(p.src) + p.src_ids[k] * p.src_stride, p.bytes});
     }
-    // The final kernel comes after every copy-engine copy of the call, so its flag covers them.
-    launch(true);
+    SpanBatch batch;
+    queue_spans(spans, batch, t);
+    queue_spans(big_pages_, batch, t);
+    // Only the last launch signals (the stream runs launches in order), and it comes after
+    // every copy-engine copy of the call, so its flag covers them.
+    launch_spans(batch, small_pages_.empty(), t);
+    launch_pages(t);
     if (!t.signaled) {
       t.event = static_cast<cudaEvent_t>(cuda::take_event(device_));
       note(cudaEventRecord(t.event, stream_));
@@ -182,12 +170,80 @@ class CudaMemory final : public Memory {
     uint64_t id = 0;
     bool signaled = false;         // its last kernel writes flag_; else
     cudaEvent_t event = nullptr;   // recorded after its copies
-    std::vector<size_t> blocks;  // indexes into blocks_
+    std::vector<size_t> blocks;  // indexes into blocks_, returned when the copy is done
   };
-  struct Block {
-    engine::CopySpan* host = nullptr;    // pinned and mapped, filled by the worker
-    engine::CopySpan* device = nullptr;  // the same memory as the kernel addresses it
+  struct Pinned {
+    char* host = nullptr;    // pinned and mapped, filled by the worker
+    char* device = nullptr;  // the same memory as the kernel addresses it
+    size_t bytes = 0;
   };
+
+  struct SpanBatch {  // kernel spans written to a pinned block, not launched yet
+    Pinned* block = nullptr;
+    size_t used = 0;
+  };
+
+  // Copy-engine copies go out at once; the rest fill descriptor blocks, launched when full.
+  void queue_spans(const std::vector<engine::CopySpan>& spans, SpanBatch& batch, Ticket& t) {
+    for (const engine::CopySpan& s : spans) {
+      if (s.len >= copy_engine_bytes_) {
+        note(cudaMemcpyAsync(s.dst, s.src, s.len, cudaMemcpyDefault, stream_));
+        continue;
+      }
+      for (uint64_t off = 0; off < s.len; off += kKernelSpan) {
+        if (batch.used == kBlockSpans) launch_spans(batch, false, t);
+        if (!batch.block) batch.block = &take_pinned(kBlockSpans * sizeof(engine::CopySpan), t);
+        reinterpret_cast<engine::CopySpan*>(batch.block->host)[batch.used++] = {
+            static_cast<char*>(s.dst) + off, static_cast<const char*>(s.src) + off, std::min(kKernelSpan, s.len - off)};
+      }
+    }
+  }
+
+  void launch_spans(SpanBatch& batch, bool last, Ticket& t) {
+    if (!batch.used) return;
+    note(cuda::launch_copy_spans(reinterpret_cast<engine::CopySpan*>(batch.block->device), batch.used, stream_,
+                                 signal_if(last, t)));
+    batch = {};
+  }
+
+  // The small pages' lists and ids go to one pinned block, the kernel reading the ids there.
+  void launch_pages(Ticket& t) {
+    if (small_pages_.empty()) return;
+    const size_t lists = small_pages_.size();
+    size_t ids = 0;
+    for (const engine::CopyPages& p : small_pages_) ids += 2 * p.n;
+    Pinned& block = take_pinned(lists * sizeof(engine::CopyPages) + ids * sizeof(int64_t), t);
+    auto* host = reinterpret_cast<engine::CopyPages*>(block.host);
+    auto* host_ids = reinterpret_cast<int64_t*>(host + lists);
+    auto* device_ids = reinterpret_cast<int64_t*>(reinterpret_cast<engine::CopyPages*>(block.device) + lists);
+    auto place = [&](const int64_t* from, uint64_t n) {
+      std::memcpy(host_ids, from, n * sizeof(int64_t));
+      host_ids += n;
+      device_ids += n;
+      return device_ids - n;
+    };
+    for (size_t i = 0; i < lists; ++i) {
+      engine::CopyPages p = small_pages_[i];
+      p.src_ids = place(p.src_ids, p.n);
+      p.dst_ids = place(p.dst_ids, p.n);
+      host[i] = p;
+    }
+    const auto* device = reinterpret_cast<const engine::CopyPages*>(block.device);
+    for (size_t first = 0; first < lists; first += cuda::kMaxPageLists) {
+      const size_t count = std::min(cuda::kMaxPageLists, lists - first);
+      uint64_t most = 0;
+      for (size_t i = first; i < first + count; ++i) most = std::max(most, small_pages_[i].n);
+      note(cuda::launch_copy_pages(device + first, count, most, stream_, signal_if(first + count == lists, t)));
+    }
+  }
+
+  cuda::CopyDone signal_if(bool last, Ticket& t) {
+    if (!last) return {};
+    cuda::CopyDone done = done_;
+    done.value = issued_ + 1;
+    t.signaled = true;
+    return done;
+  }
 
   bool finished(const Ticket& t) {
     if (!t.signaled) {
@@ -219,19 +275,22 @@ class CudaMemory final : public Memory {
     return host;
   }
 
-  // Descriptor blocks return when their copy is done, so the pool grows only to the number of
-  // launches in flight.
-  Block* take_block(Ticket& t) {
-    if (free_blocks_.empty()) {
-      Block b;
-      const size_t bytes = kBlockSpans * sizeof(engine::CopySpan);
-      b.host = static_cast<engine::CopySpan*>(mapped(bytes, &b.device));
+  // Descriptor blocks return when their copy is done, so the pool grows only to what the
+  // launches in flight hold. A block serves any request up to its size.
+  Pinned& take_pinned(size_t bytes, Ticket& t) {
+    auto fits = std::find_if(free_blocks_.begin(), free_blocks_.end(), [&](size_t b) { return blocks_[b].bytes >= bytes; });
+    if (fits == free_blocks_.end()) {
+      Pinned b;
+      b.bytes = kBlockSpans * sizeof(engine::CopySpan);
+      while (b.bytes < bytes) b.bytes *= 2;
+      b.host = static_cast<char*>(mapped(b.bytes, &b.device));
       blocks_.push_back(b);
       free_blocks_.push_back(blocks_.size() - 1);
+      fits = free_blocks_.end() - 1;
     }
-    t.blocks.push_back(free_blocks_.back());
-    free_blocks_.pop_back();
-    return &blocks_[t.blocks.back()];
+    t.blocks.push_back(*fits);
+    free_blocks_.erase(fits);
+    return blocks_[t.blocks.back()];
   }
 
   void note(cudaError_t rc) {
@@ -248,8 +307,10 @@ class CudaMemory final : public Memory {
   uint64_t* flag_ = nullptr;  // host side of done_.flag: the last ticket whose kernel ended
   std::chrono::steady_clock::time_point next_stream_check_{};
   std::deque<Ticket> outstanding_;
-  std::deque<Block> blocks_;  // stable addresses
+  std::deque<Pinned> blocks_;  // stable addresses
   std::vector<size_t> free_blocks_;
+  std::vector<engine::CopyPages> small_pages_;  // reused by copy(): pages for the page kernel
+  std::vector<engine::CopySpan> big_pages_;     // and pages too long for it, as spans
   uint64_t issued_ = 0, completed_ = 0;
   std::string error_;
 };

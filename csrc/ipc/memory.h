@@ -25,9 +25,11 @@ class Memory {
   virtual void close(void* base) = 0;
   // True when [ptr, ptr + nbytes) is device memory of this process (an engine of ours owns it).
   virtual bool owns(uint64_t ptr, uint64_t nbytes) = 0;
-  // Queues every span (device memory, or mapped memory of a peer) after the work behind
-  // `after` (a cudaEvent_t, or null); returns a ticket. Tickets complete in order.
-  virtual uint64_t copy(const std::vector<engine::CopySpan>& spans, void* after) = 0;
+  // Queues every span and page (device memory, or mapped memory of a peer) after the work
+  // behind `after` (a cudaEvent_t, or null); returns a ticket. Tickets complete in order. The
+  // page ids are read before copy() returns.
+  virtual uint64_t copy(const std::vector<engine::CopySpan>& spans, const std::vector<engine::CopyPages>& pages,
+                        void* after) = 0;
   virtual bool done(uint64_t ticket) = 0;
   // The first CUDA error seen on the stream, empty if none.
   virtual std::string error() const = 0;

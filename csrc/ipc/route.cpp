@@ -72,7 +72,8 @@ void Route::map(uint64_t peer, bool same_process, const engine::RemoteRegion& re
 }
 
 uint64_t Route::copy(uint64_t peer, const std::vector<const engine::RemoteRegion*>& regions,
-                     const std::vector<engine::Run>& runs, bool write, void* after) {
+                     const std::vector<engine::Run>& runs, const std::vector<engine::PageRuns>& pages,
+                     const std::vector<int64_t>& page_ids, bool write, void* after) {
   std::vector<uint8_t*> starts;
   for (const engine::RemoteRegion* r : regions) starts.push_back(regions_.at({peer, r->id}).start);
   spans_.clear();
@@ -81,7 +82,16 @@ uint64_t Route::copy(uint64_t peer, const std::vector<const engine::RemoteRegion
     void* remote = starts[run.rreg] + run.remote;
     spans_.push_back(write ? engine::CopySpan{remote, local, run.len} : engine::CopySpan{local, remote, run.len});
   }
-  last_ticket_ = memory_->copy(spans_, after);
+  pages_.clear();
+  for (const engine::PageRuns& p : pages) {
+    void* local = reinterpret_cast<void*>(p.local);
+    void* remote = starts[p.rreg] + p.remote;
+    const int64_t* lids = page_ids.data() + p.first;
+    const int64_t* rids = lids + p.n;
+    pages_.push_back(write ? engine::CopyPages{remote, local, p.remote_stride, p.local_stride, rids, lids, p.bytes, p.n}
+                           : engine::CopyPages{local, remote, p.local_stride, p.remote_stride, lids, rids, p.bytes, p.n});
+  }
+  last_ticket_ = memory_->copy(spans_, pages_, after);
   return last_ticket_;
 }
 

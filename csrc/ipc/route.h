@@ -40,10 +40,11 @@ class Route {
   // reason when it cannot be: then the peer takes the fabric.
   void map(uint64_t peer, bool same_process, const engine::RemoteRegion& region);
   bool mapped(uint64_t peer, uint64_t region) const { return regions_.count({peer, region}) > 0; }
-  // Queues one transfer's runs (local addresses, offsets into regions[run.rreg], all mapped)
-  // after `after`; returns a ticket for done().
+  // Queues one transfer's runs and pages (local addresses, offsets into regions[rreg], all
+  // mapped; page ids in `page_ids`) after `after`; returns a ticket for done().
   uint64_t copy(uint64_t peer, const std::vector<const engine::RemoteRegion*>& regions,
-                const std::vector<engine::Run>& runs, bool write, void* after);
+                const std::vector<engine::Run>& runs, const std::vector<engine::PageRuns>& pages,
+                const std::vector<int64_t>& page_ids, bool write, void* after);
   bool done(uint64_t ticket) { return memory_->done(ticket); }
   std::string error() const { return memory_->error(); }
   // Drops a region's mapping (shared mappings go with their last region) once the copies
@@ -74,6 +75,7 @@ class Route {
   std::map<AllocationKey, Allocation> allocations_;
   std::map<std::pair<uint64_t, uint64_t>, Mapped> regions_;  // (peer, region id)
   std::vector<engine::CopySpan> spans_;  // reused by copy()
+  std::vector<engine::CopyPages> pages_;
   uint64_t last_ticket_ = 0;
   std::vector<std::pair<uint64_t, std::function<void()>>> deferred_;  // (ticket, release)
 };

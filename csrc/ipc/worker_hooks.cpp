@@ -55,7 +55,8 @@ bool Worker::start_ipc(Transfer& t) {
   watch_process(p);
   std::vector<const RemoteRegion*> regions;
   for (const auto& r : t.remote) regions.push_back(r.get());
-  const uint64_t ticket = ipc_->copy(p.incarnation, regions, t.runs, t.kind == TransferKind::Write, t.cuda_event);
+  const uint64_t ticket =
+      ipc_->copy(p.incarnation, regions, t.runs, t.pages, t.page_ids, t.kind == TransferKind::Write, t.cuda_event);
   t.route = TransferRoute::Ipc;
   t.enter(TransferState::Running);
   ++t.pending;

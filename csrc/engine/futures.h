@@ -1,0 +1,59 @@
+// TorchFutures: the torch futures of the operations in flight. One that succeeds without a
+// result is completed here, by the thread that polls completions and without the GIL, so a
+// thread waiting on it wakes at once rather than after the Python dispatcher's turn at the GIL.
+// Results and errors still go to Python, which builds them (bytes, the error classes).
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "common/log.h"
+#include "engine/completions.h"
+
+namespace p2p::engine {
+
+class TorchFutures {
+ public:
+  using Future = c10::intrusive_ptr<c10::ivalue::Future>;
+
+  void add(uint64_t id, Future future) {
+    std::lock_guard<std::mutex> lock(mu_);
+    futures_[id] = std::move(future);
+  }
+  void drop(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    futures_.erase(id);
+  }
+  // Completes the futures of the successes without a result in `batch`; every completion
+  // stays in the batch for Python, which skips futures already done.
+  void complete(const std::vector<Completion>& batch) {
+    std::vector<Future> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const Completion& c : batch) {
+        auto it = futures_.find(c.id);
+        if (it == futures_.end()) continue;
+        if (c.status.ok() && c.address.empty()) done.push_back(std::move(it->second));
+        futures_.erase(it);
+      }
+    }
+    // Callbacks attached in Python run here; torch takes the GIL for them.
+    for (Future& f : done) {
+      try {
+        if (!f->completed()) f->markCompleted(c10::IValue());
+      } catch (const std::exception& e) {
+        P2P_LOG(Error, "completing a future failed: ", e.what());
+      }
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<uint64_t, Future> futures_;
+};
+
+}  // namespace p2p::engine
