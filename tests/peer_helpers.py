@@ -1,18 +1,14 @@
 """Helpers for the peer, failure, security, fuzz and soak tests.
 
-Two kinds of things live here:
-  - a Python re-encoder of the engine's wire formats (EngineAddress, RemoteRegion, RemoteTensor
-    bytes; see csrc/engine/address.cpp and remote_view.cpp), so that tests can tamper with a
-    handle and recompute its CRC32s, making the engine's local checks pass;
+  - handles with fields changed (`tampered`), written by the engine's own encoders
+    (torch_p2p._C._encode_remote) so that every CRC is right and the engine's local checks pass;
   - functions that run inside Peer children (tests/peer.py): each takes `state` first.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import socket
-import struct
 import time
 import zlib
 
@@ -20,168 +16,24 @@ import torch
 
 import torch_p2p as p2p
 from conftest import engine_kwargs
+from torch_p2p import _C
 
-# -- wire formats ------------------------------------------------------------------------------
+# -- forged handles ----------------------------------------------------------------------------
 
-ADDRESS_MAGIC = 0x41503250  # "P2PA"
-REGION_MAGIC = 0x52503250   # "P2PR"
-TENSOR_MAGIC = 0x54503250   # "P2PT"
-VERSION = 1                 # of RemoteTensor bytes
-ADDRESS_VERSION = REGION_VERSION = 2
-READ, WRITE = 1, 2          # access bits (csrc/engine/address.h)
-
-
-class Reader:
-    def __init__(self, data: bytes):
-        self.data, self.pos = data, 0
-
-    def get(self, fmt: str):
-        size = struct.calcsize("<" + fmt)
-        if self.pos + size > len(self.data):
-            raise ValueError("truncated")
-        (value,) = struct.unpack_from("<" + fmt, self.data, self.pos)
-        self.pos += size
-        return value
-
-    def get_bytes(self) -> bytes:
-        n = self.get("I")
-        if self.pos + n > len(self.data):
-            raise ValueError("truncated")
-        out = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return out
-
-
-def seal(body: bytes) -> bytes:
-    """Appends the CRC32 (zlib's) that ByteWriter::seal appends."""
-    return body + struct.pack("<I", zlib.crc32(body) & 0xFFFFFFFF)
-
-
-def unseal(data: bytes) -> bytes:
-    body, (crc,) = data[:-4], struct.unpack("<I", data[-4:])
-    assert zlib.crc32(body) & 0xFFFFFFFF == crc, "bad CRC"
-    return body
-
-
-def lp(b: bytes) -> bytes:
-    """A length-prefixed (u32) field."""
-    return struct.pack("<I", len(b)) + b
-
-
-@dataclasses.dataclass
-class Address:
-    provider: bytes
-    incarnation: int
-    rails: list
-    host: bytes = b""
-    pid: int = 0
-    cuda_ipc: int = 0
-    magic: int = ADDRESS_MAGIC
-    version: int = ADDRESS_VERSION
-
-    @classmethod
-    def parse(cls, data: bytes) -> "Address":
-        r = Reader(unseal(data))
-        magic, version = r.get("I"), r.get("B")
-        provider, inc, n = r.get_bytes(), r.get("Q"), r.get("H")
-        rails = [r.get_bytes() for _ in range(n)]
-        host, pid, cuda_ipc = r.get_bytes(), r.get("I"), r.get("B")
-        return cls(provider, inc, rails, host, pid, cuda_ipc, magic, version)
-
-    def encode(self) -> bytes:
-        body = struct.pack("<IB", self.magic, self.version) + lp(self.provider)
-        body += struct.pack("<QH", self.incarnation, len(self.rails) & 0xFFFF)
-        body += b"".join(lp(x) for x in self.rails)
-        body += lp(self.host) + struct.pack("<IB", self.pid, self.cuda_ipc)
-        return seal(body)
-
-
-@dataclasses.dataclass
-class Region:
-    owner: bytes
-    id: int
-    nbytes: int
-    access: int
-    staged: int
-    device_type: int
-    device_index: int
-    piece_bytes: int
-    rails: int
-    entries: list  # [(base, key)] per (piece, rail)
-    ipc_handle: bytes = b""  # CUDA IPC export (csrc/engine/address.h IpcExport)
-    ipc_offset: int = 0
-    ipc_ptr: int = 0
-    magic: int = REGION_MAGIC
-    version: int = REGION_VERSION
-
-    @classmethod
-    def parse(cls, data: bytes) -> "Region":
-        r = Reader(unseal(data))
-        magic, version = r.get("I"), r.get("B")
-        owner = r.get_bytes()
-        rid, nbytes, access, staged, dt, di, piece, rails = (r.get(f) for f in "QQBBbhQH")
-        ipc = r.get_bytes(), r.get("Q"), r.get("Q")
-        entries = []
-        while r.pos < len(r.data):
-            entries.append((r.get("Q"), r.get("Q")))
-        return cls(owner, rid, nbytes, access, staged, dt, di, piece, rails, entries, *ipc, magic, version)
-
-    def encode(self) -> bytes:
-        body = struct.pack("<IB", self.magic, self.version) + lp(self.owner)
-        body += struct.pack("<QQBBbhQH", self.id, self.nbytes, self.access, self.staged, self.device_type,
-                            self.device_index, self.piece_bytes, self.rails)
-        body += lp(self.ipc_handle) + struct.pack("<QQ", self.ipc_offset, self.ipc_ptr)
-        body += b"".join(struct.pack("<QQ", b, k) for b, k in self.entries)
-        return seal(body)
-
-
-@dataclasses.dataclass
-class Tensor:
-    region: Region
-    dtype: int  # c10::ScalarType code
-    shape: list
-    strides: list
-    offset: int
-    magic: int = TENSOR_MAGIC
-    version: int = VERSION
-
-    @classmethod
-    def parse(cls, data: bytes) -> "Tensor":
-        r = Reader(unseal(data))
-        magic, version = r.get("I"), r.get("B")
-        region = Region.parse(r.get_bytes())
-        dtype, ndim = r.get("b"), r.get("B")
-        shape = [r.get("q") for _ in range(ndim)]
-        strides = [r.get("q") for _ in range(ndim)]
-        offset = r.get("q")
-        assert r.pos == len(r.data)
-        return cls(region, dtype, shape, strides, offset, magic, version)
-
-    @classmethod
-    def of(cls, remote: p2p.RemoteTensor) -> "Tensor":
-        return cls.parse(remote.to_bytes())
-
-    def encode(self) -> bytes:
-        body = struct.pack("<IB", self.magic, self.version) + lp(self.region.encode())
-        body += struct.pack("<bB", self.dtype, len(self.shape) & 0xFF)
-        body += b"".join(struct.pack("<q", s) for s in self.shape)
-        body += b"".join(struct.pack("<q", s) for s in self.strides)
-        body += struct.pack("<q", self.offset)
-        return seal(body)
-
-    def remote(self) -> p2p.RemoteTensor:
-        return p2p.RemoteTensor.from_bytes(self.encode())
+READ, WRITE = 1, 2  # access bits (csrc/engine/address.h)
 
 
 def tampered(remote: p2p.RemoteTensor, **changes) -> p2p.RemoteTensor:
     """A copy of `remote` with region fields (access, nbytes, entries, ...) or view fields
-    (shape, strides, offset) changed and every CRC recomputed."""
-    t = Tensor.of(remote)
+    (shape, strides, offset, dtype) changed and every CRC recomputed; the names are those of
+    _C._decode_remote."""
+    fields = _C._decode_remote(remote.to_bytes())
     for key, value in changes.items():
-        target = t if key in ("shape", "strides", "offset", "dtype") else t.region
-        assert hasattr(target, key), key
-        setattr(target, key, value)
-    return t.remote()
+        target = fields if key in fields else fields["region"]
+        if key not in target:
+            raise KeyError(key)
+        target[key] = value
+    return p2p.RemoteTensor.from_bytes(_C._encode_remote(fields))
 
 
 # -- misc --------------------------------------------------------------------------------------
@@ -626,7 +478,7 @@ def usable_after_death_scenario(state, b_pid: int, rb_bytes: bytes, rc_bytes: by
         p2p.wait(e.send(d_address, b"welcome"), budget)
         result["after"] = None
     except Exception as exc:  # noqa: BLE001 - reported to the parent
-        incarnations = {name: f"{Address.parse(a).incarnation:016x}" for name, a in
+        incarnations = {name: f"{_C._decode_address(a)['incarnation']:016x}" for name, a in
                         (("b", rb.owner), ("c", rc.owner), ("d", d_address))}
         result["after"] = f"{type(exc).__name__} in step {step!r} (peers {incarnations}): {exc}"
     return result
