@@ -99,7 +99,7 @@ def test_messages_keep_per_peer_order(pair):
         b.start(ph.send_numbered, a.address, n, b"b")
         c_futs = [c.send(a.address, b"c" + str(i).encode()) for i in range(n)]
         got = [p2p.wait(a.recv(timeout=30), 40) for _ in range(2 * n)]
-        b.result(timeout=60)
+        assert b.result(timeout=60) == [None] * n
         assert ph.wait_all(c_futs, 30) == [None] * n
     by_sender = {}
     for sender, payload in got:
@@ -257,7 +257,7 @@ def test_restart_on_same_address_is_a_new_incarnation():
         p2p.wait(a.read_slices(out, [new]), 10)
         assert torch.equal(out, src)
         done = c.result(timeout=60)
-        assert done["rounds"] > 0
+        assert done["mismatch"] is None and done["rounds"] > 0, done
 
 
 @pytest.mark.timeout(180)
