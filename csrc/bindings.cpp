@@ -4,6 +4,7 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include "common/error.h"
+#include "common/wire.h"
 #include "engine/engine.h"
 #include "engine/striper.h"
 #include "fabric/info.h"
@@ -221,6 +222,115 @@ void bind_parts(py::module_& m) {
       }, py::arg("now"), py::arg("busy"));
 }
 
+// The wire records (csrc/engine/address.h, remote_view.h) as dicts, for tests and tools that
+// forge handles: decode validates as the engine does; encode writes any field values, valid
+// or not (it checks nothing), with every CRC right.
+py::dict address_fields(const EngineAddress& a) {
+  py::dict d;
+  d["provider"] = py::bytes(a.provider);
+  d["incarnation"] = a.incarnation;
+  py::list rails;
+  for (const auto& r : a.rails) rails.append(py::bytes(r));
+  d["rails"] = rails;
+  d["host"] = py::bytes(a.host);
+  d["pid"] = a.pid;
+  d["cuda_ipc"] = a.cuda_ipc;
+  return d;
+}
+
+// d[key] as a T, or `fallback` where d has no such key.
+template <typename T>
+T field(const py::dict& d, const char* key, T fallback = T{}) {
+  return d.contains(key) ? d[key].cast<T>() : fallback;
+}
+
+py::bytes encode_address(const py::dict& d) {
+  EngineAddress a;
+  a.provider = field<std::string>(d, "provider");
+  a.incarnation = field<uint64_t>(d, "incarnation");
+  a.rails = field<std::vector<std::string>>(d, "rails");
+  a.host = field<std::string>(d, "host");
+  a.pid = field<uint32_t>(d, "pid");
+  a.cuda_ipc = field<bool>(d, "cuda_ipc");
+  return py::bytes(a.encode());
+}
+
+py::dict remote_fields(const RemoteView& v) {
+  const RemoteRegion& g = *v.region;
+  py::dict region;
+  region["owner"] = py::bytes(g.owner);
+  region["id"] = g.id;
+  region["nbytes"] = g.nbytes;
+  region["access"] = g.access;
+  region["staged"] = g.staged;
+  region["device_type"] = g.device_type;
+  region["device_index"] = g.device_index;
+  region["piece_bytes"] = g.piece_bytes;
+  region["rails"] = g.rails;
+  py::list entries;
+  for (size_t i = 0; i < g.base.size(); ++i) entries.append(py::make_tuple(g.base[i], g.key[i]));
+  region["entries"] = entries;
+  region["ipc_handle"] = py::bytes(g.ipc.handle);
+  region["ipc_offset"] = g.ipc.offset;
+  region["ipc_ptr"] = g.ipc.ptr;
+  py::dict d;
+  d["region"] = region;
+  d["dtype"] = static_cast<int>(v.dtype);
+  d["shape"] = v.shape;
+  d["strides"] = v.strides;
+  d["offset"] = v.offset;
+  return d;
+}
+
+py::bytes encode_remote(const py::dict& d) {
+  const py::dict r = d["region"].cast<py::dict>();
+  auto g = std::make_shared<RemoteRegion>();
+  g->owner = field<std::string>(r, "owner");
+  g->id = field<uint64_t>(r, "id");
+  g->nbytes = field<uint64_t>(r, "nbytes");
+  g->access = field<uint8_t>(r, "access");
+  g->staged = field<bool>(r, "staged");
+  g->device_type = field<int8_t>(r, "device_type");
+  g->device_index = field<int16_t>(r, "device_index", -1);
+  g->piece_bytes = field<uint64_t>(r, "piece_bytes");
+  g->rails = field<uint16_t>(r, "rails");
+  for (const auto& [base, key] : field<std::vector<std::pair<uint64_t, uint64_t>>>(r, "entries")) {
+    g->base.push_back(base);
+    g->key.push_back(key);
+  }
+  g->ipc.handle = field<std::string>(r, "ipc_handle");
+  g->ipc.offset = field<uint64_t>(r, "ipc_offset");
+  g->ipc.ptr = field<uint64_t>(r, "ipc_ptr");
+  RemoteView v;
+  v.region = g;
+  v.dtype = static_cast<c10::ScalarType>(field<int8_t>(d, "dtype"));
+  v.shape = field<std::vector<int64_t>>(d, "shape");
+  v.strides = field<std::vector<int64_t>>(d, "strides");
+  v.offset = field<int64_t>(d, "offset");
+  return py::bytes(v.encode());
+}
+
+// Private bindings of the wire records, for tests and tools (tests/peer_helpers.py).
+void bind_wire(py::module_& m) {
+  m.def("_decode_address", [](const py::bytes& b) { return address_fields(EngineAddress::decode(std::string(b))); });
+  m.def("_encode_address", &encode_address);
+  m.def("_decode_remote", [](const py::bytes& b) { return remote_fields(*RemoteView::decode(std::string(b))); });
+  m.def("_encode_remote", &encode_remote);
+  // ByteWriter::seal and ByteReader::check_crc: a record's trailing CRC32 added or checked and dropped.
+  m.def("_seal", [](const py::bytes& b) {
+    ByteWriter w;
+    w.str() = std::string(b);
+    w.seal();
+    return py::bytes(w.str());
+  });
+  m.def("_unseal", [](const py::bytes& b) {
+    const std::string in(b);
+    ByteReader r(in, "record");
+    r.check_crc();
+    return py::bytes(std::string(r.get_raw(r.remaining())));
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -355,4 +465,6 @@ PYBIND11_MODULE(_C, m) {
       .def("stream_wait", [](Engine& e, uint64_t stream) { return e.stream_wait(reinterpret_cast<void*>(stream)); },
            py::call_guard<py::gil_scoped_release>())
       .def("stream_release", &Engine::stream_release);
+
+  bind_wire(m);
 }

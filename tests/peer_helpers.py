@@ -1,18 +1,19 @@
 """Helpers for the peer, failure, security, fuzz and soak tests.
 
-Two kinds of things live here:
-  - a Python re-encoder of the engine's wire formats (EngineAddress, RemoteRegion, RemoteTensor
-    bytes; see csrc/engine/address.cpp and remote_view.cpp), so that tests can tamper with a
-    handle and recompute its CRC32s, making the engine's local checks pass;
-  - functions that run inside Peer children (tests/peer.py): each takes `state` first.
+  - handles with fields changed (`tampered`), written by the engine's own encoders
+    (torch_p2p._C._encode_remote) so that every CRC is right and the engine's local checks pass;
+  - waiting on futures, stopping and resuming processes;
+  - steps that run inside Peer children (tests/peer.py): each takes `state` first and reports
+    facts (counts, exception names, times) for the test to check.
+
+Times that cross processes are time.monotonic(): one clock for every process of the machine.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import socket
-import struct
+import threading
 import time
 import zlib
 
@@ -20,168 +21,24 @@ import torch
 
 import torch_p2p as p2p
 from conftest import engine_kwargs
+from torch_p2p import _C
 
-# -- wire formats ------------------------------------------------------------------------------
+# -- forged handles ----------------------------------------------------------------------------
 
-ADDRESS_MAGIC = 0x41503250  # "P2PA"
-REGION_MAGIC = 0x52503250   # "P2PR"
-TENSOR_MAGIC = 0x54503250   # "P2PT"
-VERSION = 1                 # of RemoteTensor bytes
-ADDRESS_VERSION = REGION_VERSION = 2
-READ, WRITE = 1, 2          # access bits (csrc/engine/address.h)
-
-
-class Reader:
-    def __init__(self, data: bytes):
-        self.data, self.pos = data, 0
-
-    def get(self, fmt: str):
-        size = struct.calcsize("<" + fmt)
-        if self.pos + size > len(self.data):
-            raise ValueError("truncated")
-        (value,) = struct.unpack_from("<" + fmt, self.data, self.pos)
-        self.pos += size
-        return value
-
-    def get_bytes(self) -> bytes:
-        n = self.get("I")
-        if self.pos + n > len(self.data):
-            raise ValueError("truncated")
-        out = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return out
-
-
-def seal(body: bytes) -> bytes:
-    """Appends the CRC32 (zlib's) that ByteWriter::seal appends."""
-    return body + struct.pack("<I", zlib.crc32(body) & 0xFFFFFFFF)
-
-
-def unseal(data: bytes) -> bytes:
-    body, (crc,) = data[:-4], struct.unpack("<I", data[-4:])
-    assert zlib.crc32(body) & 0xFFFFFFFF == crc, "bad CRC"
-    return body
-
-
-def lp(b: bytes) -> bytes:
-    """A length-prefixed (u32) field."""
-    return struct.pack("<I", len(b)) + b
-
-
-@dataclasses.dataclass
-class Address:
-    provider: bytes
-    incarnation: int
-    rails: list
-    host: bytes = b""
-    pid: int = 0
-    cuda_ipc: int = 0
-    magic: int = ADDRESS_MAGIC
-    version: int = ADDRESS_VERSION
-
-    @classmethod
-    def parse(cls, data: bytes) -> "Address":
-        r = Reader(unseal(data))
-        magic, version = r.get("I"), r.get("B")
-        provider, inc, n = r.get_bytes(), r.get("Q"), r.get("H")
-        rails = [r.get_bytes() for _ in range(n)]
-        host, pid, cuda_ipc = r.get_bytes(), r.get("I"), r.get("B")
-        return cls(provider, inc, rails, host, pid, cuda_ipc, magic, version)
-
-    def encode(self) -> bytes:
-        body = struct.pack("<IB", self.magic, self.version) + lp(self.provider)
-        body += struct.pack("<QH", self.incarnation, len(self.rails) & 0xFFFF)
-        body += b"".join(lp(x) for x in self.rails)
-        body += lp(self.host) + struct.pack("<IB", self.pid, self.cuda_ipc)
-        return seal(body)
-
-
-@dataclasses.dataclass
-class Region:
-    owner: bytes
-    id: int
-    nbytes: int
-    access: int
-    staged: int
-    device_type: int
-    device_index: int
-    piece_bytes: int
-    rails: int
-    entries: list  # [(base, key)] per (piece, rail)
-    ipc_handle: bytes = b""  # CUDA IPC export (csrc/engine/address.h IpcExport)
-    ipc_offset: int = 0
-    ipc_ptr: int = 0
-    magic: int = REGION_MAGIC
-    version: int = REGION_VERSION
-
-    @classmethod
-    def parse(cls, data: bytes) -> "Region":
-        r = Reader(unseal(data))
-        magic, version = r.get("I"), r.get("B")
-        owner = r.get_bytes()
-        rid, nbytes, access, staged, dt, di, piece, rails = (r.get(f) for f in "QQBBbhQH")
-        ipc = r.get_bytes(), r.get("Q"), r.get("Q")
-        entries = []
-        while r.pos < len(r.data):
-            entries.append((r.get("Q"), r.get("Q")))
-        return cls(owner, rid, nbytes, access, staged, dt, di, piece, rails, entries, *ipc, magic, version)
-
-    def encode(self) -> bytes:
-        body = struct.pack("<IB", self.magic, self.version) + lp(self.owner)
-        body += struct.pack("<QQBBbhQH", self.id, self.nbytes, self.access, self.staged, self.device_type,
-                            self.device_index, self.piece_bytes, self.rails)
-        body += lp(self.ipc_handle) + struct.pack("<QQ", self.ipc_offset, self.ipc_ptr)
-        body += b"".join(struct.pack("<QQ", b, k) for b, k in self.entries)
-        return seal(body)
-
-
-@dataclasses.dataclass
-class Tensor:
-    region: Region
-    dtype: int  # c10::ScalarType code
-    shape: list
-    strides: list
-    offset: int
-    magic: int = TENSOR_MAGIC
-    version: int = VERSION
-
-    @classmethod
-    def parse(cls, data: bytes) -> "Tensor":
-        r = Reader(unseal(data))
-        magic, version = r.get("I"), r.get("B")
-        region = Region.parse(r.get_bytes())
-        dtype, ndim = r.get("b"), r.get("B")
-        shape = [r.get("q") for _ in range(ndim)]
-        strides = [r.get("q") for _ in range(ndim)]
-        offset = r.get("q")
-        assert r.pos == len(r.data)
-        return cls(region, dtype, shape, strides, offset, magic, version)
-
-    @classmethod
-    def of(cls, remote: p2p.RemoteTensor) -> "Tensor":
-        return cls.parse(remote.to_bytes())
-
-    def encode(self) -> bytes:
-        body = struct.pack("<IB", self.magic, self.version) + lp(self.region.encode())
-        body += struct.pack("<bB", self.dtype, len(self.shape) & 0xFF)
-        body += b"".join(struct.pack("<q", s) for s in self.shape)
-        body += b"".join(struct.pack("<q", s) for s in self.strides)
-        body += struct.pack("<q", self.offset)
-        return seal(body)
-
-    def remote(self) -> p2p.RemoteTensor:
-        return p2p.RemoteTensor.from_bytes(self.encode())
+READ, WRITE = 1, 2  # access bits (csrc/engine/address.h)
 
 
 def tampered(remote: p2p.RemoteTensor, **changes) -> p2p.RemoteTensor:
     """A copy of `remote` with region fields (access, nbytes, entries, ...) or view fields
-    (shape, strides, offset) changed and every CRC recomputed."""
-    t = Tensor.of(remote)
+    (shape, strides, offset, dtype) changed and every CRC recomputed; the names are those of
+    _C._decode_remote."""
+    fields = _C._decode_remote(remote.to_bytes())
     for key, value in changes.items():
-        target = t if key in ("shape", "strides", "offset", "dtype") else t.region
-        assert hasattr(target, key), key
-        setattr(target, key, value)
-    return t.remote()
+        target = fields if key in fields else fields["region"]
+        if key not in target:
+            raise KeyError(key)
+        target[key] = value
+    return p2p.RemoteTensor.from_bytes(_C._encode_remote(fields))
 
 
 # -- misc --------------------------------------------------------------------------------------
@@ -194,22 +51,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_all(futures, timeout: float) -> list:
-    """Waits for every future (up to `timeout` in all); returns each one's exception or None.
-    A future still pending at the deadline makes this raise AssertionError."""
+def outcomes(futures, timeout: float) -> list:
+    """Waits for every future (up to `timeout` in all); returns each one's exception, None if
+    it succeeded, or "pending" if it is not done at the deadline."""
     deadline = time.monotonic() + timeout
-    out = []
     for fut in futures:
         try:
             p2p.wait(fut, max(0.0, deadline - time.monotonic()))
-            out.append(None)
-        except p2p.TimeoutError as exc:
-            if not fut.done():
-                raise AssertionError(f"a future is still pending after {timeout} s") from exc
-            out.append(exc)
-        except Exception as exc:  # noqa: BLE001 - returned to the test
-            out.append(exc)
+        except Exception:  # noqa: BLE001 - read below
+            pass
+    return [_exception(f) if f.done() else "pending" for f in futures]
+
+
+def wait_all(futures, timeout: float) -> list:
+    """outcomes(), where a future still pending at the deadline raises AssertionError."""
+    out = outcomes(futures, timeout)
+    if any(x == "pending" for x in out if isinstance(x, str)):
+        raise AssertionError(f"a future is still pending after {timeout} s")
     return out
+
+
+def _exception(fut):
+    try:
+        fut.value()
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    return None
+
+
+def _name(exc) -> str | None:
+    return exc if isinstance(exc, str) or exc is None else type(exc).__name__
 
 
 def pattern(seed: int, nbytes: int) -> torch.Tensor:
@@ -302,16 +173,12 @@ def disconnect(state, address: bytes, timeout: float = 10) -> None:
     p2p.wait(state["engine"].disconnect(address), timeout)
 
 
-def connect(state, address: bytes, timeout: float = 10) -> None:
-    p2p.wait(state["engine"].connect(address), timeout)
-
-
-def send_numbered(state, address: bytes, n: int, tag: bytes = b"", timeout: float = 60) -> None:
-    """Sends n messages tag + b"<i>", waiting for all of them."""
+def send_numbered(state, address: bytes, n: int, tag: bytes = b"", timeout: float = 60) -> list:
+    """Sends n messages tag + b"<i>"; returns each one's exception type name, "pending", or
+    None if it was delivered."""
     e = state["engine"]
     futs = [e.send(address, tag + str(i).encode()) for i in range(n)]
-    errors = wait_all(futs, timeout)
-    assert errors == [None] * n, [x for x in errors if x][:3]
+    return [_name(x) for x in outcomes(futs, timeout)]
 
 
 def send(state, address: bytes, payload: bytes, timeout: float = 60) -> None:
@@ -377,14 +244,15 @@ def notifications(state, tags: list, timeout: float = 30) -> list:
 
 def write_loop(state, name: str, remote_bytes: bytes, seconds: float, nbytes: int, slot: int) -> dict:
     """For `seconds`, writes fresh random bytes into slot `slot` of a remote region and reads
-    them back, verifying each round. Returns counts; raises on the first mismatch."""
+    them back, until a round reads back other bytes. Returns the rounds that read back what
+    they wrote, and the number of the first that did not (None: none)."""
     e = state["engine"]
     remote = p2p.RemoteTensor.from_bytes(remote_bytes)[slot * nbytes:(slot + 1) * nbytes]
     if name not in state:
         state[name] = torch.zeros(2 * nbytes, dtype=torch.uint8)
         state[name + ".region"] = e.register(state[name])
     src, dst = state[name][:nbytes], state[name][nbytes:]
-    rounds, errors = 0, []
+    rounds = 0
     end = time.monotonic() + seconds
     g = torch.Generator().manual_seed(slot)
     while time.monotonic() < end:
@@ -393,13 +261,9 @@ def write_loop(state, name: str, remote_bytes: bytes, seconds: float, nbytes: in
         p2p.wait(e.write_slices(src, [remote]), 30)
         p2p.wait(e.read_slices(dst, [remote]), 30)
         if not torch.equal(src, dst):
-            raise AssertionError(f"round {rounds}: read back differs from what was written")
+            return {"rounds": rounds, "mismatch": rounds}
         rounds += 1
-    return {"rounds": rounds, "errors": errors}
-
-
-def engine_address(state) -> bytes:
-    return state["engine"].address
+    return {"rounds": rounds, "mismatch": None}
 
 
 class Stream:
@@ -407,7 +271,6 @@ class Stream:
     called; records when each future completed (time.monotonic())."""
 
     def __init__(self, engine, src, remote, depth=8):
-        import threading
         self.engine, self.src, self.remote = engine, src, remote
         self.futures, self.done_at = [], {}
         self.failed, self._stop = threading.Event(), threading.Event()
@@ -440,11 +303,7 @@ class Stream:
 
 def failed(fut) -> bool:
     """True if a done future holds an exception."""
-    try:
-        fut.value()
-        return False
-    except Exception:  # noqa: BLE001
-        return True
+    return _exception(fut) is not None
 
 
 class stopped:
@@ -452,7 +311,6 @@ class stopped:
     or after `limit` seconds, whichever comes first, so that nothing waits on it forever."""
 
     def __init__(self, pid: int, limit: float = 30):
-        import threading
         self.pid = pid
         self.timer = threading.Timer(limit, self._resume)
         self.timer.daemon = True
@@ -506,7 +364,6 @@ def _loop(state, key, remote, nbytes, seed):
 
 def start_loop(state, key: str, remote_bytes: bytes, nbytes: int, seed: int) -> None:
     """Starts a background loop: write fresh bytes to the remote, read them back, verify."""
-    import threading
     remote = p2p.RemoteTensor.from_bytes(remote_bytes)
     state.setdefault("loops", {})[key] = info = {"stop": threading.Event(), "rounds": 0, "error": None}
     info["thread"] = threading.Thread(target=_loop, args=(state, key, remote, nbytes, seed), daemon=True)
@@ -533,178 +390,138 @@ def wait_loop_ended(state, key: str, timeout: float) -> dict:
     return loop_status(state)
 
 
-def register_churn_beside_writes(state, seconds: float) -> dict:
-    """For `seconds`, a thread registers tensors and deregisters them while this one writes
-    into the engine's own region. Returns how many of each were done."""
-    import threading
-    e = state["engine"]
-    src, dst = torch.ones(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
-    regions = [e.register(src), e.register(dst)]
-    counts = {"churned": 0, "writes": 0}
-    stop = threading.Event()
-
-    def churn():
-        while not stop.is_set():
-            e.register(torch.zeros(1024)).close(timeout=5)
-            counts["churned"] += 1
-
-    thread = threading.Thread(target=churn, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + seconds
-    try:
-        while time.monotonic() < deadline:
-            p2p.wait(e.write_slices(src, [regions[1].remote]), 10)
-            counts["writes"] += 1
-    finally:
-        stop.set()
-        thread.join(30)
-        for r in regions:
-            r.close(timeout=5)
-    return counts
-
-
-# -- failure scenarios, run inside a host child --------------------------------------------------
+# -- steps of the failure tests, run inside the child that hosts the engine under test ----------
 # NOTE: an engine whose shm peer was killed can spin forever inside libfabric (see
 # test_failures.py); the engine under test then lives in a child that the parent can kill.
 
-def dead_peer_scenario(state, b_pid: int, rb_bytes: bytes, b_address: bytes, budget: float) -> dict:
-    """Streams writes to b, kills it mid-stream, then starts a read and a send to it too.
-    Returns what happened to every future; raises if one is still pending after `budget`."""
-    e = state["engine"]
-    rb = p2p.RemoteTensor.from_bytes(rb_bytes)
-    src = torch.randint(0, 256, (rb.numel(),), dtype=torch.uint8)
-    out = torch.zeros(rb.numel(), dtype=torch.uint8)
-    state["src"], state["out"] = e.register(src), e.register(out)
-    stream = Stream(e, src, rb)
-    deadline = time.monotonic() + 20
-    while stream.completed_ok() < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    started = stream.completed_ok()
-    in_flight = [f for f in list(stream.futures) if not f.done()]
-    os.kill(b_pid, signal.SIGKILL)
-    killed = time.monotonic()
-    late = [e.read_slices(out, [rb]), e.send(b_address, b"x" * 100000)]
-    errors = wait_all(list(stream.futures) + late, budget)
-    stream.stop()
-    return {
-        "started": started,
-        "in_flight": len(in_flight),
-        "in_flight_done": all(f.done() for f in in_flight),
-        "errors": [type(x).__name__ if x else None for x in errors],
-        "messages": sorted({str(x) for x in errors if x})[:3],
-        "latest": max(list(stream.done_at.values()) + [time.monotonic()]) - killed,
-    }
+def local(state, name: str, nbytes: int, seed: int | None = None) -> None:
+    """Registers a local tensor `name`: zeros, or pattern(seed)."""
+    state[name] = torch.zeros(nbytes, dtype=torch.uint8) if seed is None else pattern(seed, nbytes)
+    state[name + ".region"] = state["engine"].register(state[name])
 
 
-def usable_after_death_scenario(state, b_pid: int, rb_bytes: bytes, rc_bytes: bytes, d_address: bytes,
-                                budget: float) -> dict:
-    """b dies with writes in flight (stopped first, so they surely are); then c and a new
-    peer d must still work. Returns what failed where."""
-    e = state["engine"]
-    rb, rc = p2p.RemoteTensor.from_bytes(rb_bytes), p2p.RemoteTensor.from_bytes(rc_bytes)
-    src = torch.randint(0, 256, (rb.numel(),), dtype=torch.uint8)
-    out = torch.zeros(rb.numel(), dtype=torch.uint8)
-    state["src"], state["out"] = e.register(src), e.register(out)
-    p2p.wait(e.write_slices(src, [rb]), 10)
-    p2p.wait(e.write_slices(src, [rc]), 10)
-    stop(b_pid)
-    doomed = [e.write_slices(src, [rb]) for _ in range(4)]
-    time.sleep(0.3)
-    os.kill(b_pid, signal.SIGKILL)
-    result = {"doomed": [type(x).__name__ if x else None for x in wait_all(doomed, budget)]}
-    step = "start"
-    try:
-        for _ in range(3):
-            step = "w"
-            src.add_(1)
-            out.zero_()
-            p2p.wait(e.write_slices(src, [rc]), budget)
-            step = "r"
-            p2p.wait(e.read_slices(out, [rc]), budget)
-            assert torch.equal(out, src), "read back differs"
-        step = "send"
-        p2p.wait(e.send(d_address, b"welcome"), budget)
-        result["after"] = None
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        incarnations = {name: f"{Address.parse(a).incarnation:016x}" for name, a in
-                        (("b", rb.owner), ("c", rc.owner), ("d", d_address))}
-        result["after"] = f"{type(exc).__name__} in step {step!r} (peers {incarnations}): {exc}"
-    return result
+def write(state, name: str, remote_bytes: bytes, timeout: float = 10) -> None:
+    p2p.wait(state["engine"].write_slices(state[name], [p2p.RemoteTensor.from_bytes(remote_bytes)]), timeout)
 
 
-def idle_death_scenario(state, b_pid: int, rb_bytes: bytes, b_address: bytes, budget: float) -> dict:
-    e = state["engine"]
-    rb = p2p.RemoteTensor.from_bytes(rb_bytes)
-    buf = torch.zeros(rb.numel(), dtype=torch.uint8)
-    state["buf"] = e.register(buf)
-    p2p.wait(e.write_slices(buf, [rb]), 10)
-    os.kill(b_pid, signal.SIGKILL)
-    time.sleep(0.2)
+def write_read_back(state, src: str, out: str, remote_bytes: bytes, timeout: float) -> bool:
+    """Adds 1 to every byte of `src`, writes it to the remote, reads it back into `out`;
+    returns whether `out` then equals `src`."""
+    e, remote = state["engine"], p2p.RemoteTensor.from_bytes(remote_bytes)
+    state[src].add_(1)
+    state[out].zero_()
+    p2p.wait(e.write_slices(state[src], [remote]), timeout)
+    p2p.wait(e.read_slices(state[out], [remote]), timeout)
+    return bool(torch.equal(state[out], state[src]))
+
+
+def issue(state, ops: list) -> float:
+    """Starts operations without waiting for them: ("write" | "read", local name, remote
+    bytes), ("send", address, payload) or ("connect", address). Their futures join those that
+    settle() waits for. Returns when the first was issued."""
+    e, issued = state["engine"], state.setdefault("issued", [])
     start = time.monotonic()
-    first = wait_all([e.write_slices(buf, [rb]), e.read_slices(buf, [rb]), e.send(b_address, b"?")], budget)
-    first_took = time.monotonic() - start
-    start = time.monotonic()
-    second = wait_all([e.connect(b_address)], budget)
-    return {"first": [type(x).__name__ if x else None for x in first], "first_took": first_took,
-            "connect": [type(x).__name__ if x else None for x in second],
-            "connect_took": time.monotonic() - start}
+    for op, *args in ops:
+        if op in ("write", "read"):
+            name, remote_bytes = args
+            move = e.write_slices if op == "write" else e.read_slices
+            issued.append(move(state[name], [p2p.RemoteTensor.from_bytes(remote_bytes)]))
+        else:
+            issued.append(getattr(e, op)(*args))
+    return start
 
 
-def locked_death_scenario(state, b_pid: int, rb_bytes: bytes, b_address: bytes, budget: float,
-                          tries: int = 40) -> dict:
-    """Kills b at a moment when it surely holds the lock of its shm region: b is stopped
-    (SIGSTOP) at random points of a stream of writes until a small send to it blocks our
-    worker (then b is stopped inside its lock), and killed there. Returns whether that state
-    was reached and how the futures to b ended (None: still pending after `budget`)."""
+def start_stream(state, name: str, remote_bytes: bytes) -> None:
+    """Starts a Stream of writes of `name` to the remote."""
+    state["stream"] = Stream(state["engine"], state[name], p2p.RemoteTensor.from_bytes(remote_bytes))
+
+
+def stream_going(state, writes: int, timeout: float = 20) -> int:
+    """Waits (up to `timeout`) until `writes` writes of the stream succeeded; returns how many did."""
+    stream, deadline = state["stream"], time.monotonic() + timeout
+    while stream.completed_ok() < writes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return stream.completed_ok()
+
+
+def mark_in_flight(state) -> int:
+    """Notes the stream's writes in flight now (settle() says whether they ended); returns how many."""
+    state["marked"] = [f for f in list(state["stream"].futures) if not f.done()]
+    return len(state["marked"])
+
+
+def worker_stalls(state, address: bytes) -> bool:
+    """Sends a small probe to `address` (settle() waits for it too) and tells whether our
+    worker then stalls: a recv(timeout=0.1), which completes only while the worker runs, is
+    still pending 1 s later."""
     e = state["engine"]
-    rb = p2p.RemoteTensor.from_bytes(rb_bytes)
-    src = torch.randint(0, 256, (rb.numel(),), dtype=torch.uint8)
-    state["src"] = e.register(src)
-    stream = Stream(e, src, rb)
-    deadline = time.monotonic() + 20
-    while stream.completed_ok() < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    caught, probes = False, []
-    for attempt in range(tries):
-        stop(b_pid)
-        time.sleep(0.02)
-        probes.append(e.send(b_address, b"probe"))
-        tick = e.recv(timeout=0.1)  # completes (TimeoutError) only while our worker runs
-        end = time.monotonic() + 1.0
-        while not tick.done() and time.monotonic() < end:
-            time.sleep(0.01)
-        if not tick.done():
-            caught = True
-            break
-        resume(b_pid)
-        time.sleep(0.03)
-    os.kill(b_pid, signal.SIGKILL)
-    killed = time.monotonic()
-    futures = list(stream.futures) + probes
-    end = killed + budget
-    while time.monotonic() < end and not all(f.done() for f in futures):
-        time.sleep(0.05)
-    stream._stop.set()
-    return {"caught": caught, "attempts": attempt + 1,
-            "pending": sum(1 for f in futures if not f.done()),
-            "errors": sorted({type(_exception(f)).__name__ for f in futures if f.done() and failed(f)}),
-            "took": time.monotonic() - killed}
+    state.setdefault("issued", []).append(e.send(address, b"probe"))
+    tick = e.recv(timeout=0.1)
+    end = time.monotonic() + 1.0
+    while not tick.done() and time.monotonic() < end:
+        time.sleep(0.01)
+    return not tick.done()
 
 
-def _exception(fut):
+def settle(state, timeout: float) -> dict:
+    """Waits (up to `timeout` in all) for the stream's writes started so far and every issued
+    operation, then stops the stream and forgets them. Returns each one's exception type name
+    ("pending" if not done, None if it succeeded), their distinct messages, whether the marked
+    writes ended, and when the last one ended (time.monotonic())."""
+    stream = state.pop("stream", None)
+    futures = (list(stream.futures) if stream else []) + state.pop("issued", [])
+    errors = outcomes(futures, timeout)
+    ended = time.monotonic()
+    if stream:
+        stream.stop()
+        ended = max([ended] + list(stream.done_at.values()))
+    return {"errors": [_name(x) for x in errors],
+            "messages": sorted({str(x) for x in errors if x and not isinstance(x, str)})[:3],
+            "marked_done": all(f.done() for f in state.pop("marked", [])),
+            "ended": ended}
+
+
+def start_churn(state) -> None:
+    """A thread registers tensors and deregisters them until stop_churn()."""
+    e = state["engine"]
+    state["churn"] = churn = {"count": 0, "stop": threading.Event()}
+
+    def run():
+        while not churn["stop"].is_set():
+            e.register(torch.zeros(1024)).close(timeout=5)
+            churn["count"] += 1
+
+    churn["thread"] = threading.Thread(target=run, daemon=True)
+    churn["thread"].start()
+
+
+def stop_churn(state) -> int:
+    """Stops the thread of start_churn(); returns how many tensors it registered."""
+    churn = state.pop("churn")
+    churn["stop"].set()
+    churn["thread"].join(30)
+    return churn["count"]
+
+
+def writes_to_self(state, seconds: float) -> int:
+    """For `seconds`, writes into the engine's own region; returns how many writes were done."""
+    e = state["engine"]
+    src, dst = torch.ones(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    regions = [e.register(src), e.register(dst)]
+    writes, deadline = 0, time.monotonic() + seconds
     try:
-        fut.value()
-    except Exception as exc:  # noqa: BLE001
-        return exc
-    return None
+        while time.monotonic() < deadline:
+            p2p.wait(e.write_slices(src, [regions[1].remote]), 10)
+            writes += 1
+    finally:
+        for r in regions:
+            r.close(timeout=5)
+    return writes
 
 
-def connect_to_closed_sibling(state, provider: str, peer_timeout: float) -> str | None:
-    """With an engine open, opens and closes a second one in this process, then connects the
-    first to the second's address."""
-    with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=peer_timeout)) as e:
-        gone = p2p.Engine("cpu", **engine_kwargs(provider))
-        address = gone.address
-        gone.close()
-        err = wait_all([e.connect(address)], peer_timeout + 5)[0]
-    return type(err).__name__ if err else None
+def closed_engine_address(state, provider: str) -> bytes:
+    """The address of an engine that this process opened and closed."""
+    gone = p2p.Engine("cpu", **engine_kwargs(provider))
+    address = gone.address
+    gone.close()
+    return address

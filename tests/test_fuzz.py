@@ -3,8 +3,8 @@
 Bytes from other processes are never trusted: any input must give a clean ValueError (or
 TypeError for a non-bytes argument), or a valid handle whose views stay inside its region,
 never a crash or another exception. Most inputs are mutations of real handles with every CRC
-recomputed (tests/peer_helpers.py re-encodes the wire formats), so that they get past the
-checksum into the field validation.
+recomputed (the engine's own encoders, torch_p2p._C._encode_remote and _encode_address, write
+them), so that they get past the checksum into the field validation.
 
 The CI part (>= 100k inputs) takes well under a minute; TORCH_P2P_FUZZ_SCALE multiplies it.
 """
@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import peer_helpers as ph
 import torch_p2p as p2p
+from torch_p2p import _C
 from conftest import engine_kwargs
 from peer import Peer
 
@@ -80,25 +81,26 @@ def check_handle(data: bytes, views: bool = True) -> None:
         r = p2p.RemoteTensor.from_bytes(data)
     except ValueError:
         return
-    t = ph.Tensor.parse(data)  # what was accepted, as the test reads it
-    region = t.region
+    t = _C._decode_remote(data)  # what was accepted, field by field
+    region = t["region"]
     # Views stay inside the region (Python integers: no overflow).
     elem = r.element_size()
     assert elem > 0
-    if all(s > 0 for s in t.shape):
-        last = t.offset + sum((s - 1) * st for s, st in zip(t.shape, t.strides))
-        assert t.offset >= 0 and all(st >= 0 for st in t.strides)
-        assert (last + 1) * elem <= region.nbytes, "an accepted view reaches past its region"
+    if all(s > 0 for s in t["shape"]):
+        last = t["offset"] + sum((s - 1) * st for s, st in zip(t["shape"], t["strides"]))
+        assert t["offset"] >= 0 and all(st >= 0 for st in t["strides"])
+        assert (last + 1) * elem <= region["nbytes"], "an accepted view reaches past its region"
     # The key table covers every byte of the region on every rail.
-    if not region.staged:
-        pieces = -(-region.nbytes // region.piece_bytes)
-        assert len(region.entries) == pieces * region.rails, "an accepted key table does not cover the region"
-        assert len(r.keys) == pieces * region.rails
+    if not region["staged"]:
+        pieces = -(-region["nbytes"] // region["piece_bytes"])
+        assert len(region["entries"]) == pieces * region["rails"], "an accepted key table does not cover the region"
+        assert len(r.keys) == pieces * region["rails"]
     else:
-        assert region.entries == []
+        assert region["entries"] == []
     # Accessors and a round trip.
-    assert tuple(r.shape) == tuple(t.shape) and r.stride() == tuple(t.strides) and r.storage_offset() == t.offset
-    assert r.owner == region.owner and r.region_id == region.id and r.access in ("", "r", "w", "rw")
+    assert tuple(r.shape) == tuple(t["shape"]) and r.stride() == tuple(t["strides"])
+    assert r.storage_offset() == t["offset"]
+    assert r.owner == region["owner"] and r.region_id == region["id"] and r.access in ("", "r", "w", "rw")
     repr(r)
     assert r.to_bytes() == data
     # Views of it are checked too.
@@ -164,84 +166,134 @@ REGION_FIELDS = {"id": "Q", "nbytes": "Q", "access": "B", "staged": "B", "device
                  "device_index": "h", "piece_bytes": "Q", "rails": "H", "magic": "I", "version": "B"}
 TENSOR_FIELDS = {"dtype": "b", "offset": "q", "magic": "I", "version": "B"}
 
+# Every record (engine address, region, RemoteTensor) opens with its magic and version and ends
+# with a CRC32; a RemoteTensor's record holds its region's after its own header, as a u32 length
+# and the bytes. The encoders write the right magic and version, so other values, and flag
+# bytes other than 0 and 1, go into the bytes afterwards.
+HEADER = "<IB"
+REGION_AT = 9
+
+
+def _header(record: bytes) -> dict:
+    magic, version = struct.unpack_from(HEADER, record)
+    return {"magic": magic, "version": version}
+
+
+def _reheader(record: bytes, magic: int, version: int) -> bytes:
+    """A sealed record with this magic and version, its CRC recomputed."""
+    body = bytearray(_C._unseal(record))
+    struct.pack_into(HEADER, body, 0, magic, version)
+    return _C._seal(bytes(body))
+
+
+def _region_record(data: bytes) -> bytes:
+    body = _C._unseal(data)
+    (n,) = struct.unpack_from("<I", body, REGION_AT - 4)
+    return body[REGION_AT:REGION_AT + n]
+
+
+def _with_region_record(data: bytes, record: bytes) -> bytes:
+    """RemoteTensor bytes with their region's record replaced by one of the same length."""
+    body = bytearray(_C._unseal(data))
+    body[REGION_AT:REGION_AT + len(record)] = record
+    return _C._seal(bytes(body))
+
 
 def _structured(rng: random.Random, data: bytes) -> bytes:
     """Changes one to three fields at any layer and re-encodes with every CRC recomputed."""
-    t = ph.Tensor.parse(data)
+    t = _C._decode_remote(data)
+    tensor_header, region_header = _header(data), _header(_region_record(data))
     for _ in range(rng.randint(1, 3)):
         layer = rng.randrange(5)
         if layer == 0:  # tensor scalars
             name, fmt = rng.choice(sorted(TENSOR_FIELDS.items()))
-            setattr(t, name, fit(_value(rng, getattr(t, name)), fmt))
+            fields = tensor_header if name in tensor_header else t
+            fields[name] = fit(_value(rng, fields[name]), fmt)
         elif layer == 1:  # shape and strides
             which = rng.choice(["shape", "strides", "both", "ndim"])
             if which == "ndim":
                 n = rng.choice([0, 1, 2, 63, 64, 65, 200])
-                t.shape = [fit(rng.choice(EXTREMES + [1, 2]), "q") for _ in range(n)]
-                t.strides = [fit(rng.choice(EXTREMES + [1, 2]), "q") for _ in range(n)]
+                t["shape"] = [fit(rng.choice(EXTREMES + [1, 2]), "q") for _ in range(n)]
+                t["strides"] = [fit(rng.choice(EXTREMES + [1, 2]), "q") for _ in range(n)]
                 if rng.random() < 0.5:  # a shape/strides count mismatch
-                    t.strides = t.strides[:max(0, n - 1)]
-            elif t.shape:
-                i = rng.randrange(len(t.shape))
+                    t["strides"] = t["strides"][:max(0, n - 1)]
+            elif t["shape"]:
+                i = rng.randrange(len(t["shape"]))
                 if which in ("shape", "both"):
-                    t.shape[i] = fit(_value(rng, t.shape[i]), "q")
-                if which in ("strides", "both") and i < len(t.strides):
-                    t.strides[i] = fit(_value(rng, t.strides[i]), "q")
+                    t["shape"][i] = fit(_value(rng, t["shape"][i]), "q")
+                if which in ("strides", "both") and i < len(t["strides"]):
+                    t["strides"][i] = fit(_value(rng, t["strides"][i]), "q")
         elif layer == 2:  # region scalars
             name, fmt = rng.choice(sorted(REGION_FIELDS.items()))
-            setattr(t.region, name, fit(_value(rng, getattr(t.region, name)), fmt))
+            fields = region_header if name in region_header else t["region"]
+            fields[name] = fit(_value(rng, int(fields[name])), fmt)
         elif layer == 3:  # key table
-            entries = t.region.entries
+            entries = t["region"]["entries"]
             r = rng.random()
             if r < 0.3 and entries:
                 entries.pop(rng.randrange(len(entries)))
             elif r < 0.5:
                 entries.append((rng.getrandbits(64), rng.getrandbits(64)))
             elif r < 0.6:
-                t.region.entries = []
+                t["region"]["entries"] = []
             elif entries:
                 i = rng.randrange(len(entries))
                 base, key = entries[i]
                 entries[i] = (fit(_value(rng, base), "Q"), key) if rng.random() < 0.5 else (base, fit(_value(rng, key), "Q"))
         else:  # the owner's address
-            t.region.owner = _address_mutation(rng, t.region.owner)
-    body = t.encode()
+            t["region"]["owner"] = _address_mutation(rng, t["region"]["owner"])
+    body = _reheader(_encode(t), **tensor_header)
+    body = _with_region_record(body, _reheader(_region_record(body), **region_header))
     if rng.random() < 0.1:  # and a lie in an inner length field, outer CRC still right
-        raw = bytearray(ph.unseal(body))
+        raw = bytearray(_C._unseal(body))
         raw[5:9] = struct.pack("<I", fit(_value(rng, struct.unpack_from("<I", raw, 5)[0]), "I"))
-        body = ph.seal(bytes(raw))
+        body = _C._seal(bytes(raw))
     return body
+
+
+def _encode(t: dict) -> bytes:
+    """_C._encode_remote(t), whose region's staged flag may be any byte: the encoder writes a
+    bool, so a larger value goes into the byte where the encodings with False and True differ."""
+    flag = int(t["region"]["staged"])
+    if flag <= 1:
+        return _C._encode_remote(t)
+    records = [_region_record(_C._encode_remote({**t, "region": {**t["region"], "staged": s}})) for s in (0, 1)]
+    (at,) = [i for i, (x, y) in enumerate(zip(records[0][:-4], records[1][:-4])) if x != y]
+    record = bytearray(_C._unseal(records[1]))
+    record[at] = flag
+    return _with_region_record(_C._encode_remote(t), _C._seal(bytes(record)))
 
 
 def _address_mutation(rng: random.Random, data: bytes, keep_rails: bool = False) -> bytes:
     """A mutated engine address; with keep_rails, rail bytes stay as they are (tcp: only
     loopback addresses may ever be reached) except for their port."""
     try:
-        a = ph.Address.parse(data)
-    except (AssertionError, ValueError, struct.error):
+        a = _C._decode_address(data)
+    except ValueError:
         a = None  # mutated before: mutate its bytes again
     if a is None or rng.random() < 0.25:
         return _raw(rng, data, [data])  # CRC almost surely broken
+    header = _header(data)
     kind = rng.randrange(6)
     if kind == 0:
-        a.provider = rng.choice([b"", b"tcp", b"shm", b"efa", b"x" * 300, rng.randbytes(rng.randint(0, 20))])
+        a["provider"] = rng.choice([b"", b"tcp", b"shm", b"efa", b"x" * 300, rng.randbytes(rng.randint(0, 20))])
     elif kind == 1:
-        a.incarnation = fit(_value(rng, a.incarnation), "Q")
+        a["incarnation"] = fit(_value(rng, a["incarnation"]), "Q")
     elif kind == 2:
-        a.magic = fit(_value(rng, a.magic), "I") if rng.random() < 0.5 else a.magic
-        a.version = fit(_value(rng, a.version), "B")
+        header["magic"] = fit(_value(rng, header["magic"]), "I") if rng.random() < 0.5 else header["magic"]
+        header["version"] = fit(_value(rng, header["version"]), "B")
     elif kind == 3 or keep_rails:
-        if keep_rails and a.rails and len(a.rails[0]) == 16:
+        if keep_rails and a["rails"] and len(a["rails"][0]) == 16:
             # Port 1 or a port where nothing listened a moment ago: never someone else's engine.
-            rail = bytearray(a.rails[0])
+            rail = bytearray(a["rails"][0])
             rail[2:4] = struct.pack(">H", rng.choice(FREE_PORTS))
-            a.rails = [bytes(rail)] * rng.choice([1, 1, 2])
+            a["rails"] = [bytes(rail)] * rng.choice([1, 1, 2])
     elif kind == 4:
-        a.rails = rng.choice([[], [b""], a.rails * rng.choice([2, 1025]), [rng.randbytes(rng.randint(1, 300))]])
+        a["rails"] = rng.choice([[], [b""], a["rails"] * rng.choice([2, 1025]), [rng.randbytes(rng.randint(1, 300))]])
     else:
-        a.rails = [rng.choice([b"x", b"fi_shm://0:0:0\x00", b"fi_shm://4294967295:9:9", rng.randbytes(8),
-                               b"\x00" * 300, b"fi_shm://" + b"9" * 200 + b"\x00", b"/" * 40])]
-    return a.encode()
+        a["rails"] = [rng.choice([b"x", b"fi_shm://0:0:0\x00", b"fi_shm://4294967295:9:9", rng.randbytes(8),
+                                  b"\x00" * 300, b"fi_shm://" + b"9" * 200 + b"\x00", b"/" * 40])]
+    return _reheader(_C._encode_address(a), **header)
 
 
 FREE_PORTS = [1]
@@ -296,7 +348,7 @@ def test_from_bytes_rejects_non_bytes(seeds):
 @given(st.binary(max_size=700))
 def test_from_bytes_random_bytes(data):
     check_handle(data)
-    check_handle(ph.seal(data))  # with a valid CRC, parsing reaches the fields
+    check_handle(_C._seal(data))  # with a valid CRC, parsing reaches the fields
 
 
 u64 = st.one_of(st.sampled_from([fit(x, "Q") for x in EXTREMES]), st.integers(0, 2 ** 64 - 1))
@@ -310,18 +362,17 @@ i64 = st.one_of(st.sampled_from([fit(x, "q") for x in EXTREMES]), st.integers(-(
        strides=st.lists(i64, max_size=4), offset=i64)
 def test_from_bytes_structured(seeds, nbytes, piece, rails, entries, access, staged, dtype, shape, strides,
                                offset):
-    t = ph.Tensor.parse(seeds[0])
-    t.region.nbytes, t.region.piece_bytes, t.region.rails = nbytes, piece, rails
-    t.region.entries = [(i * 4096, i + 1) for i in range(entries)]
-    t.region.access, t.region.staged = access, staged
-    t.dtype, t.shape, t.strides, t.offset = dtype, shape, strides, offset
-    check_handle(t.encode())
+    t = _C._decode_remote(seeds[0])
+    t["region"].update(nbytes=nbytes, piece_bytes=piece, rails=rails, access=access, staged=staged,
+                       entries=[(i * 4096, i + 1) for i in range(entries)])
+    t.update(dtype=dtype, shape=shape, strides=strides, offset=offset)
+    check_handle(_encode(t))
 
 
 def test_view_with_a_huge_stride_on_a_size_one_dimension(seeds):
-    t = ph.Tensor.parse(seeds[0])
-    t.dtype, t.shape, t.strides, t.offset = 0, [1], [2 ** 62], 0  # uint8, one element
-    r = t.remote()
+    t = _C._decode_remote(seeds[0])
+    t.update(dtype=0, shape=[1], strides=[2 ** 62], offset=0)  # uint8, one element
+    r = p2p.RemoteTensor.from_bytes(_C._encode_remote(t))
     v = r[::2]
     assert v.shape == (1,)
 
@@ -330,10 +381,10 @@ def test_from_bytes_rejects_a_key_table_that_does_not_cover_the_region(seeds):
     """nbytes near 2**64: (nbytes + piece_bytes - 1) / piece_bytes overflowed to 0 pieces, so a
     handle with an empty key table was accepted and the first write with it made the worker
     read base[0] of an empty vector (SIGSEGV). Fixed in csrc/engine/address.h."""
-    t = ph.Tensor.parse(seeds[0])
-    t.region.nbytes, t.region.piece_bytes, t.region.entries, t.region.staged = 2 ** 64 - 1, 2, [], 0
+    t = _C._decode_remote(seeds[0])
+    t["region"].update(nbytes=2 ** 64 - 1, piece_bytes=2, entries=[], staged=False)
     with pytest.raises(ValueError):
-        p2p.RemoteTensor.from_bytes(t.encode())
+        p2p.RemoteTensor.from_bytes(_C._encode_remote(t))
 
 
 @pytest.mark.timeout(120)
@@ -346,12 +397,11 @@ def test_write_with_a_forged_huge_region_fails_cleanly():
 def write_with_forged_region(state) -> str:
     """(In a child.) Writes through a handle whose region claims 2**64 - 1 bytes."""
     with p2p.Engine("cpu", **engine_kwargs("tcp")) as e:
-        t = ph.Tensor.of(e.register(torch.zeros(4096, dtype=torch.uint8)).remote)
-        t.region.nbytes, t.region.piece_bytes, t.region.entries = 2 ** 64 - 1, 2, []
+        remote = e.register(torch.zeros(4096, dtype=torch.uint8)).remote
         src = torch.zeros(16, dtype=torch.uint8)
         e.register(src)
         try:
-            remote = t.remote()
+            remote = ph.tampered(remote, nbytes=2 ** 64 - 1, piece_bytes=2, entries=[])
             p2p.wait(e.write_slices(src, [remote[:16]]), 10)
         except Exception as exc:  # noqa: BLE001 - the type is the answer
             return type(exc).__name__
@@ -364,10 +414,10 @@ def test_error_text_that_is_not_utf8_does_not_kill_the_dispatcher():
     to raise UnicodeDecodeError in the dispatcher thread, which died with the batch it held:
     no future of the engine completed again. Fixed in csrc/bindings.cpp."""
     with p2p.Engine("cpu", **engine_kwargs("shm")) as a, p2p.Engine("cpu", **engine_kwargs("shm")) as other:
-        forged = ph.Address.parse(other.address)
-        forged.provider, forged.incarnation = b"\xff\xfe provider", 12345
+        forged = _C._decode_address(other.address)
+        forged.update(provider=b"\xff\xfe provider", incarnation=12345)
         with pytest.raises(ValueError, match="provider"):
-            p2p.wait(a.connect(forged.encode()), 10)
+            p2p.wait(a.connect(_C._encode_address(forged)), 10)
         p2p.wait(a.connect(other.address), 10)
         assert a._dispatcher.is_alive()
 

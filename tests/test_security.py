@@ -16,6 +16,7 @@ import torch
 
 import peer_helpers as ph
 import torch_p2p as p2p
+from torch_p2p import _C
 from conftest import engine_kwargs
 from peer import Peer
 
@@ -115,13 +116,10 @@ def test_bounds_checked_locally(target):
         with pytest.raises(ValueError):
             a.write_slices(big[:N], [wide.__class__.from_bytes(wide.to_bytes())[: N // 2]])
         # A view that would reach past the region cannot even be built from bytes.
-        t = ph.Tensor.of(remote)
-        t.offset = 1
         with pytest.raises(ValueError, match="beyond"):
-            t.remote()
-        t.offset, t.shape = 0, [N + 1]
+            ph.tampered(remote, offset=1)
         with pytest.raises(ValueError, match="beyond"):
-            t.remote()
+            ph.tampered(remote, offset=0, shape=[N + 1])
         # Mirror mode: the remote must be laid out like the local registered tensor.
         with pytest.raises(ValueError, match="mirror"):
             a.write_slices(big[:N], remote)
@@ -130,11 +128,11 @@ def test_bounds_checked_locally(target):
 CASES = {
     # what the forged handle claims -> (changes, which slice of the forged view to write)
     "larger-size": (lambda t: dict(nbytes=N + GUARD, shape=[N + GUARD]), slice(N, N + GUARD)),
-    "base-before-start": (lambda t: dict(entries=[((base - GUARD) % 2 ** 64, key) for base, key in t.region.entries],
+    "base-before-start": (lambda t: dict(entries=[((base - GUARD) % 2 ** 64, key) for base, key in t["region"]["entries"]],
                                          nbytes=N + GUARD, shape=[N + GUARD]), slice(0, GUARD)),
-    "whole-buffer": (lambda t: dict(entries=[((base - GUARD) % 2 ** 64, key) for base, key in t.region.entries],
+    "whole-buffer": (lambda t: dict(entries=[((base - GUARD) % 2 ** 64, key) for base, key in t["region"]["entries"]],
                                     nbytes=N + 2 * GUARD, shape=[N + 2 * GUARD]), slice(None)),
-    "random-key": (lambda t: dict(entries=[(base, key ^ 0x9E3779B97F4A7C15) for base, key in t.region.entries]),
+    "random-key": (lambda t: dict(entries=[(base, key ^ 0x9E3779B97F4A7C15) for base, key in t["region"]["entries"]]),
                    slice(None)),
 }
 
@@ -150,7 +148,7 @@ def test_tampered_handle_is_refused_and_memory_outside_untouched(target, case, o
     name = f"tb-{case}-{op}"
     remote, before = _guarded(b, name, fill=0xAB)  # guard bytes are 0x5A
     changes, where = CASES[case]
-    forged = ph.tampered(remote, **changes(ph.Tensor.of(remote)))[where]
+    forged = ph.tampered(remote, **changes(_C._decode_remote(remote.to_bytes())))[where]
     error, got, took = _attempt(provider, op == "write", forged, forged.numel(), fill=0x11)
     _assert_refused(error, took)
     assert b.call(ph.buffer_bytes, name) == before
@@ -195,8 +193,8 @@ def test_refused_write_fails_alone(provider):
         b.call(ph.start_engine, provider, peer_timeout=PEER_TIMEOUT)
         good, _ = _guarded(b, "good")
         target, before = _guarded(b, "target")
-        forged = ph.tampered(target, entries=[(base, key ^ 0x9E3779B97F4A7C15)
-                                              for base, key in ph.Tensor.of(target).region.entries])
+        entries = _C._decode_remote(target.to_bytes())["region"]["entries"]
+        forged = ph.tampered(target, entries=[(base, key ^ 0x9E3779B97F4A7C15) for base, key in entries])
         data = torch.full((N,), 0x33, dtype=torch.uint8)
         a.register(data)
         p2p.wait(a.write_slices(data, [good]), 10)
@@ -276,25 +274,26 @@ def test_forged_address_of_a_known_incarnation_does_not_hijack_the_peer(provider
     refused with a ValueError and b is not disturbed; a handle whose owner is forged likewise."""
     with _initiator(provider) as a, Peer() as b:
         address = b.call(ph.start_engine, provider)
-        forged = ph.Address.parse(address)
+        fields = _C._decode_address(address)
         if provider == "tcp":
-            rail = bytearray(forged.rails[0])
+            rail = bytearray(fields["rails"][0])
             rail[2:4] = ph.free_port().to_bytes(2, "big")  # loopback, nobody listens
-            forged.rails = [bytes(rail)]
+            fields["rails"] = [bytes(rail)]
         else:
-            forged.rails = [b"fi_shm://999999999:0:0\x00"]
-        ph.wait_all([a.connect(forged.encode())], PEER_TIMEOUT + 5)  # fails, as it should
+            fields["rails"] = [b"fi_shm://999999999:0:0\x00"]
+        forged = _C._encode_address(fields)
+        ph.wait_all([a.connect(forged)], PEER_TIMEOUT + 5)  # fails, as it should
         errors = ph.wait_all([a.connect(address), a.send(address, b"the real one")], PEER_TIMEOUT + 5)
         assert errors == [None, None], errors
         assert b.call(ph.recv, 5)[1] == b"the real one"
         # b has answered from its endpoints: the forgery is now refused outright.
         with pytest.raises(ValueError, match="other endpoints"):
-            p2p.wait(a.connect(forged.encode()), 5)
+            p2p.wait(a.connect(forged), 5)
         real = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", 64))
         buf = torch.arange(64, dtype=torch.uint8)
         a.register(buf)
         with pytest.raises(ValueError, match="other endpoints"):
-            p2p.wait(a.write_slices(buf, [ph.tampered(real, owner=forged.encode())]), 5)
+            p2p.wait(a.write_slices(buf, [ph.tampered(real, owner=forged)]), 5)
         p2p.wait(a.write_slices(buf, [real]), 10)
         assert b.call(ph.checksum, "t") == ph.zlib.crc32(bytes(range(64)))
         p2p.wait(a.send(address, b"still the real one"), 10)

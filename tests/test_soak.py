@@ -112,9 +112,8 @@ def test_soak(provider):
     with Peer() as b, p2p.Engine("cpu", **engine_kwargs(provider)) as a:
         b.call(ph.start_engine, provider)
         remote = p2p.RemoteTensor.from_bytes(b.call(ph.target, "soak", CELLS * ROWS * COLS))
-        remote3 = ph.Tensor.of(remote)
-        remote3.shape, remote3.strides = [CELLS, ROWS, COLS], [ROWS * COLS, COLS, 1]
-        soak = Soak(a, remote3.remote(), seed=7)
+        remote3 = ph.tampered(remote, shape=[CELLS, ROWS, COLS], strides=[ROWS * COLS, COLS, 1])
+        soak = Soak(a, remote3, seed=7)
         start = time.monotonic()
         while soak.ops < ops:
             k = soak.rng.choice([1, 2, 8, 32, 64, 128, 128])
