@@ -28,8 +28,8 @@ uint8_t parse_access(const std::string& access) {
 
 }  // namespace
 
-Engine::Engine(WorkerConfig config) : cuda_device_(config.cuda_device) {
-  worker_ = std::make_unique<Worker>(std::move(config), &completions_);
+Engine::Engine(Setup setup) : cuda_device_(setup.config.cuda_device) {
+  worker_ = std::make_unique<Worker>(std::move(setup), &completions_);
 }
 
 Engine::~Engine() { close(); }

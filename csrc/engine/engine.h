@@ -27,7 +27,7 @@ namespace p2p::engine {
 
 class Engine {
  public:
-  explicit Engine(WorkerConfig config);
+  explicit Engine(Setup setup);
   ~Engine();
 
   const std::string& address() const { return worker_->address(); }

@@ -11,8 +11,8 @@
 
 namespace p2p::engine {
 
-Worker::Worker(WorkerConfig config, CompletionQueue* completions)
-    : config_(std::move(config)), completions_(completions) {
+Worker::Worker(Setup setup, CompletionQueue* completions)
+    : config_(std::move(setup.config)), offer_(std::move(setup.offer)), completions_(completions) {
   std::promise<void> ready;
   auto opened = ready.get_future();
   thread_ = std::thread([this, &ready] { run(ready); });

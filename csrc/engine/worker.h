@@ -25,6 +25,7 @@
 
 #include "engine/address.h"
 #include "engine/completions.h"
+#include "engine/config.h"
 #include "engine/copier.h"
 #include "engine/messages.h"
 #include "engine/ops.h"
@@ -40,33 +41,6 @@
 
 namespace p2p::engine {
 
-enum class DataPath : uint8_t { Auto, Direct, Staged };
-
-struct WorkerConfig {
-  std::string provider;              // as given by the user; "" = best available
-  std::vector<std::string> domains;  // one libfabric domain name per rail (may repeat)
-  int cpu = -1;                      // core to pin the thread to, -1 = no pinning
-  int cuda_device = -1;              // the engine's GPU, -1 for a host engine
-  uint16_t port = 0;                 // rail i listens on port + i (IP providers), 0 = any
-  DataPath data_path = DataPath::Auto;
-  double timeout_s = 120;            // default deadline of an operation
-  double peer_timeout_s = 10;        // silence after which a peer with work is dead
-  size_t staging_bytes = 64 << 20;   // pinned host memory for the staged path, both halves
-  size_t slot_bytes = 4 << 20;
-  size_t max_chunk = 4 << 20;        // largest single RMA (64 MiB on shm: bindings.cpp)
-  size_t min_chunk = 64 << 10;       // a run is split over rails only above this
-  size_t piece_bytes = size_t{2} << 30;  // largest single registration
-  size_t tx_depth = 0;               // posted ops per rail, 0 = the provider's tx size
-  size_t batch = 32;                 // posts per FI_MORE batch
-  size_t recv_buffers = 256;
-  size_t send_buffers = 256;
-  int spin_us = 1000;
-  int rail_threads = -1;             // -1: one per rail where the provider is thread safe
-                                     // (auto progress), 0: none
-  bool ipc = true;                   // same-host CUDA peers move data by CUDA IPC (csrc/ipc)
-  uint64_t ipc_copy_engine_bytes = 16 << 20;  // IPC runs from this size on go to the copy engines
-};
-
 struct RailFacts {
   std::string domain;
   std::string fabric;
@@ -79,7 +53,7 @@ struct Slot;
 
 class Worker {
  public:
-  Worker(WorkerConfig config, CompletionQueue* completions);
+  Worker(Setup setup, CompletionQueue* completions);
   ~Worker();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -102,7 +76,7 @@ class Worker {
   bool delivery_complete() const { return delivery_complete_; }
   bool auto_progress() const { return auto_progress_; }
   const std::vector<RailFacts>& rail_facts() const { return rail_facts_; }
-  const WorkerConfig& config() const { return config_; }
+  const Config& config() const { return config_; }
   bool region_staged(bool cuda) const;
 
   // Worker thread ---------------------------------------------------------------------------
@@ -266,7 +240,8 @@ class Worker {
   void poll_copies();
   void fail_jobs_of(Peer& p, const Status& why);
 
-  WorkerConfig config_;
+  Config config_;
+  std::shared_ptr<const fabric::Offer> offer_;  // the provider as set-up queried it
   CompletionQueue* completions_;
   std::thread thread_;
 
