@@ -20,6 +20,9 @@ from .remote import RemoteTensor
 
 log = logging.getLogger("torch_p2p")
 
+# The settings table's defaults (csrc/engine/config.h), for the signature below.
+_DEFAULTS = {key: default for key, _, default in _C.settings()}
+
 _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
@@ -126,9 +129,9 @@ class Engine:
             default on; ``TORCH_P2P_IPC=0`` turns it off). See ``route()``.
         data_path: None (auto), "direct" (GPUDirect RDMA; error if the provider has no FI_HMEM)
             or "staged" (through pinned host slots, also for host memory).
-        timeout: default deadline of one operation, seconds (120).
+        timeout: default deadline of one operation, seconds.
         peer_timeout: a peer that something waits on and that stays silent this long is dead:
-            its futures fail with PeerError (10 s).
+            its futures fail with PeerError.
         staging_bytes / staging_slot_bytes: size of the pinned staging pool and of one slot
             (the staged path's memory bound; half the slots serve peers' requests; 64 MiB and
             4 MiB, ``TORCH_P2P_STAGING_BYTES`` / ``TORCH_P2P_STAGING_SLOT_BYTES``).
@@ -138,8 +141,8 @@ class Engine:
 
     def __init__(self, device="cpu", provider: str | None = None, num_rails: int | None = None, *,
                  domains: list[str] | None = None, cpus: list[int] | None = None,
-                 data_path: str | None = None, timeout: float | None = None,
-                 peer_timeout: float | None = None, staging_bytes: int | None = None,
+                 data_path: str | None = None, timeout: float = float(_DEFAULTS["timeout"]),
+                 peer_timeout: float = float(_DEFAULTS["peer_timeout"]), staging_bytes: int | None = None,
                  staging_slot_bytes: int | None = None, port: int | None = None,
                  ipc: bool | None = None):
         if data_path not in (None, "direct", "staged"):
@@ -151,8 +154,8 @@ class Engine:
             cuda_device=self.device.index if cuda else -1,
             port=port or 0,
             data_path=data_path,
-            timeout=_float_or_none(timeout),
-            peer_timeout=_float_or_none(peer_timeout),
+            timeout=float(timeout),
+            peer_timeout=float(peer_timeout),
             staging_bytes=staging_bytes,
             staging_slot_bytes=staging_slot_bytes,
             ipc=ipc,
@@ -379,10 +382,6 @@ class Engine:
             self._futures.pop(fid, None)
             raise
         return fut
-
-
-def _float_or_none(value) -> float | None:
-    return None if value is None else float(value)
 
 
 def _address(address) -> bytes:
