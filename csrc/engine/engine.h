@@ -81,6 +81,7 @@ class Engine {
     at::Tensor tensor;  // keeps the storage alive while registered
     bool closed = false;
   };
+  void reserve(uintptr_t start, uintptr_t end, const at::Tensor& tensor);
   const LocalRegion& region_of(const at::Tensor& view, uint64_t extent, const char* what, size_t index);
   // The runs of entry i's pages: local page k at lbase + lids[k] * lstride, remote page k at
   // rbase + rids[k] * rstride (bytes), page shape and strides as given.
