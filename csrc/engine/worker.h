@@ -49,6 +49,7 @@ struct RailFacts {
 };
 
 struct SlotJob;
+struct StageRequest;
 struct Slot;
 
 class Worker {
@@ -80,6 +81,9 @@ class Worker {
   bool region_staged(bool cuda) const;
 
   // Worker thread ---------------------------------------------------------------------------
+  // Everything below runs on the worker thread only; the entry points that commands, op
+  // owners and the loop reach first check it with assert_on_worker().
+  void assert_on_worker() const { P2P_ASSERT(std::this_thread::get_id() == worker_thread_); }
   struct RegionSpec {
     uint8_t* ptr;
     uint64_t nbytes;
@@ -133,7 +137,13 @@ class Worker {
   bool drain_commands();
   void tick();
   void idle_wait();
-  void shutdown();
+  void shutdown();  // the steps below, in order
+  void fail_everything(const Status& closed);
+  void say_goodbye();
+  void release_registrations();
+  void close_rails();
+  void release_held_resources();
+  void refuse_late_commands();
 
   // worker_open.cpp: start-up.
   void open(std::promise<void>& ready);  // the steps below, in order
@@ -194,6 +204,9 @@ class Worker {
   void on_bye(Peer& p, bool closing);
   void finish_disconnect(Peer& p);
   void fail_peer(Peer& p, Status why, PeerState state = PeerState::Dead);
+  void fail_transfers_of(Peer& p, const Status& why);
+  void orphan_ops_of(Peer& p, const Status& why);
+  void forget_peer(Peer& p, PeerState state);
   void check_peers();
   void check(Peer& p, double deadline);
   void begin_work(Peer& p);
@@ -234,13 +247,17 @@ class Worker {
   void poke_abandoned_jobs();
   void advance(SlotJob& job);
   bool generate_job_ops(SlotJob& job);
+  bool run_step(SlotJob& job);
+  bool run_copy(SlotJob& job);
   void finish_job(SlotJob& job);
   void on_stage_request(Peer& p, ByteReader& r);
+  void serve(Peer& p, StageRequest req, std::shared_ptr<Region> region);
   void on_stage_ack(ByteReader& r);
   void poll_copies();
   void fail_jobs_of(Peer& p, const Status& why);
 
   Config config_;
+  std::thread::id worker_thread_;  // set as the thread starts
   std::shared_ptr<const fabric::Offer> offer_;  // the provider as set-up queried it
   CompletionQueue* completions_;
   std::thread thread_;
