@@ -5,6 +5,7 @@
 
 #include "common/error.h"
 #include "common/wire.h"
+#include "engine/config.h"
 #include "engine/engine.h"
 #include "engine/striper.h"
 #include "fabric/info.h"
@@ -33,14 +34,19 @@ py::dict error_kinds() {
   return kinds;
 }
 
-WorkerConfig make_config(const py::dict& d) {
-  WorkerConfig c;
+// The constructor's arguments (None: not given), then the environment, then the defaults; the
+// provider's defaults follow in Setup, once the provider is known.
+Config make_config(const py::dict& d) {
+  Config c;
+  std::set<std::string> given;
   auto get = [&](const char* key, auto& field) {
-    if (d.contains(key) && !d[key].is_none()) field = d[key].cast<std::remove_reference_t<decltype(field)>>();
+    if (!d.contains(key) || d[key].is_none()) return;
+    field = d[key].cast<std::remove_reference_t<decltype(field)>>();
+    given.insert(key);
   };
-  get("provider", c.provider);
-  get("domains", c.domains);
-  get("cpu", c.cpu);
+#define P2P_SETTING_ARGUMENT(key, field, type, value, env) get(#key, c.field);
+  P2P_SETTINGS(P2P_SETTING_ARGUMENT)
+#undef P2P_SETTING_ARGUMENT
   get("cuda_device", c.cuda_device);
   get("port", c.port);
   std::string path = "auto";
@@ -48,25 +54,8 @@ WorkerConfig make_config(const py::dict& d) {
   if (path == "direct") c.data_path = DataPath::Direct;
   else if (path == "staged") c.data_path = DataPath::Staged;
   else if (path != "auto") throw Error(ErrorKind::Value, "data_path must be None, 'direct' or 'staged', not '" + path + "'");
-  get("timeout", c.timeout_s);
-  get("peer_timeout", c.peer_timeout_s);
-  get("staging_bytes", c.staging_bytes);
-  get("staging_slot_bytes", c.slot_bytes);
-  // NOTE: shm is one rail, and each of its RMAs of GPU memory is one CUDA IPC copy: 64 MiB
-  // GPU-to-GPU writes reach 291 GB/s in 4 MiB chunks and 422 GB/s in one on the GPU machine.
-  if (c.provider == "shm") c.max_chunk = 64 << 20;
-  get("max_chunk_bytes", c.max_chunk);
-  get("min_chunk_bytes", c.min_chunk);
-  get("mr_piece_bytes", c.piece_bytes);
-  get("tx_depth", c.tx_depth);
-  get("post_batch", c.batch);
-  get("spin_us", c.spin_us);
-  get("rail_threads", c.rail_threads);
-  get("ipc", c.ipc);
-  get("ipc_copy_engine_bytes", c.ipc_copy_engine_bytes);
-  for (size_t v : {c.slot_bytes, c.max_chunk, c.min_chunk, c.piece_bytes, c.batch})
-    if (v == 0) throw Error(ErrorKind::Value, "sizes and batch must be positive");
-  if (c.timeout_s <= 0 || c.peer_timeout_s <= 0) throw Error(ErrorKind::Value, "timeouts must be positive");
+  c.chosen = given;
+  read_environment(c, given);
   return c;
 }
 
@@ -82,6 +71,27 @@ void start(Engine& e, uint64_t id, const py::object& future, Start&& operation) 
     e.forget(id);
     throw;
   }
+}
+
+py::object setting(const Config& c, const std::string& name) {
+#define P2P_SETTING_VALUE(key, field, type, value, env) \
+  if (name == #key) return py::cast(c.field);
+  P2P_SETTINGS(P2P_SETTING_VALUE)
+#undef P2P_SETTING_VALUE
+  throw Error(ErrorKind::Value, "no setting " + name);
+}
+
+py::list nic_list(const fabric::Offer& offer) {
+  py::list nics;
+  for (const auto& n : offer.nics()) {
+    py::dict d;
+    d["domain"] = n.domain;
+    d["fabric"] = n.fabric;
+    d["pci"] = n.pci.empty() ? py::object(py::none()) : py::object(py::str(n.pci));
+    d["speed_bps"] = n.speed_bps ? py::object(py::int_(n.speed_bps)) : py::object(py::none());
+    nics.append(d);
+  }
+  return nics;
 }
 
 py::tuple completion_tuple(Completion& c) {
@@ -350,6 +360,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
 
   m.attr("error_kinds") = error_kinds();
+  set_log_level(log_level_from_environment());
 
   m.def("libfabric_version", [] {
     const uint32_t v = fi_version();
@@ -357,19 +368,30 @@ PYBIND11_MODULE(_C, m) {
   }, "(major, minor) of the libfabric loaded at run time.");
 
   m.def("list_nics", [](const std::string& provider, bool want_hmem) {
-    fabric::Offer offer = fabric::query(provider, want_hmem);
-    py::list nics;
-    for (const auto& n : offer.nics()) {
-      py::dict d;
-      d["domain"] = n.domain;
-      d["fabric"] = n.fabric;
-      d["pci"] = n.pci.empty() ? py::object(py::none()) : py::object(py::str(n.pci));
-      d["speed_bps"] = n.speed_bps ? py::object(py::int_(n.speed_bps)) : py::object(py::none());
-      nics.append(d);
-    }
-    return py::make_tuple(offer.provider, offer.hmem, nics);
+    Config c;
+    read_environment(c, {"provider"});
+    fabric::Offer offer = fabric::query(provider, want_hmem, c.query_options());
+    return py::make_tuple(offer.provider, offer.hmem, nic_list(offer));
   }, py::arg("provider"), py::arg("want_hmem"),
      "Resolves a provider name and lists its NICs: (provider, hmem, [nic dicts]).");
+
+  m.def("settings", [] {
+    py::list rows;
+    for (const SettingInfo& r : setting_table()) rows.append(py::make_tuple(r.key, r.variable, r.default_text));
+    return rows;
+  }, "The settings table (csrc/engine/config.h): [(key, TORCH_P2P_* variable or '', default as text)].");
+
+  py::class_<Setup>(m, "Setup")
+      .def(py::init([](const py::dict& args) {
+        Config c = make_config(args);
+        py::gil_scoped_release release;  // the provider query may take a while
+        return Setup(std::move(c));
+      }), "Resolves the settings (arguments, environment, provider defaults) and queries the provider.")
+      .def_property_readonly("provider", [](const Setup& s) { return s.offer->provider; })
+      .def_property_readonly("hmem", [](const Setup& s) { return s.offer->hmem; })
+      .def_property_readonly("nics", [](const Setup& s) { return nic_list(*s.offer); })
+      .def("setting", [](const Setup& s, const std::string& key) { return setting(s.config, key); })
+      .def("place", &Setup::place, py::arg("domains"), py::arg("cpu"), py::arg("node_cpus"));
 
   bind_parts(m);
 
@@ -394,10 +416,10 @@ PYBIND11_MODULE(_C, m) {
       .def_static("from_bytes", [](const py::bytes& b) { return RemoteView::decode(std::string(b)); });
 
   py::class_<Engine>(m, "Engine")
-      .def(py::init([](const py::dict& config) {
-        WorkerConfig c = make_config(config);
+      .def(py::init([](const Setup& setup) {
+        Setup copy = setup;
         py::gil_scoped_release release;  // the worker opens its rails meanwhile
-        return std::make_unique<Engine>(std::move(c));
+        return std::make_unique<Engine>(std::move(copy));
       }))
       .def_property_readonly("address", [](const Engine& e) { return py::bytes(e.address()); })
       .def_property_readonly("provider", &Engine::provider)

@@ -13,6 +13,19 @@ def libfabric_version() -> tuple[int, int]:
 def list_nics(provider: str, want_hmem: bool) -> tuple[str, bool, list[dict[str, Any]]]:
     """(resolved provider, FI_HMEM granted, [{domain, fabric, pci, speed_bps}])."""
 
+def settings() -> list[tuple[str, str, str]]:
+    """The settings table (csrc/engine/config.h): (key, TORCH_P2P_* variable or "", default)."""
+
+class Setup:
+    """Settings resolved once (arguments, then environment, then provider defaults, then the
+    table's) and the provider queried once; an Engine starts from it."""
+    provider: str
+    hmem: bool
+    nics: list[dict[str, Any]]
+    def __init__(self, args: dict[str, Any]) -> None: ...
+    def setting(self, key: str) -> Any: ...
+    def place(self, domains: list[str], cpu: int, node_cpus: list[int]) -> None: ...
+
 # Private, for tests: the striper (csrc/engine/striper.h).
 _Run = tuple[int, int, int, int, int]  # (local address, remote offset, len, lreg, rreg)
 def _stripe(runs: list[_Run], local: list[tuple[int, int]], remote: list[int], local_rails: int,
@@ -81,7 +94,7 @@ class Engine:
     auto_progress: bool
     closed: bool
     rails: list[dict[str, Any]]
-    def __init__(self, config: dict[str, Any]) -> None: ...
+    def __init__(self, setup: Setup) -> None: ...
     def register(self, tensor: torch.Tensor, access: str, timeout: float) -> tuple[int, RemoteView]: ...
     def deregister(self, region_id: int, timeout: float) -> None: ...
     # Operations take the torch future they complete; a success without a result completes it

@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
-import os
 import threading
 import weakref
 from typing import Sequence
@@ -21,18 +20,8 @@ from .remote import RemoteTensor
 
 log = logging.getLogger("torch_p2p")
 
-_ENV_TUNING = {  # environment variable -> engine setting, for benchmarks and tests
-    "TORCH_P2P_MAX_CHUNK": "max_chunk_bytes",
-    "TORCH_P2P_MIN_CHUNK": "min_chunk_bytes",
-    "TORCH_P2P_MR_PIECE_BYTES": "mr_piece_bytes",
-    "TORCH_P2P_TX_DEPTH": "tx_depth",
-    "TORCH_P2P_POST_BATCH": "post_batch",
-    "TORCH_P2P_SPIN_US": "spin_us",
-    "TORCH_P2P_RAIL_THREADS": "rail_threads",
-    "TORCH_P2P_STAGING_BYTES": "staging_bytes",
-    "TORCH_P2P_STAGING_SLOT_BYTES": "staging_slot_bytes",
-    "TORCH_P2P_IPC_COPY_ENGINE_BYTES": "ipc_copy_engine_bytes",
-}
+# The settings table's defaults (csrc/engine/config.h), for the signature below.
+_DEFAULTS = {key: default for key, _, default in _C.settings()}
 
 _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
@@ -143,6 +132,11 @@ class Engine:
         provider: libfabric provider: "efa", "verbs", "tcp", "shm", a full stack such as
             "tcp;ofi_rxm", or None for the best available (efa, verbs, then tcp).
             ``TORCH_P2P_PROVIDER`` overrides None.
+
+    An argument left as None takes its ``TORCH_P2P_*`` variable, else the provider's default,
+    else the table's: ``_C.settings()`` lists every setting, its variable and its default
+    (csrc/engine/config.h). Tuning settings without an argument (max_chunk_bytes, tx_depth,
+    spin_us, ...) come from their variables only.
         num_rails: NICs (libfabric domains) to stripe over; by default every NIC that belongs
             to the device (PCIe proximity), and on tcp ``topology.default_tcp_rails()`` (one
             per 4 cores, up to 8) when that is more. More rails than NICs open several
@@ -158,45 +152,40 @@ class Engine:
         peer_timeout: a peer that something waits on and that stays silent this long is dead:
             its futures fail with PeerError.
         staging_bytes / staging_slot_bytes: size of the pinned staging pool and of one slot
-            (the staged path's memory bound; half the slots serve peers' requests).
+            (the staged path's memory bound; half the slots serve peers' requests; 64 MiB and
+            4 MiB, ``TORCH_P2P_STAGING_BYTES`` / ``TORCH_P2P_STAGING_SLOT_BYTES``).
         port: first port of the rails' endpoints on IP providers (rail i uses port + i);
             None lets the system choose.
     """
 
     def __init__(self, device="cpu", provider: str | None = None, num_rails: int | None = None, *,
                  domains: list[str] | None = None, cpus: list[int] | None = None,
-                 data_path: str | None = None, timeout: float = 120.0, peer_timeout: float = 10.0,
-                 staging_bytes: int = 64 << 20, staging_slot_bytes: int = 4 << 20,
-                 port: int | None = None, ipc: bool | None = None):
+                 data_path: str | None = None, timeout: float = float(_DEFAULTS["timeout"]),
+                 peer_timeout: float = float(_DEFAULTS["peer_timeout"]), staging_bytes: int | None = None,
+                 staging_slot_bytes: int | None = None, port: int | None = None,
+                 ipc: bool | None = None):
         if data_path not in (None, "direct", "staged"):
             raise ValueError(f"data_path must be None, 'direct' or 'staged', not {data_path!r}")
         self.device = _parse_device(device)
-        provider = provider or os.environ.get("TORCH_P2P_PROVIDER") or ""
         cuda = self.device.type == "cuda"
-        resolved, _, nics = _C.list_nics(provider, cuda and data_path != "staged")
-        self.plan = topology.plan([topology.Nic(n["domain"], n["pci"], n["speed_bps"]) for n in nics],
-                                  str(self.device), num_rails, domains=domains, cpus=cpus,
-                                  min_rails=topology.default_tcp_rails() if resolved.startswith("tcp") else 1)
-        config = dict(
-            provider=resolved,
-            domains=[nic.domain for nic in self.plan.rails],
-            cpu=-1 if self.plan.cpu is None else self.plan.cpu,
+        setup = _C.Setup(dict(
+            provider=provider or None,
             cuda_device=self.device.index if cuda else -1,
             port=port or 0,
             data_path=data_path,
             timeout=float(timeout),
             peer_timeout=float(peer_timeout),
-            staging_bytes=int(staging_bytes),
-            staging_slot_bytes=int(staging_slot_bytes),
-            ipc=_ipc_setting(ipc),
-            # A pinned progress thread owns its core and busy-polls, as on p5.
-            spin_us=-1 if self.plan.cpu is not None else 1000,
-        )
-        for env, key in _ENV_TUNING.items():
-            if os.environ.get(env):
-                config[key] = int(os.environ[env])
-        self.timeout = float(timeout)
-        self._c = _C.Engine(config)
+            staging_bytes=staging_bytes,
+            staging_slot_bytes=staging_slot_bytes,
+            ipc=ipc,
+        ))
+        nics = [topology.Nic(n["domain"], n["pci"], n["speed_bps"]) for n in setup.nics]
+        self.plan = topology.plan(nics, str(self.device), num_rails, domains=domains, cpus=cpus,
+                                  min_rails=topology.default_tcp_rails() if setup.provider.startswith("tcp") else 1)
+        setup.place([nic.domain for nic in self.plan.rails], -1 if self.plan.cpu is None else self.plan.cpu,
+                    list(self.plan.node_cpus))
+        self.timeout = setup.setting("timeout")
+        self._c = _C.Engine(setup)
         self._closed = False
         self._ids = itertools.count(1)
         self._futures: dict[int, torch.futures.Future] = {}
@@ -402,15 +391,6 @@ class Engine:
             self._futures.pop(fid, None)
             raise
         return fut
-
-
-def _ipc_setting(ipc: bool | None) -> bool:
-    if ipc is not None:
-        return bool(ipc)
-    value = os.environ.get("TORCH_P2P_IPC", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"TORCH_P2P_IPC must be 0 or 1, not {value!r}")
-    return value == "1"
 
 
 def _address(address) -> bytes:

@@ -40,6 +40,7 @@ class Plan:
     cpu: int | None  # None: do not pin
     numa: int | None  # node of `cpu`, where the worker's allocations will land
     reason: str  # one line for the log
+    node_cpus: tuple[int, ...] = ()  # the cores of node `numa`: where the worker sets up
 
 
 def parse_cpulist(text: str) -> list[int]:
@@ -148,6 +149,7 @@ def plan(
     else:
         cpu = None  # a host-memory engine has no device to be near
     numa = None if cpu is None else _numa_of_cpu(sysfs, cpu)
+    node_cpus = () if numa is None else tuple(parse_cpulist(_read(f"{sysfs}/devices/system/node/node{numa}/cpulist")))
     where = "no cpu pinning" if cpu is None else f"cpu {cpu}"
     if cpus is not None:
         where += f" from {cpus_src}"
@@ -155,7 +157,7 @@ def plan(
         where += f" on numa {numa}" if numa is not None else " (numa unknown)"
     names = ", ".join(dict.fromkeys(r.domain for r in rails))
     s = "" if len(rails) == 1 else "s"
-    return Plan(rails, cpu, numa, f"{device} -> {len(rails)} rail{s} [{names}] ({why}), {where}")
+    return Plan(rails, cpu, numa, f"{device} -> {len(rails)} rail{s} [{names}] ({why}), {where}", node_cpus)
 
 
 def _parse_device(device: str) -> int | None:

@@ -1,23 +1,19 @@
 #include "common/log.h"
 
+#include <atomic>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 
 namespace p2p {
+namespace {
 
-static LogLevel configured_level() {
-  const char* env = std::getenv("TORCH_P2P_LOG");
-  if (!env) return LogLevel::Warn;
-  if (!std::strcmp(env, "error")) return LogLevel::Error;
-  if (!std::strcmp(env, "info")) return LogLevel::Info;
-  if (!std::strcmp(env, "debug")) return LogLevel::Debug;
-  return LogLevel::Warn;
-}
+std::atomic<int> threshold{static_cast<int>(LogLevel::Warn)};
+
+}  // namespace
+
+void set_log_level(LogLevel level) { threshold.store(static_cast<int>(level), std::memory_order_relaxed); }
 
 bool log_enabled(LogLevel level) {
-  static const LogLevel threshold = configured_level();
-  return static_cast<int>(level) <= static_cast<int>(threshold);
+  return static_cast<int>(level) <= threshold.load(std::memory_order_relaxed);
 }
 
 void log_line(LogLevel level, const std::string& line) {

@@ -1,5 +1,6 @@
-// Log lines go to stderr as "[torch_p2p] ..." when their level is at or below TORCH_P2P_LOG
-// (error, warn (default), info, debug). Any thread may log.
+// Log lines go to stderr as "[torch_p2p] ..." when their level is at or below the process's
+// level (warn until set_log_level; the module sets it from TORCH_P2P_LOG when it loads, see
+// engine/config.h). Any thread may log.
 #pragma once
 
 #include "common/error.h"
@@ -8,6 +9,7 @@ namespace p2p {
 
 enum class LogLevel : int { Error = 0, Warn = 1, Info = 2, Debug = 3 };
 
+void set_log_level(LogLevel level);
 bool log_enabled(LogLevel level);
 void log_line(LogLevel level, const std::string& line);
 

@@ -28,7 +28,7 @@ namespace p2p::engine {
 
 class Engine {
  public:
-  explicit Engine(WorkerConfig config);
+  explicit Engine(Setup setup);
   ~Engine();
 
   const std::string& address() const { return worker_->address(); }
@@ -90,6 +90,7 @@ class Engine {
     at::Tensor tensor;  // keeps the storage alive while registered
     bool closed = false;
   };
+  void reserve(uintptr_t start, uintptr_t end, const at::Tensor& tensor);
   const LocalRegion& region_of(const at::Tensor& view, uint64_t extent, const char* what, size_t index);
   // Adds entry i's pages to t: local page k at lbase + lids[k] * lstride, remote page k at
   // rbase + rids[k] * rstride (bytes), page shape and strides as given.

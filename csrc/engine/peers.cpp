@@ -106,6 +106,7 @@ void Worker::on_hello_failed(Peer& p, int err, int prov_errno, const Status& sta
 }
 
 void Worker::connect(uint64_t id, const std::string& address) {
+  assert_on_worker();
   Peer* p;
   try {
     p = peer_for(address, Contact::Connect);
@@ -118,6 +119,7 @@ void Worker::connect(uint64_t id, const std::string& address) {
 }
 
 void Worker::disconnect(uint64_t id, const std::string& address) {
+  assert_on_worker();
   EngineAddress a;
   try {
     a = EngineAddress::decode(address);
@@ -239,13 +241,24 @@ void Worker::peer_ready(Peer& p) {
   }
 }
 
+// A peer's failure is one event that each part of the worker holding something of the peer
+// reacts to, in this order: waiters and transfers first (they report), then the staged jobs
+// (a job's failure reports into its transfer), the posted ops, and the peer's own record.
 void Worker::fail_peer(Peer& p, Status why, PeerState state) {
+  assert_on_worker();
   if (p.failed()) return;
   P2P_LOG(Info, "peer ", hex(p.incarnation), " is gone: ", why.message);
   p.live.fail(state);
   p.failure = why;
   for (uint64_t id : p.connect_waiters) report(id, why);
   p.connect_waiters.clear();
+  fail_transfers_of(p, why);
+  fail_jobs_of(p, why);
+  orphan_ops_of(p, why);
+  forget_peer(p, state);
+}
+
+void Worker::fail_transfers_of(Peer& p, const Status& why) {
   std::vector<Transfer*> affected;
   for (auto& [id, t] : transfers_)
     if (t->peer == &p && !t->reported()) affected.push_back(t.get());
@@ -253,9 +266,11 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
     if (t->held) t->status = why;  // what the check found out is the answer
     fail(*t, why);
   }
-  fail_jobs_of(p, why);
-  // Posted ops to a dead peer may never complete (shm): their owners hear now and the credits
-  // return; a completion that still arrives only frees the op.
+}
+
+// Posted ops to a dead peer may never complete (shm): their owners hear now and the credits
+// return; a completion that still arrives only frees the op.
+void Worker::orphan_ops_of(Peer& p, const Status& why) {
   pool_->for_each_in_use([&](Op& op) {
     if (op.peer != &p || !op.posted || op.orphaned || op.kind == OpKind::Recv) return;
     op.orphaned = true;
@@ -269,6 +284,10 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
     op.owner = nullptr;
     if (owner) owner->op_done(*this, op, why);
   });
+}
+
+// What the rail threads, closing regions, the IPC route and the peer's record keep of it.
+void Worker::forget_peer(Peer& p, PeerState state) {
   for (auto& d : drivers_) forgets_.push_back({d.get(), &p});
   p.partial.clear();
   p.unacked.clear();

@@ -10,6 +10,7 @@
 namespace p2p::engine {
 
 std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
+  assert_on_worker();
   auto region = std::make_shared<Region>();
   region->id = ++last_region_;
   region->ptr = spec.ptr;
@@ -65,6 +66,7 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
 }
 
 void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> done) {
+  assert_on_worker();
   auto it = regions_.find(id);
   if (it == regions_.end()) {
     // Closing already (an earlier close() gave up waiting): wait for the same end.

@@ -7,14 +7,20 @@
 #include "engine/worker.h"
 
 namespace p2p::engine {
-namespace {
-
-// StageReq direction: who moves the bytes between the two slots.
-enum : uint8_t { kOwnerPulls = 0, kOwnerPushes = 1 };
-
-}  // namespace
 
 void SlotJob::op_done(Worker& worker, Op&, const Status& status) { worker.job_op_done(*this, status); }
+
+const char* name(SlotJobState state) {
+  switch (state) {
+    case SlotJobState::Ready: return "Ready";
+    case SlotJobState::Copying: return "Copying";
+    case SlotJobState::Copied: return "Copied";
+    case SlotJobState::Generating: return "Generating";
+    case SlotJobState::Moving: return "Moving";
+    case SlotJobState::Requesting: return "Requesting";
+  }
+  return "?";
+}
 
 size_t Worker::request_run_limit(const Peer&) const {
   // Header, fixed fields, one (base, key) per local rail, then 12 bytes a run.
@@ -88,90 +94,8 @@ void Worker::on_stage_ack(ByteReader& r) {
   SlotJob& job = *it->second;
   if (kind != 0 && job.status.ok())
     job.status = Status::error(ErrorKind::Remote, cat("the owner refused: ", text));
-  ++job.cur;
-  job.started = false;
+  job.next_step();
   advance(job);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Serving side.
-
-void Worker::send_ack(Peer& p, uint64_t request, const Status& status) {
-  if (p.failed()) return;
-  ByteWriter w = message(MsgType::StageAck, p);
-  w.put(request);
-  w.put(static_cast<uint8_t>(status.kind));
-  w.put_bytes(status.message.substr(0, 1024));
-  send_control(p, std::move(w));
-}
-
-void Worker::on_stage_request(Peer& p, ByteReader& r) {
-  const uint64_t request = r.get<uint64_t>();
-  const uint8_t dir = r.get<uint8_t>();
-  const uint64_t region_id = r.get<uint64_t>();
-  const uint64_t bytes = r.get<uint64_t>();
-  const uint16_t rails = r.get<uint16_t>();
-  if (dir > kOwnerPushes || rails != p.remote_rails()) r.fail("bad stage request");
-  std::vector<uint64_t> base(rails), key(rails);
-  for (uint16_t i = 0; i < rails; ++i) {
-    base[i] = r.get<uint64_t>();
-    key[i] = r.get<uint64_t>();
-  }
-  const uint16_t nruns = r.get<uint16_t>();
-  std::vector<Run> runs(nruns);
-  for (auto& run : runs) {
-    run.remote = r.get<uint64_t>();
-    run.len = r.get<uint32_t>();
-  }
-
-  // The owner checks what its provider would check for direct RMA: region, access, bounds.
-  auto refuse = [&](const std::string& why) { send_ack(p, request, Status::error(ErrorKind::Remote, why)); };
-  auto it = regions_.find(region_id);
-  if (it == regions_.end() || it->second->closing) return refuse(cat("region ", region_id, " is not registered (deregistered?)"));
-  std::shared_ptr<Region> region = it->second;
-  if (!region->staged) return refuse(cat("region ", region_id, " is registered for direct RMA"));
-  if (dir == kOwnerPulls && !(region->access & kRemoteWrite))
-    return refuse(cat("region ", region_id, " does not accept remote writes (registered with access='r')"));
-  if (dir == kOwnerPushes && !(region->access & kRemoteRead))
-    return refuse(cat("region ", region_id, " does not accept remote reads (registered with access='w')"));
-  uint64_t sum = 0;
-  for (auto& run : runs) {
-    if (run.len == 0 || run.remote > region->nbytes || run.len > region->nbytes - run.remote)
-      return refuse(cat("a run lies outside region ", region_id));
-    run.local = reinterpret_cast<uint64_t>(region->ptr) + run.remote;
-    sum += run.len;
-  }
-  if (sum != bytes || bytes == 0 || bytes > slot_size(config_.slot_bytes)) return refuse("malformed stage request");
-
-  auto owned = std::make_unique<SlotJob>();
-  SlotJob& job = *owned;
-  job.id = next_request_++;
-  job.request = request;
-  job.peer = &p;
-  job.region = std::move(region);
-  job.runs = std::move(runs);
-  job.bytes = bytes;
-  job.peer_base = std::move(base);
-  job.peer_key = std::move(key);
-  if (dir == kOwnerPulls) {
-    job.write_out = false;
-    job.steps[0] = Step::RmaSlot;
-    job.steps[1] = Step::Unpack;
-  } else {
-    job.write_out = true;
-    job.steps[0] = Step::Pack;
-    job.steps[1] = Step::RmaSlot;
-  }
-  job.steps[2] = Step::Ack;
-  begin_work(p);
-  jobs_.emplace(job.id, std::move(owned));
-  ensure_slots();
-  job.slot = take_slot(true);
-  if (!job.slot) {
-    serve_queue_.push_back(job.id);
-    return;
-  }
-  start_job(job);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -179,7 +103,7 @@ void Worker::on_stage_request(Peer& p, ByteReader& r) {
 
 void Worker::start_job(SlotJob& job) {
   job.cur = 0;
-  job.started = false;
+  job.state = SlotJobState::Ready;
   advance(job);
 }
 
@@ -205,74 +129,74 @@ uint64_t Worker::start_copy(SlotJob& job, bool pack) {
 }
 
 void Worker::advance(SlotJob& job) {
+  assert_on_worker();
   while (true) {
     if (job.status.ok() && job.transfer && job.transfer->reported())
       job.status = Status::error(ErrorKind::Cancelled, "the transfer ended");
-    const Step step = job.step();
-    const bool copy_step = step == Step::Pack || step == Step::Unpack;
-    const bool rma_step = step == Step::RmaRuns || step == Step::RmaSlot;
     if (!job.status.ok()) {
       // Give up only once nothing in flight still uses the slot.
-      if (job.waiting_copy) return;
-      if (copy_step && job.started && !copier_->done(job.ticket)) {
-        job.waiting_copy = true;
-        copying_.push_back(&job);
-        return;
-      }
-      if (rma_step && job.started && (!job.ops_generated || job.ops_left > 0)) return;
+      if (job.in_flight()) return;
       return finish_job(job);
     }
-    switch (step) {
-      case Step::Pack:
-      case Step::Unpack:
-        if (!job.started) {
-          job.started = true;
-          job.ticket = start_copy(job, step == Step::Pack);
-        }
-        if (!copier_->done(job.ticket)) {
-          if (!job.waiting_copy) {
-            job.waiting_copy = true;
-            copying_.push_back(&job);
-          }
-          return;
-        }
-        if (const std::string err = copier_->error(); !err.empty()) {
-          job.status = Status::error(ErrorKind::Generic, cat("staging copy failed: ", err));
-          continue;
-        }
-        break;
-      case Step::RmaRuns:
-      case Step::RmaSlot:
-        if (!job.started) {
-          job.started = true;
-          job.ops_generated = false;
-          job.gen = {};
-          job.gen_slot = 0;
-          job_gen_queue_.push_back(&job);
-          return;
-        }
-        if (!job.ops_generated || job.ops_left > 0) return;
-        break;
-      case Step::Request:
-        if (!job.started) {
-          job.started = true;
-          send_request(job);
-        }
-        return;  // on_stage_ack moves on
-      case Step::Ack:
-        send_ack(*job.peer, job.request, Status{});
-        break;
-      case Step::Done:
-        return finish_job(job);
-    }
-    ++job.cur;
-    job.started = false;
+    if (job.step() == Step::Done) return finish_job(job);
+    if (run_step(job))
+      job.next_step();
+    else if (job.status.ok())
+      return;  // waits for a copy, ops, an answer or room
   }
+}
+
+// Begins or continues the job's current step; true once the step is complete.
+bool Worker::run_step(SlotJob& job) {
+  switch (job.step()) {
+    case Step::Pack:
+    case Step::Unpack:
+      return run_copy(job);
+    case Step::RmaRuns:
+    case Step::RmaSlot:
+      if (job.state == SlotJobState::Ready) {
+        job.state = SlotJobState::Generating;
+        job.gen = {};
+        job.gen_slot = 0;
+        job_gen_queue_.push_back(&job);
+      }
+      return job.state == SlotJobState::Moving && job.ops_left == 0;
+    case Step::Request:
+      if (job.state == SlotJobState::Ready) {
+        job.state = SlotJobState::Requesting;
+        send_request(job);
+      }
+      return false;
+    case Step::Ack:
+      send_ack(*job.peer, job.request, Status{});
+      return true;
+    case Step::Done:
+      break;
+  }
+  return false;
+}
+
+// A pack or unpack: started on the first call, complete once the copier is done with it.
+bool Worker::run_copy(SlotJob& job) {
+  if (job.state == SlotJobState::Ready) {
+    job.ticket = start_copy(job, job.step() == Step::Pack);
+    job.state = SlotJobState::Copied;
+    if (!copier_->done(job.ticket)) {
+      job.state = SlotJobState::Copying;
+      copying_.push_back(&job);  // poll_copies comes back
+    }
+  }
+  if (job.state == SlotJobState::Copying) return false;
+  if (const std::string err = copier_->error(); !err.empty()) {
+    job.status = Status::error(ErrorKind::Generic, cat("staging copy failed: ", err));
+    return false;
+  }
+  return true;
 }
 
 bool Worker::generate_job_ops(SlotJob& job) {
   if (!job.status.ok()) {
-    job.ops_generated = true;
+    job.state = SlotJobState::Moving;
     return true;
   }
   Peer& p = *job.peer;
@@ -309,15 +233,16 @@ bool Worker::generate_job_ops(SlotJob& job) {
     striper_.next();
     job.gen_slot += s.len;
   }
-  job.ops_generated = true;
+  job.state = SlotJobState::Moving;
   return true;
 }
 
 void Worker::job_op_done(SlotJob& job, const Status& status) {
+  assert_on_worker();
   P2P_ASSERT(job.ops_left > 0);
   --job.ops_left;
   if (!status.ok() && job.status.ok()) job.status = status;
-  if (job.ops_generated && job.ops_left == 0) advance(job);
+  if (job.state == SlotJobState::Moving && job.ops_left == 0) advance(job);
 }
 
 void Worker::poll_copies() {
@@ -329,7 +254,7 @@ void Worker::poll_copies() {
     }
     copying_[i] = copying_.back();
     copying_.pop_back();
-    job->waiting_copy = false;
+    job->state = SlotJobState::Copied;
     advance(*job);
   }
 }

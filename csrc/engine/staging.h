@@ -13,8 +13,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "common/wire.h"
 #include "engine/copier.h"
 #include "engine/ops.h"
 #include "engine/runs.h"
@@ -49,12 +51,24 @@ enum class Step : uint8_t {
   Done,
 };
 
-// One slot's worth of a staged transfer, on the initiator or on the serving side.
+// Where a job stands within its current step; Worker::advance(SlotJob&) moves it.
+enum class SlotJobState : uint8_t {
+  Ready,       // the step has not begun
+  Copying,     // a pack or unpack runs on the copier (the job is in the worker's copying_ list)
+  Copied,      // that copy has finished; its error is checked next
+  Generating,  // waits in the worker's job_gen_queue_ for room to make its RMA ops
+  Moving,      // every RMA op is made; ops_left of them are in flight
+  Requesting,  // StageReq sent; on_stage_ack moves on
+};
+const char* name(SlotJobState state);
+
+// One slot's worth of a staged transfer, on the initiator or on the serving side: a short
+// plan of steps (`steps`, the current one `cur`) and where the current one stands (`state`).
 struct SlotJob final : OpOwner {
   uint64_t id = 0;  // also the request id on the wire
   Step steps[4] = {Step::Done, Step::Done, Step::Done, Step::Done};
   uint8_t cur = 0;
-  bool started = false;    // the current step has begun
+  SlotJobState state = SlotJobState::Ready;
   bool write_out = false;  // Rma steps write from the slot (else read into it)
   Slot* slot = nullptr;
   std::vector<Run> runs;   // local address <-> remote offset; slot offsets follow run order
@@ -69,16 +83,40 @@ struct SlotJob final : OpOwner {
 
   // Progress.
   size_t ops_left = 0;
-  bool ops_generated = false;
   RunCursor gen;          // through runs (RmaRuns) or the slot (RmaSlot)
   uint64_t gen_slot = 0;  // slot bytes taken by ops
-  uint64_t ticket = 0;
-  bool waiting_copy = false;  // in the worker's list of jobs with a copy in flight
+  uint64_t ticket = 0;    // of the copy (Copying, Copied)
   Status status;
 
   Step step() const { return steps[cur]; }
+  void next_step() {
+    ++cur;
+    state = SlotJobState::Ready;
+  }
+  // Something still uses the slot: a failed job finishes only once this is false.
+  bool in_flight() const {
+    return state == SlotJobState::Copying || state == SlotJobState::Generating ||
+           (state == SlotJobState::Moving && ops_left > 0);
+  }
   void op_done(Worker& worker, Op& op, const Status& status) override;
   bool abandoned() const override { return !status.ok(); }
 };
+
+// StageReq direction: who moves the bytes between the two slots.
+enum : uint8_t { kOwnerPulls = 0, kOwnerPushes = 1 };
+
+// A peer's StageReq, as read from the wire.
+struct StageRequest {
+  uint64_t request = 0;
+  uint8_t dir = 0;  // who moves the bytes between the two slots
+  uint64_t region_id = 0;
+  uint64_t bytes = 0;
+  std::vector<uint64_t> base, key;  // the initiator's slot, per initiator rail
+  std::vector<Run> runs;            // remote offsets and lengths in the region
+};
+StageRequest read_stage_request(ByteReader& r, size_t peer_rails);
+// Why the owner refuses `req` for `region` (null: not registered) with slots of max_bytes,
+// or "" when it serves it; fills in the runs' local addresses.
+std::string stage_request_refusal(StageRequest& req, const Region* region, uint64_t max_bytes);
 
 }  // namespace p2p::engine

@@ -13,6 +13,7 @@ void Transfer::op_done(Worker& worker, Op&, const Status& status) {
 }
 
 void Worker::start(Transfer* raw) {
+  assert_on_worker();
   Transfer& t = *raw;
   transfers_[t.id].reset(raw);
   if (t.timeout_s <= 0) t.timeout_s = config_.timeout_s;
@@ -169,6 +170,7 @@ Gen Worker::generate_message(Transfer& t) {
 }
 
 void Worker::transfer_op_done(Transfer& t, const Status& status) {
+  assert_on_worker();
   P2P_ASSERT(t.pending > 0);
   --t.pending;
   if (!status.ok() && t.status.ok()) {
@@ -184,6 +186,7 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
 
 // Does what the transfer's facts call for next (Transfer::next_step); t may be gone after.
 void Worker::advance(Transfer& t) {
+  assert_on_worker();
   switch (t.next_step(needs_fence(t))) {
     case TransferStep::Wait:
       break;

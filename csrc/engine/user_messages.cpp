@@ -44,6 +44,7 @@ void Worker::on_user_ack(Peer& p, ByteReader& r) {
 }
 
 void Worker::recv(uint64_t id, double timeout_s) {
+  assert_on_worker();
   if (!inbox_.empty()) {
     auto [address, payload] = std::move(inbox_.front());
     inbox_.erase(inbox_.begin());
@@ -68,6 +69,7 @@ void Worker::on_notify(ByteReader& r) {
 }
 
 void Worker::notification(uint64_t id, uint32_t tag, double timeout_s) {
+  assert_on_worker();
   NotifyState& s = notify_[tag];
   if (!s.arrived.empty()) {
     Status status = std::move(s.arrived.front());
@@ -78,6 +80,7 @@ void Worker::notification(uint64_t id, uint32_t tag, double timeout_s) {
 }
 
 void Worker::cancel(uint64_t id) {
+  assert_on_worker();
   const Status cancelled = Status::error(ErrorKind::Cancelled, "cancelled");
   auto drop = [&](std::vector<Waiter>& waiters) {
     for (size_t i = 0; i < waiters.size(); ++i) {

@@ -11,8 +11,8 @@
 
 namespace p2p::engine {
 
-Worker::Worker(WorkerConfig config, CompletionQueue* completions)
-    : config_(std::move(config)), completions_(completions) {
+Worker::Worker(Setup setup, CompletionQueue* completions)
+    : config_(std::move(setup.config)), offer_(std::move(setup.offer)), completions_(completions) {
   std::promise<void> ready;
   auto opened = ready.get_future();
   thread_ = std::thread([this, &ready] { run(ready); });
@@ -67,6 +67,7 @@ bool Worker::region_staged(bool cuda) const {
 // The loop.
 
 void Worker::run(std::promise<void>& ready) {
+  worker_thread_ = std::this_thread::get_id();
   try {
     open(ready);
   } catch (...) {
@@ -102,6 +103,7 @@ void Worker::run(std::promise<void>& ready) {
 }
 
 bool Worker::drain_commands() {
+  assert_on_worker();
   std::vector<Command> batch;
   {
     std::lock_guard<std::mutex> lock(commands_mu_);
@@ -180,6 +182,19 @@ void Worker::tick() {
 
 void Worker::shutdown() {
   const Status closed = Status::error(ErrorKind::Closed, "the engine was closed");
+  fail_everything(closed);
+  say_goodbye();
+  release_registrations();
+  close_rails();
+  release_held_resources();
+  refuse_late_commands();
+  if (epoll_fd_ >= 0) close(epoll_fd_);
+  // wake_fd_ stays open until the destructor: post() may still write to it.
+}
+
+// Transfers, receives, notifications and connects in flight end with `closed`; disconnects
+// succeed.
+void Worker::fail_everything(const Status& closed) {
   std::vector<Transfer*> live;
   for (auto& [id, t] : transfers_) live.push_back(t.get());
   for (Transfer* t : live) finish(*t, closed);
@@ -193,6 +208,11 @@ void Worker::shutdown() {
     p->connect_waiters.clear();
     if (p->disconnect_id) report(p->disconnect_id, Status{});
     p->disconnect_id = 0;
+  }
+}
+
+void Worker::say_goodbye() {
+  for (auto& [inc, p] : peers_) {
     // Also to peers that left us, or that we left: alive, they may reconnect (on_bye()).
     if (p->state() == PeerState::Ready || (p->state() == PeerState::Left && !p->closed))
       send_control(*p, bye(*p, true), nullptr, true);
@@ -205,6 +225,9 @@ void Worker::shutdown() {
     post_ops();
     poll_rails();
   }
+}
+
+void Worker::release_registrations() {
   for (auto& c : closing_)
     for (auto& done : c.waiters) done->set_value();
   closing_.clear();
@@ -215,11 +238,18 @@ void Worker::shutdown() {
   for (auto& slot : slots_)
     for (size_t r = 0; r < slot->mrs.size(); ++r) rails_[r].rail->deregister(slot->mrs[r]);
   if (!control_mr_.empty()) rails_[0].rail->deregister(control_mr_[0]);
+}
+
+void Worker::close_rails() {
   for (auto& d : drivers_) d->drain([](const RailDriver::Event& e) { delete e.message; });
   drivers_.clear();  // joins the rail threads before their rails go
   for (auto& rs : rails_) rs.driver = nullptr;
   rails_.clear();  // closes the endpoints: nothing posted completes after this
-  // CUDA events still held: transfers' stream events and peers' unanswered fences.
+}
+
+// What outlives the rails: CUDA events (transfers' stream events, peers' unanswered fences),
+// IPC mappings, process fds, staging memory.
+void Worker::release_held_resources() {
   for (auto& [id, t] : transfers_)
     if (t->cuda_event) copier_->release_event(t->cuda_event);
   transfers_.clear();
@@ -233,7 +263,10 @@ void Worker::shutdown() {
   jobs_.clear();
   if (slot_memory_) copier_->free_pinned(slot_memory_);
   slots_.clear();
+}
 
+// Commands queued after the loop's last turn run with closed=true: they only report failure.
+void Worker::refuse_late_commands() {
   std::vector<Command> late;
   {
     std::lock_guard<std::mutex> lock(commands_mu_);
@@ -247,8 +280,6 @@ void Worker::shutdown() {
       P2P_LOG(Debug, "a command was dropped at close: ", e.what());
     }
   }
-  if (epoll_fd_ >= 0) close(epoll_fd_);
-  // wake_fd_ stays open until the destructor: post() may still write to it.
 }
 
 }  // namespace p2p::engine

@@ -25,6 +25,7 @@
 
 #include "engine/address.h"
 #include "engine/completions.h"
+#include "engine/config.h"
 #include "engine/copier.h"
 #include "engine/messages.h"
 #include "engine/ops.h"
@@ -40,33 +41,6 @@
 
 namespace p2p::engine {
 
-enum class DataPath : uint8_t { Auto, Direct, Staged };
-
-struct WorkerConfig {
-  std::string provider;              // as given by the user; "" = best available
-  std::vector<std::string> domains;  // one libfabric domain name per rail (may repeat)
-  int cpu = -1;                      // core to pin the thread to, -1 = no pinning
-  int cuda_device = -1;              // the engine's GPU, -1 for a host engine
-  uint16_t port = 0;                 // rail i listens on port + i (IP providers), 0 = any
-  DataPath data_path = DataPath::Auto;
-  double timeout_s = 120;            // default deadline of an operation
-  double peer_timeout_s = 10;        // silence after which a peer with work is dead
-  size_t staging_bytes = 64 << 20;   // pinned host memory for the staged path, both halves
-  size_t slot_bytes = 4 << 20;
-  size_t max_chunk = 4 << 20;        // largest single RMA (64 MiB on shm: bindings.cpp)
-  size_t min_chunk = 64 << 10;       // a run is split over rails only above this
-  size_t piece_bytes = size_t{2} << 30;  // largest single registration
-  size_t tx_depth = 0;               // posted ops per rail, 0 = the provider's tx size
-  size_t batch = 32;                 // posts per FI_MORE batch
-  size_t recv_buffers = 256;
-  size_t send_buffers = 256;
-  int spin_us = 1000;
-  int rail_threads = -1;             // -1: one per rail where the provider is thread safe
-                                     // (auto progress), 0: none
-  bool ipc = true;                   // same-host CUDA peers move data by CUDA IPC (csrc/ipc)
-  uint64_t ipc_copy_engine_bytes = 16 << 20;  // IPC runs from this size on go to the copy engines
-};
-
 struct RailFacts {
   std::string domain;
   std::string fabric;
@@ -75,11 +49,12 @@ struct RailFacts {
 };
 
 struct SlotJob;
+struct StageRequest;
 struct Slot;
 
 class Worker {
  public:
-  Worker(WorkerConfig config, CompletionQueue* completions);
+  Worker(Setup setup, CompletionQueue* completions);
   ~Worker();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -102,10 +77,13 @@ class Worker {
   bool delivery_complete() const { return delivery_complete_; }
   bool auto_progress() const { return auto_progress_; }
   const std::vector<RailFacts>& rail_facts() const { return rail_facts_; }
-  const WorkerConfig& config() const { return config_; }
+  const Config& config() const { return config_; }
   bool region_staged(bool cuda) const;
 
   // Worker thread ---------------------------------------------------------------------------
+  // Everything below runs on the worker thread only; the entry points that commands, op
+  // owners and the loop reach first check it with assert_on_worker().
+  void assert_on_worker() const { P2P_ASSERT(std::this_thread::get_id() == worker_thread_); }
   struct RegionSpec {
     uint8_t* ptr;
     uint64_t nbytes;
@@ -159,7 +137,13 @@ class Worker {
   bool drain_commands();
   void tick();
   void idle_wait();
-  void shutdown();
+  void shutdown();  // the steps below, in order
+  void fail_everything(const Status& closed);
+  void say_goodbye();
+  void release_registrations();
+  void close_rails();
+  void release_held_resources();
+  void refuse_late_commands();
 
   // worker_open.cpp: start-up.
   void open(std::promise<void>& ready);  // the steps below, in order
@@ -220,6 +204,9 @@ class Worker {
   void on_bye(Peer& p, bool closing);
   void finish_disconnect(Peer& p);
   void fail_peer(Peer& p, Status why, PeerState state = PeerState::Dead);
+  void fail_transfers_of(Peer& p, const Status& why);
+  void orphan_ops_of(Peer& p, const Status& why);
+  void forget_peer(Peer& p, PeerState state);
   void check_peers();
   void check(Peer& p, double deadline);
   void begin_work(Peer& p);
@@ -260,13 +247,18 @@ class Worker {
   void poke_abandoned_jobs();
   void advance(SlotJob& job);
   bool generate_job_ops(SlotJob& job);
+  bool run_step(SlotJob& job);
+  bool run_copy(SlotJob& job);
   void finish_job(SlotJob& job);
   void on_stage_request(Peer& p, ByteReader& r);
+  void serve(Peer& p, StageRequest req, std::shared_ptr<Region> region);
   void on_stage_ack(ByteReader& r);
   void poll_copies();
   void fail_jobs_of(Peer& p, const Status& why);
 
-  WorkerConfig config_;
+  Config config_;
+  std::thread::id worker_thread_;  // set as the thread starts
+  std::shared_ptr<const fabric::Offer> offer_;  // the provider as set-up queried it
   CompletionQueue* completions_;
   std::thread thread_;
 

@@ -11,42 +11,11 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 
 #include "common/log.h"
 
 namespace p2p::engine {
-namespace {
-
-// The cores of `cpu`'s NUMA node that `allowed` contains (all of `allowed` if unknown).
-cpu_set_t node_of(int cpu, const cpu_set_t& allowed) {
-  for (int node = 0; node < 1024; ++node) {
-    FILE* f = std::fopen(cat("/sys/devices/system/node/node", node, "/cpulist").c_str(), "r");
-    if (!f) {
-      if (node > 64) break;
-      continue;
-    }
-    char text[4096] = {0};
-    const size_t n = std::fread(text, 1, sizeof text - 1, f);
-    std::fclose(f);
-    text[n] = 0;
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    for (char* part = std::strtok(text, ",\n"); part; part = std::strtok(nullptr, ",\n")) {
-      int first = 0, last = 0;
-      const int got = std::sscanf(part, "%d-%d", &first, &last);
-      if (got < 1) continue;
-      if (got == 1) last = first;
-      for (int c = first; c <= last && c < CPU_SETSIZE; ++c)
-        if (CPU_ISSET(c, &allowed)) CPU_SET(c, &set);
-    }
-    if (CPU_ISSET(cpu, &set)) return set;
-  }
-  return allowed;
-}
-
-}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // Set-up, as named steps. Everything opens on the worker core's NUMA node, so that libfabric's
@@ -76,18 +45,23 @@ void Worker::open(std::promise<void>& ready) {
 
 void Worker::move_to_node() {
   sched_getaffinity(0, sizeof process_cpus_, &process_cpus_);
+  node_cpus_ = process_cpus_;
+  if (config_.cpu >= 0 && !config_.node_cpus.empty()) {
+    CPU_ZERO(&node_cpus_);
+    for (int c : config_.node_cpus)
+      if (c >= 0 && c < CPU_SETSIZE && CPU_ISSET(c, &process_cpus_)) CPU_SET(c, &node_cpus_);
+    if (!CPU_ISSET(config_.cpu, &node_cpus_)) node_cpus_ = process_cpus_;
+  }
   if (config_.cpu >= 0) {
-    node_cpus_ = node_of(config_.cpu, process_cpus_);
     pthread_setaffinity_np(pthread_self(), sizeof node_cpus_, &node_cpus_);
-  } else {
-    node_cpus_ = process_cpus_;
   }
 }
 
-// Queries the provider and opens one Rail per configured domain; returns their posting depth.
+// Opens one Rail per configured domain of the provider set-up queried; returns their posting
+// depth.
 size_t Worker::open_rails() {
-  const bool cuda = config_.cuda_device >= 0;
-  fabric::Offer offer = fabric::query(config_.provider, cuda && config_.data_path != DataPath::Staged);
+  const bool cuda = config_.cuda();
+  const fabric::Offer& offer = *offer_;
   provider_ = offer.provider;
   hmem_ = offer.hmem;
   delivery_complete_ = offer.delivery_complete;
@@ -112,7 +86,7 @@ size_t Worker::open_rails() {
     rs.depth = std::min<size_t>(config_.tx_depth ? config_.tx_depth : 1024, provider_depth);
     const size_t cq_size = 2 * (rs.depth + (i == 0 ? config_.recv_buffers + config_.send_buffers : 0)) + 64;
     const uint16_t port = config_.port ? static_cast<uint16_t>(config_.port + i) : 0;
-    rs.rail = std::make_unique<fabric::Rail>(info, cq_size, port);
+    rs.rail = std::make_unique<fabric::Rail>(info, cq_size, port, offer.options);
     rail_facts_.push_back({name, info->fabric_attr->name, rs.depth, rs.rail->wait_fd() >= 0});
     total_depth += rs.depth;
     rails_.push_back(std::move(rs));

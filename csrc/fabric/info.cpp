@@ -18,11 +18,8 @@ namespace {
 // NOTE: ask for the runtime's own API version (capped at one we have read the semantics
 // of), never the compile-time one: EFA turns on device RDMA and FI_HMEM only for >= 1.18,
 // and a 1.17 runtime refuses newer requests with -FI_ENOSYS.
-uint32_t api_version() {
-  if (const char* env = std::getenv("TORCH_P2P_FI_VERSION")) {
-    unsigned major = 0, minor = 0;
-    if (std::sscanf(env, "%u.%u", &major, &minor) == 2) return FI_VERSION(major, minor);
-  }
+uint32_t api_version(const QueryOptions& options) {
+  if (options.api_version) return options.api_version;
   return std::min<uint32_t>(fi_version(), FI_VERSION(1, 22));
 }
 
@@ -31,23 +28,12 @@ uint32_t api_version() {
 // for FI_PROGRESS_AUTO (with FI_THREAD_SAFE), rxm runs a progress thread per endpoint that
 // sleeps in poll() on its sockets: one per rail, on both ends, and no dependence on the
 // target's worker polling. Only tcp: hinting AUTO drops EFA's `efa` fabric, and shm has none.
-// TORCH_P2P_PROGRESS=manual keeps progress on the engine's own thread (measurements).
-bool wants_auto_progress(const std::string& provider) {
-  const char* env = std::getenv("TORCH_P2P_PROGRESS");
-  if (env && std::string(env) == "manual") return false;
-  return provider.rfind("tcp", 0) == 0;
+// Manual progress (QueryOptions) keeps progress on the engine's own thread (measurements).
+bool wants_auto_progress(const std::string& provider, const QueryOptions& options) {
+  return !options.manual_progress && provider.rfind("tcp", 0) == 0;
 }
 
-}  // namespace
-
-bool shm_fast_rma() {
-  const char* env = std::getenv("TORCH_P2P_SHM_FAST");
-  return env && std::string(env) == "1";
-}
-
-namespace {
-
-InfoPtr hints(const std::string& provider, bool hmem, bool delivery_complete, bool auto_progress) {
+InfoPtr hints(const std::string& provider, bool hmem, bool delivery_complete, bool auto_progress, bool shm_fast) {
   InfoPtr h(fi_allocinfo());
   P2P_CHECK(h, ErrorKind::Generic, "fi_allocinfo failed");
   h->caps = FI_MSG | FI_RMA | FI_SEND | FI_RECV | FI_READ | FI_WRITE | FI_REMOTE_READ |
@@ -68,17 +54,17 @@ InfoPtr hints(const std::string& provider, bool hmem, bool delivery_complete, bo
   // access right or bound, and a write to a stopped peer completes. Asking for any RMA
   // ordering turns that path off for the domain (smr_fast_rma_enabled, libfabric 1.17 to 2.6):
   // RMA then goes through the target's command queue, which verifies it.
-  if (provider == "shm" && !shm_fast_rma()) h->tx_attr->msg_order |= FI_ORDER_RAW;
+  if (provider == "shm" && !shm_fast) h->tx_attr->msg_order |= FI_ORDER_RAW;
   if (delivery_complete) h->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
   if (!provider.empty()) h->fabric_attr->prov_name = strdup(provider.c_str());
   return h;
 }
 
-std::string available_providers() {
-  InfoPtr h = hints("", false, false, false);
+std::string available_providers(const QueryOptions& options) {
+  InfoPtr h = hints("", false, false, false, options.shm_fast);
   fi_info* list = nullptr;
   std::set<std::string> names;
-  if (fi_getinfo(api_version(), nullptr, nullptr, 0, h.get(), &list) == 0) {
+  if (fi_getinfo(api_version(options), nullptr, nullptr, 0, h.get(), &list) == 0) {
     for (fi_info* i = list; i; i = i->next) names.insert(i->fabric_attr->prov_name);
     fi_freeinfo(list);
   }
@@ -114,19 +100,19 @@ const fi_info* Offer::domain(const std::string& name) const {
   return nullptr;
 }
 
-Offer query(const std::string& provider, bool want_hmem) {
+Offer query(const std::string& provider, bool want_hmem, const QueryOptions& options) {
   const std::vector<std::string> candidates =
       provider.empty() ? std::vector<std::string>{"efa", "verbs", "tcp"} : std::vector{provider};
-  const uint32_t version = api_version();
+  const uint32_t version = api_version(options);
   for (const auto& name : candidates) {
     // Prefer FI_HMEM, then delivery-complete; drop each only when the provider refuses it.
     const std::vector<bool> hmem_options = want_hmem ? std::vector{true, false} : std::vector{false};
     const std::vector<bool> progress_options =
-        wants_auto_progress(name) ? std::vector{true, false} : std::vector{false};
+        wants_auto_progress(name, options) ? std::vector{true, false} : std::vector{false};
     for (bool automatic : progress_options) {
       for (bool hmem : hmem_options) {
         for (bool dc : {true, false}) {
-          InfoPtr h = hints(name, hmem, dc, automatic);
+          InfoPtr h = hints(name, hmem, dc, automatic, options.shm_fast);
           fi_info* list = nullptr;
           if (fi_getinfo(version, nullptr, nullptr, 0, h.get(), &list) != 0) continue;
           Offer offer;
@@ -136,6 +122,7 @@ Offer query(const std::string& provider, bool want_hmem) {
           offer.delivery_complete = dc;
           offer.auto_progress = automatic;
           offer.api_version = version;
+          offer.options = options;
           if (!dc)
             P2P_LOG(Warn, "provider ", offer.provider,
                     " refuses FI_DELIVERY_COMPLETE: a completed write means the bytes left this "
@@ -148,10 +135,10 @@ Offer query(const std::string& provider, bool want_hmem) {
   if (provider.empty())
     P2P_THROW(ErrorKind::Value,
               "no libfabric provider with RDM endpoints and RMA found (tried efa, verbs, tcp); "
-              "this machine offers: ", available_providers());
+              "this machine offers: ", available_providers(options));
   P2P_THROW(ErrorKind::Value, "libfabric provider '", provider,
             "' is not available with RDM endpoints and RMA; this machine offers: ",
-            available_providers());
+            available_providers(options));
 }
 
 }  // namespace p2p::fabric

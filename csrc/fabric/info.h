@@ -24,6 +24,14 @@ struct Nic {
   uint64_t speed_bps = 0;   // 0 when unknown
 };
 
+// The settings (engine/config.h) that shape the query and the rails opened from its answer.
+struct QueryOptions {
+  uint32_t api_version = 0;      // 0: the runtime's own, capped at one we know
+  bool manual_progress = false;  // never ask for provider progress threads (measurements)
+  bool shm_fast = false;         // shm may take its unchecked "fast RMA" path (see hints())
+  bool hmem_device_only = true;  // shm moves CUDA memory by CUDA IPC (see Rail)
+};
+
 // What one provider offers for RDM endpoints with RMA.
 struct Offer {
   InfoPtr list;
@@ -32,17 +40,15 @@ struct Offer {
   bool delivery_complete = false;  // completions mean the data is in remote memory
   bool auto_progress = false;      // the provider moves data on threads of its own
   uint32_t api_version = 0;
+  QueryOptions options;            // what it was asked with
 
   std::vector<Nic> nics() const;   // one per distinct domain name, in libfabric's order
   const fi_info* domain(const std::string& name) const;  // nullptr when absent
 };
 
-// TORCH_P2P_SHM_FAST=1: shm may take its unchecked "fast RMA" path (see hints()).
-bool shm_fast_rma();
-
 // Resolves "efa", "verbs", "tcp", "shm", a full stack such as "tcp;ofi_rxm", or "" (the best
 // of efa, verbs, tcp) and queries it. Throws a ValueError-kind Error naming what this machine
 // offers when nothing matches.
-Offer query(const std::string& provider, bool want_hmem);
+Offer query(const std::string& provider, bool want_hmem, const QueryOptions& options);
 
 }  // namespace p2p::fabric

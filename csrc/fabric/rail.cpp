@@ -39,10 +39,9 @@ uint64_t random_key(size_t key_size) {
 // NOTE: FI_HMEM_DEVICE_ONLY on CUDA registrations (what fabtests passes) makes shm move GPU
 // memory by CUDA IPC: over 290 GB/s GPU to GPU on the GPU machine, against 2 GB/s through
 // its host bounce buffers. Its RMA completes before the data lands (see Worker::fence()).
-// TORCH_P2P_HMEM_DEVICE_ONLY=0 turns it off.
-bool wants_cuda_ipc(const std::string& prov) {
-  const char* env = std::getenv("TORCH_P2P_HMEM_DEVICE_ONLY");
-  return prov == "shm" && !(env && std::string(env) == "0");
+// QueryOptions::hmem_device_only (TORCH_P2P_HMEM_DEVICE_ONLY=0) turns it off.
+bool wants_cuda_ipc(const std::string& prov, const QueryOptions& options) {
+  return prov == "shm" && options.hmem_device_only;
 }
 
 // NOTE: shm names an endpoint's shared-memory file after the process id ("<pid>:<uid>:<n>" in
@@ -76,7 +75,8 @@ InfoPtr for_rail(const fi_info* info, uint16_t port) {
 
 }  // namespace
 
-Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port) : info_(for_rail(info, port)) {
+Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port, const QueryOptions& options)
+    : info_(for_rail(info, port)) {
   const char* dom = info_->domain_attr->name;
   FI_CHECK(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric(", dom, ")");
   FI_CHECK(fi_domain(fabric_, info_.get(), &domain_, nullptr), "fi_domain(", dom, ")");
@@ -117,14 +117,14 @@ Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port) : info_(for_rail(
   FI_CHECK(fi_getname(&ep_->fid, name, &len), "fi_getname(", dom, ")");
   address_.assign(name, len);
   if (info_->tx_attr->op_flags & FI_DELIVERY_COMPLETE) completion_flags_ = FI_DELIVERY_COMPLETE;
-  // NOTE: with TORCH_P2P_SHM_FAST=1, shm writes host memory on its unchecked "fast RMA" path
+  // NOTE: with QueryOptions::shm_fast (TORCH_P2P_SHM_FAST=1), shm writes host memory on its unchecked "fast RMA" path
   // (info.cpp hints()) only without FI_DELIVERY_COMPLETE: through the target's command queue,
   // which the target must progress, 10k 4 KiB writes took seconds, not tens of ms, here.
   const std::string prov = info_->fabric_attr->prov_name;
-  const bool shm_fast = prov == "shm" && shm_fast_rma();
+  const bool shm_fast = prov == "shm" && options.shm_fast;
   host_completion_flags_ = shm_fast ? 0 : completion_flags_;
   peers_must_release_ = prov == "shm";
-  cuda_ipc_ = wants_cuda_ipc(prov);
+  cuda_ipc_ = wants_cuda_ipc(prov, options);
   // Several segments per op cut the per-op cost of small pages (tcp allows 4). Not on the shm
   // fast path: it takes one remote segment only.
   max_iov_ = shm_fast ? 1 : std::max<size_t>(1, std::min(info_->tx_attr->iov_limit, info_->tx_attr->rma_iov_limit));

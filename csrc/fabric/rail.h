@@ -33,8 +33,9 @@ struct MrHandle {
 
 class Rail {
  public:
-  // port != 0 binds the endpoint to that port (providers with IP addresses only).
-  Rail(const fi_info* info, size_t cq_size, uint16_t port);
+  // port != 0 binds the endpoint to that port (providers with IP addresses only). `options`:
+  // what the provider was queried with (Offer::options).
+  Rail(const fi_info* info, size_t cq_size, uint16_t port, const QueryOptions& options);
   ~Rail();
   Rail(const Rail&) = delete;
   Rail& operator=(const Rail&) = delete;

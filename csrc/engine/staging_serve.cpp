@@ -1,0 +1,103 @@
+// The serving side of the staged path (staging.h): a peer's StageReq is checked as the
+// provider would check direct RMA, then served by a slot job from the serve half of the pool.
+#include "common/log.h"
+#include "engine/staging.h"
+#include "engine/worker.h"
+
+namespace p2p::engine {
+
+StageRequest read_stage_request(ByteReader& r, size_t peer_rails) {
+  StageRequest req;
+  req.request = r.get<uint64_t>();
+  req.dir = r.get<uint8_t>();
+  req.region_id = r.get<uint64_t>();
+  req.bytes = r.get<uint64_t>();
+  const uint16_t rails = r.get<uint16_t>();
+  if (req.dir > kOwnerPushes || rails != peer_rails) r.fail("bad stage request");
+  req.base.resize(rails);
+  req.key.resize(rails);
+  for (uint16_t i = 0; i < rails; ++i) {
+    req.base[i] = r.get<uint64_t>();
+    req.key[i] = r.get<uint64_t>();
+  }
+  req.runs.resize(r.get<uint16_t>());
+  for (auto& run : req.runs) {
+    run.remote = r.get<uint64_t>();
+    run.len = r.get<uint32_t>();
+  }
+  return req;
+}
+
+// The owner checks what its provider would check for direct RMA: region, access, bounds. It
+// also fills in the runs' local addresses.
+std::string stage_request_refusal(StageRequest& req, const Region* region, uint64_t max_bytes) {
+  const uint64_t id = req.region_id;
+  if (!region || region->closing) return cat("region ", id, " is not registered (deregistered?)");
+  if (!region->staged) return cat("region ", id, " is registered for direct RMA");
+  if (req.dir == kOwnerPulls && !(region->access & kRemoteWrite))
+    return cat("region ", id, " does not accept remote writes (registered with access='r')");
+  if (req.dir == kOwnerPushes && !(region->access & kRemoteRead))
+    return cat("region ", id, " does not accept remote reads (registered with access='w')");
+  uint64_t sum = 0;
+  for (auto& run : req.runs) {
+    if (run.len == 0 || run.remote > region->nbytes || run.len > region->nbytes - run.remote)
+      return cat("a run lies outside region ", id);
+    run.local = reinterpret_cast<uint64_t>(region->ptr) + run.remote;
+    sum += run.len;
+  }
+  if (sum != req.bytes || req.bytes == 0 || req.bytes > max_bytes) return "malformed stage request";
+  return {};
+}
+
+void Worker::send_ack(Peer& p, uint64_t request, const Status& status) {
+  if (p.failed()) return;
+  ByteWriter w = message(MsgType::StageAck, p);
+  w.put(request);
+  w.put(static_cast<uint8_t>(status.kind));
+  w.put_bytes(status.message.substr(0, 1024));
+  send_control(p, std::move(w));
+}
+
+void Worker::on_stage_request(Peer& p, ByteReader& r) {
+  StageRequest req = read_stage_request(r, p.remote_rails());
+  auto it = regions_.find(req.region_id);
+  const Region* region = it == regions_.end() ? nullptr : it->second.get();
+  if (const std::string why = stage_request_refusal(req, region, slot_size(config_.slot_bytes)); !why.empty())
+    return send_ack(p, req.request, Status::error(ErrorKind::Remote, why));
+  serve(p, std::move(req), it->second);
+}
+
+// A job for a request that passed the checks; it waits for a serve slot if none is free.
+void Worker::serve(Peer& p, StageRequest req, std::shared_ptr<Region> region) {
+  auto owned = std::make_unique<SlotJob>();
+  SlotJob& job = *owned;
+  job.id = next_request_++;
+  job.request = req.request;
+  job.peer = &p;
+  job.region = std::move(region);
+  job.runs = std::move(req.runs);
+  job.bytes = req.bytes;
+  job.peer_base = std::move(req.base);
+  job.peer_key = std::move(req.key);
+  if (req.dir == kOwnerPulls) {
+    job.write_out = false;
+    job.steps[0] = Step::RmaSlot;
+    job.steps[1] = Step::Unpack;
+  } else {
+    job.write_out = true;
+    job.steps[0] = Step::Pack;
+    job.steps[1] = Step::RmaSlot;
+  }
+  job.steps[2] = Step::Ack;
+  begin_work(p);
+  jobs_.emplace(job.id, std::move(owned));
+  ensure_slots();
+  job.slot = take_slot(true);
+  if (!job.slot) {
+    serve_queue_.push_back(job.id);
+    return;
+  }
+  start_job(job);
+}
+
+}  // namespace p2p::engine

@@ -1,0 +1,66 @@
+"""The settings table (csrc/engine/config.h): arguments, then TORCH_P2P_* variables, then the
+provider's defaults, then the table's. No engine is started: _C.Setup only resolves settings
+and queries the provider."""
+import pytest
+
+from torch_p2p import _C
+
+MiB = 1 << 20
+
+
+def table():
+    return {key: (variable, default) for key, variable, default in _C.settings()}
+
+
+def test_table_lists_variables_and_defaults():
+    rows = table()
+    assert rows["max_chunk_bytes"] == ("TORCH_P2P_MAX_CHUNK", str(4 * MiB))
+    assert rows["staging_bytes"] == ("TORCH_P2P_STAGING_BYTES", str(64 * MiB))
+    assert rows["timeout"] == ("", "120")
+    assert rows["ipc"] == ("TORCH_P2P_IPC", "1")
+    assert all(v.startswith("TORCH_P2P_") for v, _ in rows.values() if v)
+
+
+def test_arguments_then_environment_then_defaults(monkeypatch):
+    monkeypatch.setenv("TORCH_P2P_STAGING_BYTES", str(8 * MiB))
+    monkeypatch.setenv("TORCH_P2P_TX_DEPTH", "64")
+    monkeypatch.setenv("TORCH_P2P_MIN_CHUNK", "")  # an empty variable is no choice
+    setup = _C.Setup(dict(provider="tcp", staging_bytes=2 * MiB, timeout=None))
+    assert setup.setting("staging_bytes") == 2 * MiB
+    assert setup.setting("tx_depth") == 64
+    assert setup.setting("min_chunk_bytes") == 64 << 10
+    assert setup.setting("timeout") == 120.0
+    assert setup.provider.startswith("tcp") and setup.nics
+
+
+def test_pinned_worker_spins_unless_told(monkeypatch):
+    setup = _C.Setup(dict(provider="tcp"))
+    setup.place(["lo"], 0, [0])
+    assert setup.setting("spin_us") == -1
+    monkeypatch.setenv("TORCH_P2P_SPIN_US", "50")
+    setup = _C.Setup(dict(provider="tcp"))
+    setup.place(["lo"], 0, [0])
+    assert setup.setting("spin_us") == 50
+
+
+@pytest.mark.parametrize("var, value, message", [
+    ("TORCH_P2P_IPC", "yes", "TORCH_P2P_IPC must be 0 or 1"),
+    ("TORCH_P2P_POST_BATCH", "many", "TORCH_P2P_POST_BATCH must be an integer"),
+    ("TORCH_P2P_MAX_CHUNK", "-1", "TORCH_P2P_MAX_CHUNK must be an integer"),
+    ("TORCH_P2P_POST_BATCH", "0", "sizes and batch must be positive"),
+])
+def test_bad_variables_raise(monkeypatch, var, value, message):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=message):
+        _C.Setup(dict(provider="tcp"))
+
+
+def test_shm_chunk_is_a_provider_default(monkeypatch):
+    try:
+        setup = _C.Setup(dict(provider="shm"))
+    except ValueError:
+        pytest.skip("no shm provider here")
+    assert setup.setting("max_chunk_bytes") == 64 * MiB
+    monkeypatch.setenv("TORCH_P2P_MAX_CHUNK", str(MiB))
+    assert _C.Setup(dict(provider="shm")).setting("max_chunk_bytes") == MiB
+    assert _C.Setup(dict(provider="shm", max_chunk_bytes=2 * MiB)).setting("max_chunk_bytes") == 2 * MiB
