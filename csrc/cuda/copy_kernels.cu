@@ -12,14 +12,18 @@ __device__ void copy_bytes(char* dst, const char* src, size_t len) {
     const size_t vectors = len / 16;
     const uint4* s4 = reinterpret_cast<const uint4*>(src);
     uint4* d4 = reinterpret_cast<uint4*>(dst);
+    const size_t step = blockDim.x;
     size_t i = threadIdx.x;
-    // Two loads in flight per thread before the stores: remote reads are slow to return.
-    for (; i + blockDim.x < vectors; i += 2 * blockDim.x) {
-      const uint4 a = s4[i], b = s4[i + blockDim.x];
+    // Four loads in flight per thread before the stores: reads of a peer's memory are slow to
+    // return, and a pull (reads through the mapping) waited on them.
+    for (; i + 3 * step < vectors; i += 4 * step) {
+      const uint4 a = s4[i], b = s4[i + step], c = s4[i + 2 * step], d = s4[i + 3 * step];
       d4[i] = a;
-      d4[i + blockDim.x] = b;
+      d4[i + step] = b;
+      d4[i + 2 * step] = c;
+      d4[i + 3 * step] = d;
     }
-    if (i < vectors) d4[i] = s4[i];
+    for (; i < vectors; i += step) d4[i] = s4[i];
     head = vectors * 16;
   }
   for (size_t i = head + threadIdx.x; i < len; i += blockDim.x) dst[i] = src[i];

@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 #include <type_traits>
 
 #include "common/error.h"
@@ -39,11 +38,20 @@ void parse(const char* env, const char* text, double& out) {
   if (end == text || *end) malformed(env, text, "a number");
 }
 
+// NOTE: snprintf, not an ostringstream: on the GPU machine (torch 2.11, gcc 13) streaming a
+// double while the module loads crashed inside libstdc++'s formatting.
+std::string text_of(const std::string& value) { return value; }
+
 template <typename T>
-std::string text_of(const T& value) {
-  std::ostringstream out;
-  out << value;
-  return out.str();
+std::string text_of(T value) {
+  char out[32];
+  if constexpr (std::is_floating_point<T>::value)
+    std::snprintf(out, sizeof out, "%g", static_cast<double>(value));
+  else if constexpr (std::is_signed<T>::value)
+    std::snprintf(out, sizeof out, "%lld", static_cast<long long>(value));
+  else
+    std::snprintf(out, sizeof out, "%llu", static_cast<unsigned long long>(value));
+  return out;
 }
 
 std::string text_of(bool value) { return value ? "1" : "0"; }
