@@ -1,0 +1,264 @@
+#include "bindings_internal.h"
+
+#include <torch/extension.h>
+
+#include "common/error.h"
+#include "common/wire.h"
+#include "engine/address.h"
+#include "engine/liveness.h"
+#include "engine/remote_view.h"
+#include "engine/runs.h"
+#include "engine/striper.h"
+#include "engine/transfer.h"
+
+namespace py = pybind11;
+using namespace p2p::engine;
+
+namespace p2p {
+namespace {
+
+using RunTuple = std::tuple<uint64_t, uint64_t, uint64_t, uint32_t, uint32_t>;
+
+std::vector<Run> to_runs(const std::vector<RunTuple>& tuples) {
+  std::vector<Run> runs;
+  for (const auto& [local, remote, len, lreg, rreg] : tuples) runs.push_back({local, remote, len, lreg, rreg});
+  return runs;
+}
+
+// The ops the direct route makes of `runs`, for tests: (chunk, [(local rail, remote rail,
+// [(run, offset, len, local piece, remote piece, offset in remote piece)])]).
+py::tuple stripe(const std::vector<RunTuple>& tuples, const std::vector<std::pair<uint64_t, uint64_t>>& local,
+                 const std::vector<uint64_t>& remote, size_t local_rails, size_t remote_rails, uint64_t min_chunk,
+                 uint64_t max_chunk, size_t max_iov) {
+  const std::vector<Run> runs = to_runs(tuples);
+  P2P_CHECK(local_rails > 0 && remote_rails > 0 && max_iov > 0 && min_chunk > 0, ErrorKind::Value, "bad geometry");
+  for (const Run& r : runs)
+    P2P_CHECK(r.lreg < local.size() && r.rreg < remote.size(), ErrorKind::Value, "a run names no region");
+  for (const auto& [base, piece] : local) P2P_CHECK(piece > 0, ErrorKind::Value, "piece_bytes must be positive");
+  for (uint64_t piece : remote) P2P_CHECK(piece > 0, ErrorKind::Value, "piece_bytes must be positive");
+  Striper striper(min_chunk, max_chunk);
+  uint64_t total = 0;
+  for (const Run& r : runs) total += r.len;
+  const uint64_t chunk = striper.chunk(total, Striper::pairs(local_rails, remote_rails));
+  auto local_extent = [&](uint32_t i) { return Extent{local[i].first, local[i].second}; };
+  auto remote_extent = [&](uint32_t i) { return Extent{0, remote[i]}; };
+  py::list ops;
+  RunCursor at;
+  while (!at.at_end(runs)) {
+    const RailPair pair = striper.pair(local_rails, remote_rails);
+    Segment segs[kMaxIov];
+    const size_t n = Striper::fill(at, runs, local_extent, remote_extent, chunk, std::min(max_iov, kMaxIov), segs);
+    py::list out;
+    for (size_t i = 0; i < n; ++i)
+      out.append(py::make_tuple(segs[i].run, segs[i].offset, segs[i].len, segs[i].lpiece, segs[i].rpiece,
+                                segs[i].rpiece_offset));
+    ops.append(py::make_tuple(pair.local, pair.remote, out));
+    striper.next();
+  }
+  return py::make_tuple(chunk, ops);
+}
+
+// The slot jobs the staged route makes of `runs`: [(bytes, [run tuples])].
+py::list stripe_slots(const std::vector<RunTuple>& tuples, size_t max_runs, uint64_t slot_bytes) {
+  P2P_CHECK(max_runs > 0 && slot_bytes > 0, ErrorKind::Value, "bad slot geometry");
+  const std::vector<Run> runs = to_runs(tuples);
+  py::list jobs;
+  RunCursor at;
+  while (!at.at_end(runs)) {
+    std::vector<Run> taken;
+    const uint64_t bytes = Striper::fill_slot(at, runs, max_runs, slot_bytes, taken);
+    py::list out;
+    for (const Run& r : taken) out.append(py::make_tuple(r.local, r.remote, r.len, r.lreg, r.rreg));
+    jobs.append(py::make_tuple(bytes, out));
+  }
+  return jobs;
+}
+
+TransferState state_named(const std::string& text) {
+  for (int i = 0; i <= static_cast<int>(TransferState::Reported); ++i)
+    if (text == name(static_cast<TransferState>(i))) return static_cast<TransferState>(i);
+  throw Error(ErrorKind::Value, "no transfer state " + text);
+}
+
+// Transfer::next_step for a transfer in `state` with these facts, for tests.
+std::string transfer_next_step(const std::string& state, bool message, bool ok, bool held, bool acked,
+                               size_t pending, bool needs_fence) {
+  Transfer t;
+  t.state = state_named(state);
+  t.kind = message ? TransferKind::Message : TransferKind::Write;
+  if (!ok) t.status = Status::error(ErrorKind::Peer, "failed");
+  t.held = held;
+  t.acked = acked;
+  t.pending = pending;
+  return name(t.next_step(needs_fence));
+}
+
+// Whether Transfer::enter allows the move, for tests.
+bool transfer_may_enter(const std::string& from, const std::string& to) {
+  Transfer t;
+  t.state = state_named(from);
+  try {
+    t.enter(state_named(to));
+    return true;
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::Value) throw;
+    return false;
+  }
+}
+
+// Private bindings of engine parts that tests drive alone, without an engine or a process.
+}  // namespace
+
+void bind_parts(py::module_& m) {
+  // The striper (tests/test_striper.py).
+  m.def("_stripe", &stripe);
+  m.def("_stripe_slots", &stripe_slots);
+  m.def("_slot_size", &slot_size);
+  // The transfer state machine (csrc/engine/transfer.h; tests/test_transfer_state.py).
+  m.def("_transfer_next_step", &transfer_next_step, py::arg("state"), py::arg("message"), py::arg("ok"),
+        py::arg("held"), py::arg("acked"), py::arg("pending"), py::arg("needs_fence"));
+  m.def("_transfer_may_enter", &transfer_may_enter);
+
+  // One peer's liveness schedule (csrc/engine/liveness.h) on a clock the caller
+  // passes, for tests/test_liveness.py.
+  py::class_<Liveness>(m, "_Liveness")
+      .def(py::init<double>(), py::arg("timeout"))
+      .def_property_readonly("state", [](const Liveness& l) { return name(l.state()); })
+      .def_property_readonly("waits", &Liveness::waits)
+      .def_property_readonly("checking", &Liveness::checking)
+      .def_property_readonly("last_heard", &Liveness::last_heard)
+      .def("connect", &Liveness::connect, py::arg("now"))
+      .def("answered", &Liveness::answered)
+      .def("fail", [](Liveness& l, bool left) { l.fail(left ? PeerState::Left : PeerState::Dead); },
+           py::arg("left") = false)
+      .def("start_check", &Liveness::start_check, py::arg("deadline"))
+      .def("heard", &Liveness::heard, py::arg("now"))
+      .def("watch_from", &Liveness::watch_from, py::arg("now"))
+      .def("hello_failed", [](Liveness& l, double now, bool transient) {
+        const Liveness::Retry r = l.hello_failed(now, transient);
+        return py::make_tuple(r == Liveness::Retry::Ignore ? "Ignore" : r == Liveness::Retry::Later ? "Later" : "GiveUp",
+                              l.retry_at());
+      }, py::arg("now"), py::arg("transient"))
+      .def("tick", [](Liveness& l, double now, bool busy) {
+        const Liveness::Due due = l.tick(now, busy);
+        const char* verdict = due.verdict == Liveness::Verdict::Alive        ? "Alive"
+                              : due.verdict == Liveness::Verdict::Unanswered ? "Unanswered"
+                                                                              : "Silent";
+        return py::make_tuple(due.send_hello, verdict);
+      }, py::arg("now"), py::arg("busy"));
+}
+
+// The wire records (csrc/engine/address.h, remote_view.h) as dicts, for tests and tools that
+// forge handles: decode validates as the engine does; encode writes any field values, valid
+// or not (it checks nothing), with every CRC right.
+namespace {
+
+py::dict address_fields(const EngineAddress& a) {
+  py::dict d;
+  d["provider"] = py::bytes(a.provider);
+  d["incarnation"] = a.incarnation;
+  py::list rails;
+  for (const auto& r : a.rails) rails.append(py::bytes(r));
+  d["rails"] = rails;
+  d["host"] = py::bytes(a.host);
+  d["pid"] = a.pid;
+  d["cuda_ipc"] = a.cuda_ipc;
+  return d;
+}
+
+// d[key] as a T, or `fallback` where d has no such key.
+template <typename T>
+T field(const py::dict& d, const char* key, T fallback = T{}) {
+  return d.contains(key) ? d[key].cast<T>() : fallback;
+}
+
+py::bytes encode_address(const py::dict& d) {
+  EngineAddress a;
+  a.provider = field<std::string>(d, "provider");
+  a.incarnation = field<uint64_t>(d, "incarnation");
+  a.rails = field<std::vector<std::string>>(d, "rails");
+  a.host = field<std::string>(d, "host");
+  a.pid = field<uint32_t>(d, "pid");
+  a.cuda_ipc = field<bool>(d, "cuda_ipc");
+  return py::bytes(a.encode());
+}
+
+py::dict remote_fields(const RemoteView& v) {
+  const RemoteRegion& g = *v.region;
+  py::dict region;
+  region["owner"] = py::bytes(g.owner);
+  region["id"] = g.id;
+  region["nbytes"] = g.nbytes;
+  region["access"] = g.access;
+  region["staged"] = g.staged;
+  region["device_type"] = g.device_type;
+  region["device_index"] = g.device_index;
+  region["piece_bytes"] = g.piece_bytes;
+  region["rails"] = g.rails;
+  py::list entries;
+  for (size_t i = 0; i < g.base.size(); ++i) entries.append(py::make_tuple(g.base[i], g.key[i]));
+  region["entries"] = entries;
+  region["ipc_handle"] = py::bytes(g.ipc.handle);
+  region["ipc_offset"] = g.ipc.offset;
+  region["ipc_ptr"] = g.ipc.ptr;
+  py::dict d;
+  d["region"] = region;
+  d["dtype"] = static_cast<int>(v.dtype);
+  d["shape"] = v.shape;
+  d["strides"] = v.strides;
+  d["offset"] = v.offset;
+  return d;
+}
+
+py::bytes encode_remote(const py::dict& d) {
+  const py::dict r = d["region"].cast<py::dict>();
+  auto g = std::make_shared<RemoteRegion>();
+  g->owner = field<std::string>(r, "owner");
+  g->id = field<uint64_t>(r, "id");
+  g->nbytes = field<uint64_t>(r, "nbytes");
+  g->access = field<uint8_t>(r, "access");
+  g->staged = field<bool>(r, "staged");
+  g->device_type = field<int8_t>(r, "device_type");
+  g->device_index = field<int16_t>(r, "device_index", -1);
+  g->piece_bytes = field<uint64_t>(r, "piece_bytes");
+  g->rails = field<uint16_t>(r, "rails");
+  for (const auto& [base, key] : field<std::vector<std::pair<uint64_t, uint64_t>>>(r, "entries")) {
+    g->base.push_back(base);
+    g->key.push_back(key);
+  }
+  g->ipc.handle = field<std::string>(r, "ipc_handle");
+  g->ipc.offset = field<uint64_t>(r, "ipc_offset");
+  g->ipc.ptr = field<uint64_t>(r, "ipc_ptr");
+  RemoteView v;
+  v.region = g;
+  v.dtype = static_cast<c10::ScalarType>(field<int8_t>(d, "dtype"));
+  v.shape = field<std::vector<int64_t>>(d, "shape");
+  v.strides = field<std::vector<int64_t>>(d, "strides");
+  v.offset = field<int64_t>(d, "offset");
+  return py::bytes(v.encode());
+}
+
+// Private bindings of the wire records, for tests and tools (tests/peer_helpers.py).
+}  // namespace
+
+void bind_wire(py::module_& m) {
+  m.def("_decode_address", [](const py::bytes& b) { return address_fields(EngineAddress::decode(std::string(b))); });
+  m.def("_encode_address", &encode_address);
+  m.def("_decode_remote", [](const py::bytes& b) { return remote_fields(*RemoteView::decode(std::string(b))); });
+  m.def("_encode_remote", &encode_remote);
+  // ByteWriter::seal and ByteReader::check_crc: a record's trailing CRC32 added or checked and dropped.
+  m.def("_seal", [](const py::bytes& b) {
+    ByteWriter w;
+    w.str() = std::string(b);
+    w.seal();
+    return py::bytes(w.str());
+  });
+  m.def("_unseal", [](const py::bytes& b) {
+    const std::string in(b);
+    ByteReader r(in, "record");
+    r.check_crc();
+    return py::bytes(std::string(r.get_raw(r.remaining())));
+  });
+}
+
+}  // namespace p2p
