@@ -4,9 +4,9 @@ import torch_p2p as p2p
 
 PAGE, NPAGES = 4096, 8192
 
-def peer(q_out, q_in, dev):
+def peer(q_out, q_in, dev, npages=NPAGES, page=PAGE):
     with p2p.Engine(dev) as e:
-        buf = torch.zeros(NPAGES, PAGE, dtype=torch.uint8, device=dev)
+        buf = torch.zeros(npages, page, dtype=torch.uint8, device=dev)
         r = e.register(buf)
         q_out.put(r.remote.to_bytes())
         q_in.get()

@@ -1,22 +1,18 @@
 """Where a KV-sized paged call (64 entries x 256 random 32 KiB pages = 512 MiB) spends its time
 on the IPC route: return time, completion time, and the copy kernel's GPU time (profiler)."""
-import sys, time, torch, torch.multiprocessing as mp
+import os, sys, time, torch, torch.multiprocessing as mp
 import torch_p2p as p2p
 
-PAGE, NPAGES = 32768, 32768  # 1 GiB per side
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "2026-11-23-h100-ipc"))
+from percall import peer  # noqa: E402
 
-def peer(q_out, q_in, dev):
-    with p2p.Engine(dev) as e:
-        buf = torch.zeros(NPAGES, PAGE, dtype=torch.uint8, device=dev)
-        r = e.register(buf)
-        q_out.put(r.remote.to_bytes())
-        q_in.get()
+PAGE, NPAGES = 32768, 32768  # 1 GiB per side
 
 def main():
     dev = "cuda:0"
     ctx = mp.get_context("spawn")
     qo, qi = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=peer, args=(qo, qi, dev)); p.start()
+    p = ctx.Process(target=peer, args=(qo, qi, dev, NPAGES, PAGE)); p.start()
     blob = qo.get()
     with p2p.Engine(dev) as e:
         remote = p2p.RemoteTensor.from_bytes(blob)
