@@ -92,10 +92,9 @@ void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& loca
     std::lock_guard<std::mutex> lock(mu_);
     P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
     for (size_t i = 0; i < local.size(); ++i) {
-      const at::Tensor& v = local[i];
-      check_device(v, what);
-      const RemoteView& rv = *remote[mirror ? 0 : i];
-      const RemoteRegion& rr = *rv.region;
+      const Entry e{i, local[i], *remote[mirror ? 0 : i], what, write};
+      check_device(e.view, what);
+      const RemoteRegion& rr = *e.remote.region;
       P2P_CHECK(rr.owner == owner, ErrorKind::Value, "all RemoteTensors of one call must belong to one "
                 "peer; RemoteTensor ", i, " belongs to another");
       if (rr.owner == worker_->address()) {  // our own region: we know whether it is still there
@@ -104,110 +103,10 @@ void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& loca
         P2P_CHECK(open, ErrorKind::Closed, "RemoteTensor ", i, " names region ", rr.id,
                   " of this engine, which is deregistered");
       }
-      const int64_t elem = v.element_size();
-      if (local_pages[i] || remote_pages[mirror ? 0 : i]) {
-        P2P_CHECK(!mirror && local_pages[i] && remote_pages[i], ErrorKind::Value, what, " ", i,
-                  ": pages pair with pages (p2p.pages on both sides, no mirror mode)");
-        const auto& [lids, ldim] = *local_pages[i];
-        const auto& [rids, rdim] = *remote_pages[i];
-        for (const at::Tensor* ids : {&lids, &rids})
-          P2P_CHECK(ids->scalar_type() == at::kLong && ids->is_cpu() && ids->dim() == 1 && ids->is_contiguous(),
-                    ErrorKind::Value, "page ids must be a 1-d contiguous int64 CPU tensor");
-        P2P_CHECK(ldim >= 0 && ldim < v.dim() && rdim >= 0 && rdim < static_cast<int64_t>(rv.shape.size()),
-                  ErrorKind::Index, what, " ", i, ": the page dimension is out of range");
-        P2P_CHECK(lids.numel() == rids.numel(), ErrorKind::Value, what, " ", i, " has ", lids.numel(),
-                  " pages but its RemoteTensor has ", rids.numel());
-        std::vector<int64_t> page(v.sizes().vec()), rpage(rv.shape);
-        page.erase(page.begin() + ldim);
-        rpage.erase(rpage.begin() + rdim);
-        P2P_CHECK(page == rpage, ErrorKind::Value, what, " ", i, ": a page has shape ", dims(page),
-                  " but a remote page has shape ", dims(rpage));
-        P2P_CHECK(rv.dtype == v.scalar_type(), ErrorKind::Value, what, " ", i, " is ",
-                  c10::toString(v.scalar_type()), " but its RemoteTensor is ", c10::toString(rv.dtype));
-        P2P_CHECK(rr.access & (write ? kRemoteWrite : kRemoteRead), ErrorKind::Value, "region ", rr.id,
-                  " of the peer does not accept remote ", write ? "writes (registered with access='r')"
-                                                                : "reads (registered with access='w')");
-        const int64_t n = lids.numel();
-        if (n == 0 || v.numel() == 0) continue;
-        const LocalRegion& lr = region_of(v, extent_bytes(v.sizes().vec(), v.strides().data(), elem), what, i);
-        PageSide ls{reinterpret_cast<uint64_t>(v.data_ptr()), v.stride(ldim) * elem, lids.data_ptr<int64_t>(),
-                    v.strides().vec()};
-        PageSide rs{static_cast<uint64_t>(rv.offset * elem), rv.strides[rdim] * elem, rids.data_ptr<int64_t>(),
-                    rv.strides};
-        ls.strides.erase(ls.strides.begin() + ldim);
-        rs.strides.erase(rs.strides.begin() + rdim);
-        const PageSide& dst = write ? rs : ls;
-        P2P_CHECK(!self_overlapping(page, dst.strides.data()), ErrorKind::Value, what, " ", i,
-                  ": the destination pages have overlapping elements (a stride of 0?)");
-        const int64_t lcount = v.size(ldim), rcount = rv.shape[rdim], dcount = write ? rcount : lcount;
-        std::vector<bool> taken(dcount, false);
-        for (int64_t k = 0; k < n; ++k) {
-          const int64_t l = ls.ids[k], r = rs.ids[k], d = write ? r : l;
-          P2P_CHECK(l >= 0 && l < lcount && r >= 0 && r < rcount, ErrorKind::Index, what, " ", i, ": page ",
-                    k, " pairs local page ", l, " of ", lcount, " with remote page ", r, " of ", rcount);
-          P2P_CHECK(!taken[d], ErrorKind::Value, what, " ", i, ": destination page ", d,
-                    " is named twice; the result would depend on arrival order");
-          taken[d] = true;
-        }
-        auto lidx = std::find(t->local_ids.begin(), t->local_ids.end(), lr.id) - t->local_ids.begin();
-        if (static_cast<size_t>(lidx) == t->local_ids.size()) t->local_ids.push_back(lr.id);
-        auto ridx = std::find(t->remote.begin(), t->remote.end(), rv.region) - t->remote.begin();
-        if (static_cast<size_t>(ridx) == t->remote.size()) t->remote.push_back(rv.region);
-        append_pages(page, ls, rs, n, elem, static_cast<uint32_t>(lidx), static_cast<uint32_t>(ridx), *t);
-        cuda |= v.is_cuda();
-        continue;
-      }
-      if (v.numel() == 0) {  // moves nothing; torch gives empty views no data pointer to check
-        P2P_CHECK(mirror || (rv.shape == v.sizes().vec() && rv.dtype == v.scalar_type()), ErrorKind::Value,
-                  what, " ", i, " is empty but its RemoteTensor is not of the same shape and dtype");
-        continue;
-      }
-      const uint64_t extent = extent_bytes(v.sizes().vec(), v.strides().data(), elem);
-      const LocalRegion& lr = region_of(v, extent, what, i);
-
-      // Where the view lands remotely: the same element positions (mirror), or the given view.
-      int64_t rbase;
-      std::vector<int64_t> rstrides;
-      if (mirror) {
-        const at::Tensor& reg = lr.tensor;
-        P2P_CHECK(rv.dtype == reg.scalar_type() && rv.shape == reg.sizes().vec() &&
-                      rv.strides == reg.strides().vec(),
-                  ErrorKind::Value, "mirror mode needs the RemoteTensor laid out like the registered local "
-                  "tensor: remote ", dims(rv.shape), " strides ", dims(rv.strides), " ",
-                  c10::toString(rv.dtype), ", local ", dims(reg.sizes()), " strides ", dims(reg.strides()),
-                  " ", c10::toString(reg.scalar_type()));
-        rbase = rv.offset * rv.elem() +
-                (static_cast<int64_t>(reinterpret_cast<uintptr_t>(v.data_ptr())) -
-                 static_cast<int64_t>(reinterpret_cast<uintptr_t>(reg.data_ptr())));
-        rstrides = v.strides().vec();
-      } else {
-        P2P_CHECK(rv.shape == v.sizes().vec(), ErrorKind::Value, what, " ", i, " has shape ", dims(v.sizes()),
-                  " but its RemoteTensor has shape ", dims(rv.shape));
-        P2P_CHECK(rv.dtype == v.scalar_type(), ErrorKind::Value, what, " ", i, " is ",
-                  c10::toString(v.scalar_type()), " but its RemoteTensor is ", c10::toString(rv.dtype));
-        rbase = rv.offset * elem;
-        rstrides = rv.strides;
-      }
-      const uint64_t rextent = extent_bytes(v.sizes().vec(), rstrides.data(), elem);
-      P2P_CHECK(rbase >= 0 && static_cast<uint64_t>(rbase) + rextent <= rr.nbytes, ErrorKind::Value,
-                what, " ", i, " would reach bytes ", rbase, "..", rbase + static_cast<int64_t>(rextent),
-                " of a remote region of ", rr.nbytes, " bytes");
-      P2P_CHECK(rr.access & (write ? kRemoteWrite : kRemoteRead), ErrorKind::Value, "region ", rr.id,
-                " of the peer does not accept remote ", write ? "writes (registered with access='r')"
-                                                              : "reads (registered with access='w')");
-      // Two elements landing on one address would make the result depend on arrival order.
-      const int64_t* dst_strides = write ? rstrides.data() : v.strides().data();
-      P2P_CHECK(!self_overlapping(v.sizes().vec(), dst_strides), ErrorKind::Value, what, " ", i,
-                ": the destination has overlapping elements (a stride of 0?)");
-
-      auto lidx = std::find(t->local_ids.begin(), t->local_ids.end(), lr.id) - t->local_ids.begin();
-      if (static_cast<size_t>(lidx) == t->local_ids.size()) t->local_ids.push_back(lr.id);
-      auto ridx = std::find(t->remote.begin(), t->remote.end(), rv.region) - t->remote.begin();
-      if (static_cast<size_t>(ridx) == t->remote.size()) t->remote.push_back(rv.region);
-      append_runs(v.sizes().vec(), Strided{reinterpret_cast<uint64_t>(v.data_ptr()), v.strides().data()},
-                  Strided{static_cast<uint64_t>(rbase), rstrides.data()}, elem, static_cast<uint32_t>(lidx),
-                  static_cast<uint32_t>(ridx), t->runs);
-      cuda |= v.is_cuda();
+      const bool added = local_pages[i] || remote_pages[mirror ? 0 : i]
+                             ? add_pages(*t, e, mirror, local_pages[i], remote_pages[mirror ? 0 : i])
+                             : add_view(*t, e, mirror);
+      cuda |= added && e.view.is_cuda();
     }
   }
 #ifdef WITH_CUDA
@@ -218,6 +117,122 @@ void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& loca
   }
 #endif
   enqueue(std::move(t));
+}
+
+namespace {
+
+void check_access(const RemoteRegion& rr, bool write) {
+  P2P_CHECK(rr.access & (write ? kRemoteWrite : kRemoteRead), ErrorKind::Value, "region ", rr.id,
+            " of the peer does not accept remote ", write ? "writes (registered with access='r')"
+                                                          : "reads (registered with access='w')");
+}
+
+// The indexes of a local and a remote region in t's lists, added if new.
+std::pair<uint32_t, uint32_t> region_indexes(Transfer& t, uint64_t local, const std::shared_ptr<const RemoteRegion>& remote) {
+  auto l = std::find(t.local_ids.begin(), t.local_ids.end(), local) - t.local_ids.begin();
+  if (static_cast<size_t>(l) == t.local_ids.size()) t.local_ids.push_back(local);
+  auto r = std::find(t.remote.begin(), t.remote.end(), remote) - t.remote.begin();
+  if (static_cast<size_t>(r) == t.remote.size()) t.remote.push_back(remote);
+  return {static_cast<uint32_t>(l), static_cast<uint32_t>(r)};
+}
+
+}  // namespace
+
+bool Engine::add_pages(Transfer& t, const Entry& e, bool mirror, const Pages& local_pages, const Pages& remote_pages) {
+  const at::Tensor& v = e.view;
+  const RemoteView& rv = e.remote;
+  const char* what = e.what;
+  const size_t i = e.index;
+  P2P_CHECK(!mirror && local_pages && remote_pages, ErrorKind::Value, what, " ", i,
+            ": pages pair with pages (p2p.pages on both sides, no mirror mode)");
+  const auto& [lids, ldim] = *local_pages;
+  const auto& [rids, rdim] = *remote_pages;
+  for (const at::Tensor* ids : {&lids, &rids})
+    P2P_CHECK(ids->scalar_type() == at::kLong && ids->is_cpu() && ids->dim() == 1 && ids->is_contiguous(),
+              ErrorKind::Value, "page ids must be a 1-d contiguous int64 CPU tensor");
+  P2P_CHECK(ldim >= 0 && ldim < v.dim() && rdim >= 0 && rdim < static_cast<int64_t>(rv.shape.size()),
+            ErrorKind::Index, what, " ", i, ": the page dimension is out of range");
+  P2P_CHECK(lids.numel() == rids.numel(), ErrorKind::Value, what, " ", i, " has ", lids.numel(),
+            " pages but its RemoteTensor has ", rids.numel());
+  std::vector<int64_t> page(v.sizes().vec()), rpage(rv.shape);
+  page.erase(page.begin() + ldim);
+  rpage.erase(rpage.begin() + rdim);
+  P2P_CHECK(page == rpage, ErrorKind::Value, what, " ", i, ": a page has shape ", dims(page),
+            " but a remote page has shape ", dims(rpage));
+  P2P_CHECK(rv.dtype == v.scalar_type(), ErrorKind::Value, what, " ", i, " is ", c10::toString(v.scalar_type()),
+            " but its RemoteTensor is ", c10::toString(rv.dtype));
+  check_access(*rv.region, e.write);
+  const int64_t n = lids.numel(), elem = v.element_size();
+  if (n == 0 || v.numel() == 0) return false;
+  const LocalRegion& lr = region_of(v, extent_bytes(v.sizes().vec(), v.strides().data(), elem), what, i);
+  PageSide ls{reinterpret_cast<uint64_t>(v.data_ptr()), v.stride(ldim) * elem, lids.data_ptr<int64_t>(),
+              v.strides().vec()};
+  PageSide rs{static_cast<uint64_t>(rv.offset * elem), rv.strides[rdim] * elem, rids.data_ptr<int64_t>(), rv.strides};
+  ls.strides.erase(ls.strides.begin() + ldim);
+  rs.strides.erase(rs.strides.begin() + rdim);
+  P2P_CHECK(!self_overlapping(page, (e.write ? rs : ls).strides.data()), ErrorKind::Value, what, " ", i,
+            ": the destination pages have overlapping elements (a stride of 0?)");
+  const int64_t lcount = v.size(ldim), rcount = rv.shape[rdim];
+  std::vector<bool> taken(e.write ? rcount : lcount, false);
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t l = ls.ids[k], r = rs.ids[k], d = e.write ? r : l;
+    P2P_CHECK(l >= 0 && l < lcount && r >= 0 && r < rcount, ErrorKind::Index, what, " ", i, ": page ", k,
+              " pairs local page ", l, " of ", lcount, " with remote page ", r, " of ", rcount);
+    P2P_CHECK(!taken[d], ErrorKind::Value, what, " ", i, ": destination page ", d,
+              " is named twice; the result would depend on arrival order");
+    taken[d] = true;
+  }
+  const auto [lidx, ridx] = region_indexes(t, lr.id, rv.region);
+  append_pages(page, ls, rs, n, elem, lidx, ridx, t);
+  return true;
+}
+
+bool Engine::add_view(Transfer& t, const Entry& e, bool mirror) {
+  const at::Tensor& v = e.view;
+  const RemoteView& rv = e.remote;
+  const char* what = e.what;
+  const size_t i = e.index;
+  if (v.numel() == 0) {  // moves nothing; torch gives empty views no data pointer to check
+    P2P_CHECK(mirror || (rv.shape == v.sizes().vec() && rv.dtype == v.scalar_type()), ErrorKind::Value, what,
+              " ", i, " is empty but its RemoteTensor is not of the same shape and dtype");
+    return false;
+  }
+  const int64_t elem = v.element_size();
+  const LocalRegion& lr = region_of(v, extent_bytes(v.sizes().vec(), v.strides().data(), elem), what, i);
+
+  // Where the view lands remotely: the same element positions (mirror), or the given view.
+  int64_t rbase;
+  std::vector<int64_t> rstrides;
+  if (mirror) {
+    const at::Tensor& reg = lr.tensor;
+    P2P_CHECK(rv.dtype == reg.scalar_type() && rv.shape == reg.sizes().vec() && rv.strides == reg.strides().vec(),
+              ErrorKind::Value, "mirror mode needs the RemoteTensor laid out like the registered local "
+              "tensor: remote ", dims(rv.shape), " strides ", dims(rv.strides), " ", c10::toString(rv.dtype),
+              ", local ", dims(reg.sizes()), " strides ", dims(reg.strides()), " ", c10::toString(reg.scalar_type()));
+    rbase = rv.offset * rv.elem() + (static_cast<int64_t>(reinterpret_cast<uintptr_t>(v.data_ptr())) -
+                                     static_cast<int64_t>(reinterpret_cast<uintptr_t>(reg.data_ptr())));
+    rstrides = v.strides().vec();
+  } else {
+    P2P_CHECK(rv.shape == v.sizes().vec(), ErrorKind::Value, what, " ", i, " has shape ", dims(v.sizes()),
+              " but its RemoteTensor has shape ", dims(rv.shape));
+    P2P_CHECK(rv.dtype == v.scalar_type(), ErrorKind::Value, what, " ", i, " is ", c10::toString(v.scalar_type()),
+              " but its RemoteTensor is ", c10::toString(rv.dtype));
+    rbase = rv.offset * elem;
+    rstrides = rv.strides;
+  }
+  const RemoteRegion& rr = *rv.region;
+  const uint64_t rextent = extent_bytes(v.sizes().vec(), rstrides.data(), elem);
+  P2P_CHECK(rbase >= 0 && static_cast<uint64_t>(rbase) + rextent <= rr.nbytes, ErrorKind::Value, what, " ", i,
+            " would reach bytes ", rbase, "..", rbase + static_cast<int64_t>(rextent), " of a remote region of ",
+            rr.nbytes, " bytes");
+  check_access(rr, e.write);
+  // Two elements landing on one address would make the result depend on arrival order.
+  P2P_CHECK(!self_overlapping(v.sizes().vec(), e.write ? rstrides.data() : v.strides().data()), ErrorKind::Value,
+            what, " ", i, ": the destination has overlapping elements (a stride of 0?)");
+  const auto [lidx, ridx] = region_indexes(t, lr.id, rv.region);
+  append_runs(v.sizes().vec(), Strided{reinterpret_cast<uint64_t>(v.data_ptr()), v.strides().data()},
+              Strided{static_cast<uint64_t>(rbase), rstrides.data()}, elem, lidx, ridx, t.runs);
+  return true;
 }
 
 void Engine::append_pages(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,

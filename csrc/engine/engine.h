@@ -92,6 +92,16 @@ class Engine {
   };
   void reserve(uintptr_t start, uintptr_t end, const at::Tensor& tensor);
   const LocalRegion& region_of(const at::Tensor& view, uint64_t extent, const char* what, size_t index);
+  // Entry `index` of a call: checks it and adds its runs or pages to t; false if it moves nothing.
+  struct Entry {
+    size_t index;
+    const at::Tensor& view;
+    const RemoteView& remote;
+    const char* what;  // "source view" or "destination view"
+    bool write;
+  };
+  bool add_pages(Transfer& t, const Entry& e, bool mirror, const Pages& local_pages, const Pages& remote_pages);
+  bool add_view(Transfer& t, const Entry& e, bool mirror);
   // Adds entry i's pages to t: local page k at lbase + lids[k] * lstride, remote page k at
   // rbase + rids[k] * rstride (bytes), page shape and strides as given.
   struct PageSide {
