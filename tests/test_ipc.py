@@ -193,6 +193,43 @@ def test_ipc_paged_random_both_sides(ipc_pair):
 
 
 @cuda
+def test_ipc_one_call_mixes_page_sizes_and_views(ipc_pair):
+    """Page lists of different lengths, pages too long for the page kernel (they go as spans),
+    and a plain view, in one write and one read: each launch of the call lands, and the last
+    one signals for all."""
+    a, b, _ = ipc_pair
+    small, big = 4096, 256 << 10
+    remote_small = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "s", (64, small)))
+    remote_big = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "b", (8, big)))
+    src_small, src_big = gpu_random((64, small), torch.uint8, 5), gpu_random((8, big), torch.uint8, 6)
+    a.register(src_small)
+    a.register(src_big)
+    a.write_slices([p2p.pages(src_small, [3, 9, 1]), p2p.pages(src_small, list(range(40, 60))),
+                    p2p.pages(src_big, [7, 0]), src_small[62]],
+                   [p2p.pages(remote_small, [0, 5, 6]), p2p.pages(remote_small, list(range(20, 40))),
+                    p2p.pages(remote_big, [1, 2]), remote_small[63]]).wait()
+    got_small, got_big = b.call(fetch_whole, "s"), b.call(fetch_whole, "b")
+    check_guards(got_small)
+    check_guards(got_big)
+    want_small = torch.full((64, small), helpers.POISON, dtype=torch.uint8)
+    want_small[[0, 5, 6]] = src_small[[3, 9, 1]].cpu()
+    want_small[20:40] = src_small[40:60].cpu()
+    want_small[63] = src_small[62].cpu()
+    want_big = torch.full((8, big), helpers.POISON, dtype=torch.uint8)
+    want_big[[1, 2]] = src_big[[7, 0]].cpu()
+    assert torch.equal(got_small[4096:-4096].view(64, small), want_small)
+    assert torch.equal(got_big[4096:-4096].view(8, big), want_big)
+
+    back = torch.full((8, big), helpers.POISON, dtype=torch.uint8, device="cuda:0")
+    a.register(back)
+    a.read_slices([p2p.pages(back, [4, 5]), back[6, :small]], [p2p.pages(remote_big, [2, 1]), remote_small[0]]).wait()
+    want_back = torch.full((8, big), helpers.POISON, dtype=torch.uint8)
+    want_back[[4, 5]] = want_big[[2, 1]]
+    want_back[6, :small] = want_small[0]
+    assert torch.equal(back.cpu(), want_back)
+
+
+@cuda
 def test_ipc_ten_thousand_views_strided_and_mirror(ipc_pair):
     a, b, _ = ipc_pair
     remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (10000, 6), torch.float32))
