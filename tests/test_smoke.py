@@ -1,4 +1,6 @@
 """The smallest end-to-end check, per provider: one write and one read between two processes."""
+import threading
+
 import torch
 
 import helpers
@@ -21,3 +23,18 @@ def test_write_then_read(provider):
         assert (got[torch.arange(8) != 5] == -1).all()
         a.read_slices(out[0], [remote[5]]).wait()
         assert torch.equal(out[0], src[2])
+
+
+def test_future_callbacks_run_on_the_dispatcher_thread():
+    """A success completes its torch future in C++, without the GIL; a callback attached before
+    that still runs, on the engine's dispatcher thread, and wait() returns None."""
+    with p2p.Engine("cpu", **engine_kwargs("tcp")) as e:
+        src = torch.arange(4096, dtype=torch.int32)
+        dst = torch.zeros(4096, dtype=torch.int32)
+        e.register(src)
+        region = e.register(dst)
+        note = e.notification(7, timeout=30)
+        chained = note.then(lambda f: (f.wait(), threading.current_thread().name))
+        assert p2p.wait(e.write_slices([src], [region.remote], notify=7), 30) is None
+        assert p2p.wait(chained, 30) == (None, "torch_p2p-dispatch")
+        assert torch.equal(dst, src)
