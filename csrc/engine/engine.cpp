@@ -48,12 +48,9 @@ void Engine::close() {
 #endif
 }
 
-void Engine::post(std::function<void(Worker&)> fn, uint64_t id) {
+void Engine::post(Command command) {
   P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
-  worker_->post([fn = std::move(fn), id](Worker& w, bool closed) {
-    if (closed) return w.report(id, Status::error(ErrorKind::Closed, "the engine was closed"));
-    fn(w);
-  });
+  worker_->post(std::move(command));
 }
 
 void Engine::check_device(const at::Tensor& t, const char* what) const {
@@ -263,29 +260,16 @@ std::string Engine::route(const std::string& address, const std::shared_ptr<Remo
                                     worker_->config().timeout_s);
 }
 
-void Engine::enqueue(std::unique_ptr<Transfer> t) {
-  P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
-  Transfer* raw = t.release();
-  try {
-    worker_->post([raw](Worker& w, bool closed) {
-      if (!closed) return w.start(raw);  // the worker owns it from here
-      w.report(raw->id, Status::error(ErrorKind::Closed, "the engine was closed"));
-      delete raw;
-    });
-  } catch (...) {
-    delete raw;
-    throw;
-  }
-}
+void Engine::enqueue(std::unique_ptr<Transfer> t) { post(StartTransfer{std::move(t)}); }
 
 void Engine::connect(uint64_t id, const std::string& address) {
   EngineAddress::decode(address);  // bad bytes raise here, not in a future
-  post([id, address](Worker& w) { w.connect(id, address); }, id);
+  post(Connect{id, address});
 }
 
 void Engine::disconnect(uint64_t id, const std::string& address) {
   EngineAddress::decode(address);
-  post([id, address](Worker& w) { w.disconnect(id, address); }, id);
+  post(Disconnect{id, address});
 }
 
 void Engine::send(uint64_t id, const std::string& address, std::string payload, double timeout_s) {
@@ -302,18 +286,16 @@ void Engine::send(uint64_t id, const std::string& address, std::string payload, 
 }
 
 void Engine::recv(uint64_t id, double timeout_s) {
-  post([id, timeout_s](Worker& w) { w.recv(id, timeout_s); }, id);
+  post(Receive{id, timeout_s});
 }
 
 void Engine::notification(uint64_t id, uint32_t tag, double timeout_s) {
-  post([id, tag, timeout_s](Worker& w) { w.notification(id, tag, timeout_s); }, id);
+  post(AwaitNotification{id, tag, timeout_s});
 }
 
 void Engine::cancel(uint64_t id) {
   if (closed_) return;
-  worker_->post([id](Worker& w, bool closed) {
-    if (!closed) w.cancel(id);
-  });
+  worker_->post(Cancel{id});
 }
 
 uint64_t Engine::stream_wait(void* stream) {

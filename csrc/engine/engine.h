@@ -113,7 +113,7 @@ class Engine {
   static void append_pages(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
                            int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, Transfer& t);
   void check_device(const at::Tensor& t, const char* what) const;
-  void post(std::function<void(Worker&)> fn, uint64_t id);
+  void post(Command command);
   void enqueue(std::unique_ptr<Transfer> t);
 
   CompletionQueue completions_;

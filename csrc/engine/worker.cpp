@@ -112,12 +112,33 @@ bool Worker::drain_commands() {
   }
   for (auto& command : batch) {
     try {
-      command(*this, false);
+      execute(command, false);
     } catch (const std::exception& e) {
       P2P_LOG(Error, "a command failed on the worker: ", e.what());
     }
   }
   return true;
+}
+
+void Worker::execute(Command& command, bool closed) {
+  struct Run {
+    Worker& w;
+    bool closed;
+    void refuse(uint64_t id) { w.report(id, Status::error(ErrorKind::Closed, "the engine was closed")); }
+    void operator()(StartTransfer& c) {
+      if (closed) return refuse(c.transfer->id);
+      w.start(c.transfer.release());  // the worker owns it from here
+    }
+    void operator()(Connect& c) { closed ? refuse(c.id) : w.connect(c.id, c.address); }
+    void operator()(Disconnect& c) { closed ? refuse(c.id) : w.disconnect(c.id, c.address); }
+    void operator()(Receive& c) { closed ? refuse(c.id) : w.recv(c.id, c.timeout_s); }
+    void operator()(AwaitNotification& c) { closed ? refuse(c.id) : w.notification(c.id, c.tag, c.timeout_s); }
+    void operator()(Cancel& c) {
+      if (!closed) w.cancel(c.id);
+    }
+    void operator()(Call& c) { c.fn(w, closed); }
+  };
+  std::visit(Run{*this, closed}, command);
 }
 
 void Worker::idle_wait() {
@@ -275,7 +296,7 @@ void Worker::refuse_late_commands() {
   }
   for (auto& command : late) {
     try {
-      command(*this, true);
+      execute(command, true);
     } catch (const std::exception& e) {
       P2P_LOG(Debug, "a command was dropped at close: ", e.what());
     }

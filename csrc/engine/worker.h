@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "engine/address.h"
+#include "engine/commands.h"
 #include "engine/completions.h"
 #include "engine/config.h"
 #include "engine/copier.h"
@@ -60,9 +61,7 @@ class Worker {
   Worker& operator=(const Worker&) = delete;
 
   // Python threads --------------------------------------------------------------------------
-  // Queues a command. It runs with closed=false on the worker, or with closed=true (and must
-  // then only report failure) if the engine shuts down first. Throws ClosedError once closed.
-  using Command = std::function<void(Worker&, bool closed)>;
+  // Queues a command (commands.h). Throws ClosedError once the worker has stopped.
   void post(Command command);
   // Runs fn on the worker and waits up to timeout_s for its result (exceptions propagate).
   template <typename R>
@@ -135,6 +134,8 @@ class Worker {
   // worker.cpp: thread, loop, timers, shutdown.
   void run(std::promise<void>& ready);
   bool drain_commands();
+  // Runs a command; closed: the worker has stopped, so it only fails its operation.
+  void execute(Command& command, bool closed);
   void tick();
   void idle_wait();
   void shutdown();  // the steps below, in order
@@ -348,7 +349,7 @@ template <typename R>
 R Worker::call(std::function<R(Worker&)> fn, double timeout_s) {
   auto done = std::make_shared<std::promise<R>>();
   auto result = done->get_future();
-  post([fn = std::move(fn), done](Worker& w, bool closed) {
+  post(Call{[fn = std::move(fn), done](Worker& w, bool closed) {
     try {
       if (closed) throw Error(ErrorKind::Closed, "the engine is closed");
       if constexpr (std::is_void_v<R>) {
@@ -360,7 +361,7 @@ R Worker::call(std::function<R(Worker&)> fn, double timeout_s) {
     } catch (...) {
       done->set_exception(std::current_exception());
     }
-  });
+  }});
   if (result.wait_for(std::chrono::duration<double>(timeout_s)) != std::future_status::ready)
     P2P_THROW(ErrorKind::Timeout, "the engine's worker did not answer within ", timeout_s, " s");
   return result.get();
