@@ -6,6 +6,7 @@
 #include "common/wire.h"
 #include "engine/address.h"
 #include "engine/liveness.h"
+#include "engine/region_table.h"
 #include "engine/remote_view.h"
 #include "engine/runs.h"
 #include "engine/striper.h"
@@ -107,6 +108,52 @@ bool transfer_may_enter(const std::string& from, const std::string& to) {
 }
 
 // Private bindings of engine parts that tests drive alone, without an engine or a process.
+// A RegionTable of regions that hold no memory, for tests of when a closing region goes.
+class RegionTableHarness {
+ public:
+  uint64_t add() {
+    auto r = std::make_shared<Region>();
+    r->id = table_.next_id();
+    table_.add(r);
+    return r->id;
+  }
+  void hold(uint64_t id) { held_[id] = *table_.find(id); }  // a local operation uses it
+  void drop(uint64_t id) { held_.erase(id); }
+  bool close(uint64_t id, double deadline) {
+    auto done = std::make_shared<std::promise<void>>();
+    answers_[id].push_back(done->get_future());
+    return table_.close(id, std::move(done), deadline);
+  }
+  // How many close() calls on `id` have been answered.
+  size_t answered(uint64_t id) {
+    size_t n = 0;
+    for (auto& f : answers_[id]) n += f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    return n;
+  }
+  std::vector<uint64_t> finish(double now) {
+    std::vector<uint64_t> gone;
+    table_.finish(now, [&](Region& r) { gone.push_back(r.id); });
+    return gone;
+  }
+  py::tuple live() const {
+    ByteWriter w;
+    table_.put_live(w);
+    ByteReader r(w.str(), "live regions");
+    const uint64_t last = r.get<uint64_t>();
+    py::list ranges;
+    for (uint16_t n = r.get<uint16_t>(); n > 0; --n) {
+      const uint64_t first = r.get<uint64_t>();
+      ranges.append(py::make_tuple(first, r.get<uint64_t>()));
+    }
+    return py::make_tuple(last, ranges);
+  }
+  RegionTable table_;
+
+ private:
+  std::unordered_map<uint64_t, std::shared_ptr<Region>> held_;
+  std::unordered_map<uint64_t, std::vector<std::future<void>>> answers_;
+};
+
 }  // namespace
 
 void bind_parts(py::module_& m) {
@@ -121,6 +168,21 @@ void bind_parts(py::module_& m) {
 
   // One peer's liveness schedule (csrc/engine/liveness.h) on a clock the caller
   // passes, for tests/test_liveness.py.
+  py::class_<RegionTableHarness>(m, "_RegionTable")
+      .def(py::init<>())
+      .def("add", &RegionTableHarness::add)
+      .def("hold", &RegionTableHarness::hold)
+      .def("drop", &RegionTableHarness::drop)
+      .def("close", &RegionTableHarness::close, py::arg("id"), py::arg("deadline"))
+      .def("answered", &RegionTableHarness::answered)
+      .def("must_release", [](RegionTableHarness& h, uint64_t id, uint64_t peer) { h.table_.must_release(id, peer); },
+           py::arg("id"), py::arg("peer"))
+      .def("released", [](RegionTableHarness& h, uint64_t id, uint64_t peer) { h.table_.released(id, peer); },
+           py::arg("id"), py::arg("peer"))
+      .def("forget_peer", [](RegionTableHarness& h, uint64_t peer) { h.table_.forget_peer(peer); }, py::arg("peer"))
+      .def("finish", &RegionTableHarness::finish, py::arg("now"))
+      .def("live", &RegionTableHarness::live);
+
   py::class_<Liveness>(m, "_Liveness")
       .def(py::init<double>(), py::arg("timeout"))
       .def_property_readonly("state", [](const Liveness& l) { return name(l.state()); })

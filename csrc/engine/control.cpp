@@ -81,12 +81,9 @@ void Worker::on_message(const char* data, size_t len) {
       case MsgType::RegionClosed:
         on_region_closed(p, r.get<uint64_t>());
         break;
-      case MsgType::RegionReleased: {
-        const uint64_t region = r.get<uint64_t>();
-        for (auto& c : closing_)
-          if (c.region->id == region) c.unreleased.erase(p.incarnation);
+      case MsgType::RegionReleased:
+        regions_.released(r.get<uint64_t>(), p.incarnation);
         break;
-      }
       default:
         r.fail("unknown message type");
     }

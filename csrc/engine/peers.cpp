@@ -75,7 +75,7 @@ void Worker::revive(Peer& p) {
 void Worker::send_hello(Peer& p) {
   ByteWriter w = message(MsgType::Hello, p);
   w.put_bytes(address_);
-  put_live_regions(w);
+  regions_.put_live(w);
   send_control(p, std::move(w));
 }
 
@@ -211,7 +211,7 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
   ByteWriter w = message(MsgType::HelloAck, *p);
   w.put_bytes(address_);
   w.put(h.to);
-  put_live_regions(w);
+  regions_.put_live(w);
   send_control(*p, std::move(w));
   if (p->waits()) peer_ready(*p);
 }
@@ -291,7 +291,7 @@ void Worker::forget_peer(Peer& p, PeerState state) {
   for (auto& d : drivers_) forgets_.push_back({d.get(), &p});
   p.partial.clear();
   p.unacked.clear();
-  for (auto& c : closing_) c.unreleased.erase(p.incarnation);
+  regions_.forget_peer(p.incarnation);
   if (ipc_) ipc_->forget(p.incarnation);  // once the copies queued for it are done
   if (p.pidfd >= 0) {
     close(p.pidfd);

@@ -12,7 +12,7 @@ namespace p2p::engine {
 std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
   assert_on_worker();
   auto region = std::make_shared<Region>();
-  region->id = ++last_region_;
+  region->id = regions_.next_id();
   region->ptr = spec.ptr;
   region->nbytes = spec.nbytes;
   region->cuda_device = spec.cuda_device;
@@ -32,11 +32,11 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
           region->mrs.push_back(rs.rail->register_memory(spec.ptr + off, len, access, spec.cuda_device));
       }
     } catch (...) {
-      for (size_t k = 0; k < region->mrs.size(); ++k) rails_[k % rails_.size()].rail->deregister(region->mrs[k]);
+      deregister_mrs(*region);
       throw;
     }
   }
-  regions_[region->id] = region;
+  regions_.add(region);
 
   IpcExport exported;
   if (ipc_ && spec.cuda_device >= 0) {
@@ -67,17 +67,9 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
 
 void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> done) {
   assert_on_worker();
-  auto it = regions_.find(id);
-  if (it == regions_.end()) {
-    // Closing already (an earlier close() gave up waiting): wait for the same end.
-    for (auto& c : closing_)
-      if (c.region->id == id) return c.waiters.push_back(std::move(done));
-    return done->set_value();
-  }
-  it->second->closing = true;
-  const bool exported = it->second->exported;
-  Closing c{std::move(it->second), {std::move(done)}, {}, now() + config_.peer_timeout_s};
-  regions_.erase(it);
+  const auto* live = regions_.find(id);
+  const bool exported = live && (*live)->exported;
+  if (!regions_.close(id, std::move(done), now() + config_.peer_timeout_s)) return;
   // Every peer that knows us hears of it (its new transfers to the region fail at once) and
   // answers once none of its transfers flows into the region any more. The registrations go
   // when local operations are done; on shm (Rail::peers_must_release) only once every peer
@@ -89,36 +81,12 @@ void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> 
     ByteWriter w = message(MsgType::RegionClosed, *p);
     w.put(id);
     send_control(*p, std::move(w));
-    if (wait || (exported && ipc_reaches(p->address))) c.unreleased.insert(inc);
+    if (wait || (exported && ipc_reaches(p->address))) regions_.must_release(id, inc);
   }
-  closing_.push_back(std::move(c));
 }
 
-// What a peer learns of our regions when we introduce ourselves: the last region id handed
-// out and the ranges of ids still registered, so that a handle to a region deregistered before the peer
-// connected is refused before its first RMA. NOTE: shm writes by CMA straight into our memory
-// and checks no key: without this a stale handle would land in memory the user reuses.
-void Worker::put_live_regions(ByteWriter& w) const {
-  std::vector<uint64_t> live;
-  for (const auto& [id, r] : regions_) live.push_back(id);
-  std::sort(live.begin(), live.end());
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (uint64_t id : live) {
-    if (!ranges.empty() && ranges.back().second + 1 == id) ranges.back().second = id;
-    else ranges.push_back({id, id});
-  }
-  constexpr size_t kMaxRanges = 256;  // keeps the introduction one message
-  if (ranges.size() > kMaxRanges) {
-    w.put<uint64_t>(0);  // too scattered to list: the peer checks nothing
-    w.put<uint16_t>(0);
-    return;
-  }
-  w.put(last_region_);
-  w.put(static_cast<uint16_t>(ranges.size()));
-  for (auto [first, last] : ranges) {
-    w.put(first);
-    w.put(last);
-  }
+void Worker::deregister_mrs(Region& region) {
+  for (size_t k = 0; k < region.mrs.size(); ++k) rails_[k % rails_.size()].rail->deregister(region.mrs[k]);
 }
 
 void Worker::read_live_regions(Peer& p, ByteReader& r) {
@@ -136,21 +104,6 @@ bool Peer::region_gone(uint64_t id) const {
   if (id > live_regions_upto) return false;  // registered after it introduced itself
   return std::none_of(live_regions.begin(), live_regions.end(),
                       [&](auto& range) { return range.first <= id && id <= range.second; });
-}
-
-// Deregisters what nothing holds and every peer has released (worker.cpp's tick calls this).
-void Worker::finish_closing() {
-  const double t = now();
-  for (size_t i = 0; i < closing_.size();) {
-    Closing& c = closing_[i];
-    if (c.region.use_count() > 1 || (!c.unreleased.empty() && t < c.deadline)) {
-      ++i;
-      continue;
-    }
-    for (size_t k = 0; k < c.region->mrs.size(); ++k) rails_[k % rails_.size()].rail->deregister(c.region->mrs[k]);
-    for (auto& done : c.waiters) done->set_value();
-    closing_.erase(closing_.begin() + i);
-  }
 }
 
 // A peer deregisters one of its regions: new transfers to it fail; the release goes back once

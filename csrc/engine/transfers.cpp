@@ -19,11 +19,10 @@ void Worker::start(Transfer* raw) {
   if (t.timeout_s <= 0) t.timeout_s = config_.timeout_s;
   t.deadline = now() + t.timeout_s;
   for (uint64_t id : t.local_ids) {
-    auto it = regions_.find(id);
-    if (it == regions_.end() || it->second->closing)
-      return fail(t, Status::error(ErrorKind::Closed, cat("region ", id, " was deregistered")));
-    t.local.push_back(it->second);
-    if (it->second->staged) t.route = TransferRoute::Staged;
+    const auto* region = regions_.find(id);
+    if (!region) return fail(t, Status::error(ErrorKind::Closed, cat("region ", id, " was deregistered")));
+    t.local.push_back(*region);
+    if ((*region)->staged) t.route = TransferRoute::Staged;
   }
   for (const auto& r : t.remote)
     if (r->staged) t.route = TransferRoute::Staged;

@@ -195,7 +195,7 @@ void Worker::tick() {
   check_processes();
   poke_abandoned_jobs();
 
-  finish_closing();
+  regions_.finish(now(), [this](Region& r) { deregister_mrs(r); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -249,13 +249,8 @@ void Worker::say_goodbye() {
 }
 
 void Worker::release_registrations() {
-  for (auto& c : closing_)
-    for (auto& done : c.waiters) done->set_value();
-  closing_.clear();
   orphan_pins_.clear();
-  for (auto& [id, region] : regions_)
-    for (size_t k = 0; k < region->mrs.size(); ++k) rails_[k % rails_.size()].rail->deregister(region->mrs[k]);
-  regions_.clear();
+  regions_.clear([this](Region& r) { deregister_mrs(r); });
   for (auto& slot : slots_)
     for (size_t r = 0; r < slot->mrs.size(); ++r) rails_[r].rail->deregister(slot->mrs[r]);
   if (!control_mr_.empty()) rails_[0].rail->deregister(control_mr_[0]);

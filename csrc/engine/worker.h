@@ -33,6 +33,7 @@
 #include "engine/peer.h"
 #include "engine/rail_driver.h"
 #include "engine/region.h"
+#include "engine/region_table.h"
 #include "engine/runs.h"
 #include "engine/striper.h"
 #include "engine/transfer.h"
@@ -227,9 +228,8 @@ class Worker {
 
   // registration.cpp: regions closing, peers' regions closed.
   void on_region_closed(Peer& p, uint64_t region);
-  void put_live_regions(ByteWriter& w) const;
   void read_live_regions(Peer& p, ByteReader& r);
-  void finish_closing();
+  void deregister_mrs(Region& region);
   void release_regions(Peer& p);
 
   // slots.cpp: the staging slot pool.
@@ -293,18 +293,7 @@ class Worker {
   std::vector<fabric::MrHandle> control_mr_;  // rail 0 only
   std::vector<int32_t> free_send_;
   Ring<Outgoing> outbox_;
-  std::unordered_map<uint64_t, std::shared_ptr<Region>> regions_;
-  uint64_t last_region_ = 0;  // ids grow, never reused: a peer can tell a stale handle
-  // A region being deregistered: it goes once no local operation holds it and every peer
-  // has released it (or the release deadline passed: a peer that neither answers nor dies
-  // within peer_timeout is not waited for).
-  struct Closing {
-    std::shared_ptr<Region> region;
-    std::vector<std::shared_ptr<std::promise<void>>> waiters;
-    std::unordered_set<uint64_t> unreleased;  // peer incarnations
-    double deadline = 0;
-  };
-  std::vector<Closing> closing_;
+  RegionTable regions_;
   std::unordered_map<Region*, std::pair<std::shared_ptr<Region>, size_t>> orphan_pins_;
   std::unordered_map<uint64_t, std::unique_ptr<Peer>> peers_;  // by incarnation
   std::unordered_map<uint64_t, std::unique_ptr<Transfer>> transfers_;
