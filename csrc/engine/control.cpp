@@ -1,5 +1,5 @@
-// The control channel: messages between engines, one provider message each, sent from rail
-// 0's send buffers (the outbox holds them until one is free) and dispatched by type on arrival.
+// The control channel's worker side: messages between engines, queued on the ControlChannel
+// (control_channel.h) and dispatched by type on arrival.
 #include <algorithm>
 
 #include "common/log.h"
@@ -11,35 +11,14 @@ ByteWriter Worker::message(MsgType type, const Peer& to) const {
   return begin_message(type, incarnation_, to.incarnation);
 }
 
-// Control messages wait in the outbox for a free send buffer and op.
+// Control messages wait in the channel's outbox for a free send buffer and op.
 void Worker::send_control(Peer& p, ByteWriter&& w, OpOwner* owner, bool farewell) {
-  P2P_ASSERT(w.str().size() <= kMessageBytes);
-  outbox_.push_back({&p, std::move(w.str()), owner, farewell});
+  control_.queue(p, std::move(w), owner, farewell);
 }
 
 bool Worker::flush_outbox() {
-  bool any = false;
-  RailState& rs = rails_[0];
-  while (!outbox_.empty() && !free_send_.empty()) {
-    Outgoing& out = outbox_.front();
-    Op* op = new_op(OpKind::Send, 0, out.owner, out.peer);
-    if (!op) break;
-    const int32_t buf = free_send_.back();
-    free_send_.pop_back();
-    uint8_t* dst = control_.data() + static_cast<size_t>(buf) * kMessageBytes;
-    std::copy(out.bytes.begin(), out.bytes.end(), dst);
-    op->buffer = buf;
-    op->set_buffer(dst, out.bytes.size(), control_mr_[0].desc);
-    op->dest = out.peer->fi[0];  // local rail 0 -> remote rail 0
-    op->farewell = out.farewell;
-    op->hello = type_of(out.bytes) == MsgType::Hello;
-    // A HELLO or BYE must reach a peer that is not (or no longer) Ready; everything else to
-    // a failed peer is dropped by post_ops().
-    rs.pending.push_back(op);
-    outbox_.pop_front();
-    any = true;
-  }
-  return any;
+  return control_.flush([this](Peer* p, OpOwner* owner) { return new_op(OpKind::Send, 0, owner, p); },
+                        rails_[0].pending);
 }
 
 

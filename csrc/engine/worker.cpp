@@ -241,7 +241,7 @@ void Worker::say_goodbye() {
   // Give the goodbyes up to a second to be taken, answering meanwhile what peers sent before
   // they took ours: on shm a command left unanswered stalls its sender's endpoint (on_bye()).
   const double until = now() + 1.0;
-  while (now() < until && (!outbox_.empty() || pool_->in_use() > 0)) {
+  while (now() < until && (!control_.idle() || pool_->in_use() > 0)) {
     flush_outbox();
     post_ops();
     poll_rails();
@@ -253,7 +253,7 @@ void Worker::release_registrations() {
   regions_.clear([this](Region& r) { deregister_mrs(r); });
   for (auto& slot : slots_)
     for (size_t r = 0; r < slot->mrs.size(); ++r) rails_[r].rail->deregister(slot->mrs[r]);
-  if (!control_mr_.empty()) rails_[0].rail->deregister(control_mr_[0]);
+  control_.close(*rails_[0].rail);
 }
 
 void Worker::close_rails() {

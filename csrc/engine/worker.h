@@ -27,6 +27,7 @@
 #include "engine/commands.h"
 #include "engine/completions.h"
 #include "engine/config.h"
+#include "engine/control_channel.h"
 #include "engine/copier.h"
 #include "engine/messages.h"
 #include "engine/ops.h"
@@ -120,12 +121,6 @@ class Worker {
     size_t inflight = 0;  // posted, or handed to the driver
     size_t depth = 0;
     RailDriver* driver = nullptr;  // posts and polls this rail, if any
-  };
-  struct Outgoing {
-    Peer* peer;
-    std::string bytes;
-    OpOwner* owner;
-    bool farewell;
   };
   struct Waiter {
     uint64_t id;
@@ -288,11 +283,7 @@ class Worker {
   cpu_set_t process_cpus_;  // the process's cores, before the worker pinned itself
   cpu_set_t node_cpus_;     // of those, the ones on the worker core's NUMA node
   std::unique_ptr<OpPool> pool_;
-  std::vector<Op> recv_ops_;
-  std::vector<uint8_t> control_;  // recv buffers then send buffers, kMessageBytes each
-  std::vector<fabric::MrHandle> control_mr_;  // rail 0 only
-  std::vector<int32_t> free_send_;
-  Ring<Outgoing> outbox_;
+  ControlChannel control_;
   RegionTable regions_;
   std::unordered_map<Region*, std::pair<std::shared_ptr<Region>, size_t>> orphan_pins_;
   std::unordered_map<uint64_t, std::unique_ptr<Peer>> peers_;  // by incarnation

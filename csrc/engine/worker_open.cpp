@@ -103,19 +103,8 @@ void Worker::publish_address() {
 
 // Control messages use rail 0 only: receive buffers, then send buffers.
 void Worker::open_control_buffers() {
-  const size_t nbuf = config_.recv_buffers + config_.send_buffers;
-  control_.assign(nbuf * kMessageBytes, 0);
-  fabric::Rail& rail0 = *rails_[0].rail;
-  control_mr_.push_back(rail0.register_memory(control_.data(), control_.size(), FI_SEND | FI_RECV, -1));
-  recv_ops_.resize(config_.recv_buffers);
-  for (size_t i = 0; i < config_.recv_buffers; ++i) {
-    Op& op = recv_ops_[i];
-    op.kind = OpKind::Recv;
-    op.buffer = static_cast<int32_t>(i);
-    op.set_buffer(control_.data() + i * kMessageBytes, kMessageBytes, control_mr_[0].desc);
-    post_receive(&op);
-  }
-  for (size_t i = config_.recv_buffers; i < nbuf; ++i) free_send_.push_back(static_cast<int32_t>(i));
+  control_.open(*rails_[0].rail, config_.recv_buffers, config_.send_buffers);
+  for (Op& op : control_.receive_ops()) post_receive(&op);
 }
 
 // What idle_wait() sleeps on: the wake eventfd and every rail the worker itself polls.

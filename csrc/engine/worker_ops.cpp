@@ -130,7 +130,7 @@ void Worker::op_failed(Op* op, int err, int prov_errno, const std::string& messa
 }
 
 void Worker::complete_op(Op* op, const Status& status) {
-  if (op->buffer >= 0) free_send_.push_back(op->buffer);
+  control_.release(*op);
   if (op->orphaned) {  // its owner heard already, when the peer was declared dead
     if (op->region) {
       auto pin = orphan_pins_.find(op->region);
