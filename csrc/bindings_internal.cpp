@@ -117,7 +117,7 @@ class RegionTableHarness {
     table_.add(r);
     return r->id;
   }
-  void hold(uint64_t id) { held_[id] = *table_.find(id); }  // a local operation uses it
+  void hold(uint64_t id) { held_[id] = table_.find(id); }  // a local operation uses it
   void drop(uint64_t id) { held_.erase(id); }
   bool close(uint64_t id, double deadline) {
     auto done = std::make_shared<std::promise<void>>();

@@ -27,9 +27,9 @@ class RegionTable {
   uint64_t next_id() { return ++last_id_; }
   void add(std::shared_ptr<Region> region) { live_[region->id] = std::move(region); }
   // The live region `id` (not closing), or null.
-  const std::shared_ptr<Region>* find(uint64_t id) const {
+  std::shared_ptr<Region> find(uint64_t id) const {
     auto it = live_.find(id);
-    return it == live_.end() ? nullptr : &it->second;
+    return it == live_.end() ? nullptr : it->second;
   }
   // Starts closing `id`, answering `done` when it is gone; false if `id` is not live (then
   // `done` joins a close under way, or is answered at once).

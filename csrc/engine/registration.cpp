@@ -67,8 +67,8 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
 
 void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> done) {
   assert_on_worker();
-  const auto* live = regions_.find(id);
-  const bool exported = live && (*live)->exported;
+  const std::shared_ptr<Region> live = regions_.find(id);
+  const bool exported = live && live->exported;
   if (!regions_.close(id, std::move(done), now() + config_.peer_timeout_s)) return;
   // Every peer that knows us hears of it (its new transfers to the region fail at once) and
   // answers once none of its transfers flows into the region any more. The registrations go

@@ -60,11 +60,10 @@ void Worker::send_ack(Peer& p, uint64_t request, const Status& status) {
 
 void Worker::on_stage_request(Peer& p, ByteReader& r) {
   StageRequest req = read_stage_request(r, p.remote_rails());
-  const auto* region = regions_.find(req.region_id);
-  if (const std::string why = stage_request_refusal(req, region ? region->get() : nullptr, slot_size(config_.slot_bytes));
-      !why.empty())
+  std::shared_ptr<Region> region = regions_.find(req.region_id);
+  if (const std::string why = stage_request_refusal(req, region.get(), slot_size(config_.slot_bytes)); !why.empty())
     return send_ack(p, req.request, Status::error(ErrorKind::Remote, why));
-  serve(p, std::move(req), *region);
+  serve(p, std::move(req), std::move(region));
 }
 
 // A job for a request that passed the checks; it waits for a serve slot if none is free.

@@ -19,10 +19,10 @@ void Worker::start(Transfer* raw) {
   if (t.timeout_s <= 0) t.timeout_s = config_.timeout_s;
   t.deadline = now() + t.timeout_s;
   for (uint64_t id : t.local_ids) {
-    const auto* region = regions_.find(id);
+    std::shared_ptr<Region> region = regions_.find(id);
     if (!region) return fail(t, Status::error(ErrorKind::Closed, cat("region ", id, " was deregistered")));
-    t.local.push_back(*region);
-    if ((*region)->staged) t.route = TransferRoute::Staged;
+    if (region->staged) t.route = TransferRoute::Staged;
+    t.local.push_back(std::move(region));
   }
   for (const auto& r : t.remote)
     if (r->staged) t.route = TransferRoute::Staged;
