@@ -237,13 +237,14 @@ PYBIND11_MODULE(_C, m) {
       .def("cancel", &Engine::cancel)
       .def("poll", [](Engine& e, int timeout_ms) {
         std::vector<Completion> batch;
+        std::vector<uint64_t> done;
         {
           py::gil_scoped_release release;
-          batch = e.poll(timeout_ms);
+          batch = e.poll(timeout_ms, done);
         }
         py::list out;
         for (auto& c : batch) out.append(completion_tuple(c));
-        return out;
+        return py::make_tuple(out, py::cast(done));
       })
       .def("drained", &Engine::drained)
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())

@@ -402,7 +402,9 @@ def _address(address) -> bytes:
 def _dispatch(native, futures: dict) -> None:
     """Completes futures with what the worker reports, until the engine is closed and drained."""
     while True:
-        batch = native.poll(100)
+        batch, done = native.poll(100)
+        for fid in done:  # completed in C++
+            futures.pop(fid, None)
         for fid, kind, message, payload, address in batch:
             fut = futures.pop(fid, None)
             if fut is None or fut.done():
@@ -414,7 +416,7 @@ def _dispatch(native, futures: dict) -> None:
                     fut.set_exception(errors.from_kind(kind, message))
             except Exception:  # noqa: BLE001 - one bad completion must not end the others
                 log.exception("torch_p2p: completing a future failed")
-        if not batch and native.drained():
+        if not batch and not done and native.drained():
             return
 
 

@@ -5,28 +5,28 @@
 namespace p2p::cuda {
 namespace {
 
-// Copies len bytes with the threads of one block, 16-byte vectors where both ends are aligned.
-__device__ void copy_bytes(char* dst, const char* src, size_t len) {
+// Copies len bytes with `threads` threads (a block, or a warp), this one being `rank`, 16-byte
+// vectors where both ends are aligned. `kInFlight` loads per thread are issued before their
+// stores: reads of a peer's memory are slow to return, and a pull reads through the mapping.
+template <int kInFlight>
+__device__ void copy_bytes(char* dst, const char* src, size_t len, unsigned rank, unsigned threads) {
   size_t head = 0;
   if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0) {
     const size_t vectors = len / 16;
     const uint4* s4 = reinterpret_cast<const uint4*>(src);
     uint4* d4 = reinterpret_cast<uint4*>(dst);
-    const size_t step = blockDim.x;
-    size_t i = threadIdx.x;
-    // Four loads in flight per thread before the stores: reads of a peer's memory are slow to
-    // return, and a pull (reads through the mapping) waited on them.
-    for (; i + 3 * step < vectors; i += 4 * step) {
-      const uint4 a = s4[i], b = s4[i + step], c = s4[i + 2 * step], d = s4[i + 3 * step];
-      d4[i] = a;
-      d4[i + step] = b;
-      d4[i + 2 * step] = c;
-      d4[i + 3 * step] = d;
+    size_t i = rank;
+    for (; i + (kInFlight - 1) * threads < vectors; i += kInFlight * threads) {
+      uint4 v[kInFlight];
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) v[j] = s4[i + j * threads];
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) d4[i + j * threads] = v[j];
     }
-    for (; i < vectors; i += step) d4[i] = s4[i];
+    for (; i < vectors; i += threads) d4[i] = s4[i];
     head = vectors * 16;
   }
-  for (size_t i = head + threadIdx.x; i < len; i += blockDim.x) dst[i] = src[i];
+  for (size_t i = head + rank; i < len; i += threads) dst[i] = src[i];
 }
 
 // The last block to finish tells the host: each block makes its stores (local and peer)
@@ -53,7 +53,7 @@ __global__ void copy_spans_kernel(const engine::CopySpan* spans, size_t n, CopyD
     __syncthreads();
     const engine::CopySpan span = shared;
     __syncthreads();
-    copy_bytes(static_cast<char*>(span.dst), static_cast<const char*>(span.src), span.len);
+    copy_bytes<4>(static_cast<char*>(span.dst), static_cast<const char*>(span.src), span.len, threadIdx.x, blockDim.x);
   }
   signal(done);
 }
@@ -73,7 +73,25 @@ __global__ void copy_pages_kernel(const engine::CopyPages* lists, CopyDone done)
     const char* src = static_cast<const char*>(list.src) + ids[0] * list.src_stride;
     char* dst = static_cast<char*>(list.dst) + ids[1] * list.dst_stride;
     __syncthreads();
-    copy_bytes(dst, src, list.bytes);
+    copy_bytes<4>(dst, src, list.bytes, threadIdx.x, blockDim.x);
+  }
+  signal(done);
+}
+
+// Block row y copies the pages of list y, a page per warp and turn: a small page spread over a
+// whole block gives each thread one vector, while a warp gives each lane several loads in
+// flight, and each warp fetches its page's ids on its own (no block-wide barrier per page).
+__global__ void copy_page_warps_kernel(const engine::CopyPages* lists, CopyDone done) {
+  __shared__ engine::CopyPages list;
+  if (threadIdx.x == 0) list = lists[blockIdx.y];
+  __syncthreads();
+  const unsigned lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (uint64_t k = blockIdx.x * warps + threadIdx.x / 32; k < list.n; k += uint64_t{gridDim.x} * warps) {
+    int64_t id = 0;
+    if (lane < 2) id = (lane == 0 ? list.src_ids : list.dst_ids)[k];
+    const int64_t src_id = __shfl_sync(0xffffffffu, id, 0), dst_id = __shfl_sync(0xffffffffu, id, 1);
+    copy_bytes<8>(static_cast<char*>(list.dst) + dst_id * list.dst_stride,
+                  static_cast<const char*>(list.src) + src_id * list.src_stride, list.bytes, lane, 32);
   }
   signal(done);
 }
@@ -82,20 +100,26 @@ constexpr unsigned kBlocks = 8192;  // enough to fill any GPU; more blocks take 
 
 }  // namespace
 
+// A launch that must signal runs even with nothing to copy: its ticket waits for the flag.
 cudaError_t launch_copy_spans(const engine::CopySpan* spans, size_t n, cudaStream_t stream, CopyDone done) {
-  if (n == 0) return cudaSuccess;
-  const unsigned blocks = static_cast<unsigned>(n < kBlocks ? n : kBlocks);
+  if (n == 0 && !done.flag) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>(n == 0 ? 1 : n < kBlocks ? n : kBlocks);
   copy_spans_kernel<<<blocks, 256, 0, stream>>>(spans, n, done);
   return cudaGetLastError();
 }
 
-cudaError_t launch_copy_pages(const engine::CopyPages* lists, size_t count, uint64_t most_pages, cudaStream_t stream,
-                              CopyDone done) {
-  if (count == 0 || most_pages == 0) return cudaSuccess;
+cudaError_t launch_copy_pages(const engine::CopyPages* lists, size_t count, uint64_t most_pages, uint64_t largest_page,
+                              cudaStream_t stream, CopyDone done) {
+  if (count == 0) return cudaSuccess;
+  const bool warps = largest_page <= kWarpPageBytes;
+  const uint64_t blocks_needed = warps ? (most_pages + 7) / 8 : most_pages;  // 8 warps per block
   uint64_t per_list = (kBlocks + count - 1) / count;
-  if (per_list > most_pages) per_list = most_pages;
-  copy_pages_kernel<<<dim3(static_cast<unsigned>(per_list), static_cast<unsigned>(count)), 256, 0, stream>>>(lists,
-                                                                                                           done);
+  if (per_list > blocks_needed) per_list = blocks_needed;
+  const dim3 grid(static_cast<unsigned>(per_list > 0 ? per_list : 1), static_cast<unsigned>(count));
+  if (warps)
+    copy_page_warps_kernel<<<grid, 256, 0, stream>>>(lists, done);
+  else
+    copy_pages_kernel<<<grid, 256, 0, stream>>>(lists, done);
   return cudaGetLastError();
 }
 

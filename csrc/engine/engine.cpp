@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "common/log.h"
 
@@ -251,6 +252,31 @@ void Engine::append_pages(const std::vector<int64_t>& shape, const PageSide& loc
                      static_cast<size_t>(n), lreg, rreg});
   t.page_ids.insert(t.page_ids.end(), local.ids, local.ids + n);
   t.page_ids.insert(t.page_ids.end(), remote.ids, remote.ids + n);
+}
+
+std::vector<Completion> Engine::poll(int timeout_ms, std::vector<uint64_t>& done) {
+  using Clock = std::chrono::steady_clock;
+  constexpr size_t kDoneBatch = 4096;
+  constexpr auto kDoneFlush = std::chrono::milliseconds(10);
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  Clock::time_point flush_at = deadline;
+  std::vector<Completion> out;
+  while (true) {
+    const auto until = std::min(deadline, flush_at);
+    const auto wait = std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now()).count();
+    std::vector<Completion> batch = completions_.pop(static_cast<int>(std::max<int64_t>(wait, 0)));
+    const size_t before = done.size();
+    for (Completion& c : batch) {
+      if (futures_.complete(c))
+        done.push_back(c.id);
+      else
+        out.push_back(std::move(c));
+    }
+    if (before == 0 && done.size() > 0) flush_at = Clock::now() + kDoneFlush;
+    const auto now = Clock::now();
+    if (!out.empty() || completions_.closed() || done.size() >= kDoneBatch || now >= flush_at || now >= deadline)
+      return out;
+  }
 }
 
 std::string Engine::route(const std::string& address, const std::shared_ptr<RemoteView>& view) {

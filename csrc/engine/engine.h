@@ -67,11 +67,12 @@ class Engine {
   // when the operation could not start.
   void expect(uint64_t id, TorchFutures::Future future) { futures_.add(id, std::move(future)); }
   void forget(uint64_t id) { futures_.drop(id); }
-  std::vector<Completion> poll(int timeout_ms) {
-    std::vector<Completion> batch = completions_.pop(timeout_ms);
-    futures_.complete(batch);
-    return batch;
-  }
+  // Waits up to timeout_ms for completions Python must see (errors, received messages), while
+  // completing successes here; `done` collects the ids of those. Returns early with `done`
+  // once it holds kDoneBatch ids or its first is kDoneFlushMs old, so that Python (which drops
+  // its references to those futures) takes the GIL about a hundred times a second at most
+  // rather than once per completion: that GIL traffic slowed the threads that submit.
+  std::vector<Completion> poll(int timeout_ms, std::vector<uint64_t>& done);
   bool drained() { return completions_.closed(); }
   void close();
 

@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
-#include <vector>
 
 #include "common/log.h"
 #include "engine/completions.h"
@@ -28,27 +27,25 @@ class TorchFutures {
     std::lock_guard<std::mutex> lock(mu_);
     futures_.erase(id);
   }
-  // Completes the futures of the successes without a result in `batch`; every completion
-  // stays in the batch for Python, which skips futures already done.
-  void complete(const std::vector<Completion>& batch) {
-    std::vector<Future> done;
+  // Completes the future of `c` if it is a success without a result (true); anything else is
+  // for Python, which builds results and errors (false; the future is forgotten here).
+  bool complete(const Completion& c) {
+    Future f;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (const Completion& c : batch) {
-        auto it = futures_.find(c.id);
-        if (it == futures_.end()) continue;
-        if (c.status.ok() && c.address.empty()) done.push_back(std::move(it->second));
-        futures_.erase(it);
-      }
+      auto it = futures_.find(c.id);
+      if (it == futures_.end()) return false;
+      if (c.status.ok() && c.address.empty()) f = std::move(it->second);
+      futures_.erase(it);
     }
+    if (!f) return false;
     // Callbacks attached in Python run here; torch takes the GIL for them.
-    for (Future& f : done) {
-      try {
-        if (!f->completed()) f->markCompleted(c10::IValue());
-      } catch (const std::exception& e) {
-        P2P_LOG(Error, "completing a future failed: ", e.what());
-      }
+    try {
+      if (!f->completed()) f->markCompleted(c10::IValue());
+    } catch (const std::exception& e) {
+      P2P_LOG(Error, "completing a future failed: ", e.what());
     }
+    return true;
   }
 
  private:
