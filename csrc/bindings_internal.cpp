@@ -135,17 +135,15 @@ class RegionTableHarness {
     table_.finish(now, [&](Region& r) { gone.push_back(r.id); });
     return gone;
   }
+  // As a peer reads it from a HELLO.
   py::tuple live() const {
     ByteWriter w;
-    table_.put_live(w);
+    table_.live().write(w);
     ByteReader r(w.str(), "live regions");
-    const uint64_t last = r.get<uint64_t>();
+    const LiveRegions live = LiveRegions::read(r);
     py::list ranges;
-    for (uint16_t n = r.get<uint16_t>(); n > 0; --n) {
-      const uint64_t first = r.get<uint64_t>();
-      ranges.append(py::make_tuple(first, r.get<uint64_t>()));
-    }
-    return py::make_tuple(last, ranges);
+    for (auto [first, last] : live.ranges) ranges.append(py::make_tuple(first, last));
+    return py::make_tuple(live.upto, ranges);
   }
   RegionTable table_;
 

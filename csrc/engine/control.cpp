@@ -7,10 +7,6 @@
 
 namespace p2p::engine {
 
-ByteWriter Worker::message(MsgType type, const Peer& to) const {
-  return begin_message(type, incarnation_, to.incarnation);
-}
-
 // Control messages wait in the channel's outbox for a free send buffer and op.
 void Worker::send_control(Peer& p, ByteWriter&& w, OpOwner* owner, bool farewell) {
   control_.queue(p, std::move(w), owner, farewell);
@@ -22,54 +18,42 @@ bool Worker::flush_outbox() {
 }
 
 
+// Hellos come first (they introduce a sender we may not know yet), then what is meant for this
+// process from a known peer; a goodbye is taken even from a failed peer.
 void Worker::on_message(const char* data, size_t len) {
-  ByteReader r(std::string_view(data, len), "control message");
   try {
-    const MsgHeader h = read_header(r);
-    if (h.type == MsgType::Hello || h.type == MsgType::HelloAck) return on_hello(h, r, h.type == MsgType::HelloAck);
+    const Received m = decode_message(std::string_view(data, len));
+    const MsgHeader& h = m.header;
+    if (const auto* hello = std::get_if<Hello>(&m.body)) return on_hello(h, *hello);
+    if (const auto* ack = std::get_if<HelloAck>(&m.body)) return on_hello_ack(h, *ack);
     if (h.to != incarnation_) return;  // meant for an earlier process at this address: its
                                        // sender finds out by a check (check())
     auto it = peers_.find(h.from);
     if (it == peers_.end()) return;    // never introduced: drop
     Peer& p = *it->second;
-    if (h.type == MsgType::Bye) return on_bye(p, r.get<uint8_t>() != 0);
+    if (const auto* bye = std::get_if<Bye>(&m.body)) return on_bye(p, bye->closing);
     if (p.failed()) return;
     p.live.heard(now());
-    switch (h.type) {
-      case MsgType::User:
-        on_user(p, r);
-        break;
-      case MsgType::UserAck:
-        on_user_ack(p, r);
-        break;
-      case MsgType::Notify:
-        on_notify(r);
-        break;
-      case MsgType::StageReq:
-        on_stage_request(p, r);
-        break;
-      case MsgType::StageAck:
-        on_stage_ack(r);
-        break;
-      case MsgType::Fence:
-        on_fence(p, r);
-        break;
-      case MsgType::FenceAck:
-        acknowledged(p, r.get<uint64_t>());
-        break;
-      case MsgType::RegionClosed:
-        on_region_closed(p, r.get<uint64_t>());
-        break;
-      case MsgType::RegionReleased:
-        regions_.released(r.get<uint64_t>(), p.incarnation);
-        break;
-      default:
-        r.fail("unknown message type");
-    }
+    struct Dispatch {
+      Worker& w;
+      Peer& p;
+      void operator()(const UserFragment& m) { w.on_user(p, m); }
+      void operator()(const UserAck& m) { w.on_user_ack(p, m); }
+      void operator()(const Notify& m) { w.on_notify(m); }
+      void operator()(const StageRequest& m) { w.on_stage_request(p, m); }
+      void operator()(const StageAck& m) { w.on_stage_ack(m); }
+      void operator()(const Fence& m) { w.on_fence(p, m); }
+      void operator()(const FenceAck& m) { w.acknowledged(p, m.id); }
+      void operator()(const RegionClosed& m) { w.on_region_closed(p, m.id); }
+      void operator()(const RegionReleased& m) { w.regions_.released(m.id, p.incarnation); }
+      void operator()(const Hello&) {}  // taken above
+      void operator()(const HelloAck&) {}
+      void operator()(const Bye&) {}
+    };
+    std::visit(Dispatch{*this, p}, m.body);
   } catch (const Error& e) {
     P2P_LOG(Warn, "dropped a malformed control message: ", e.what());
   }
 }
-
 
 }  // namespace p2p::engine

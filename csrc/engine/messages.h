@@ -5,8 +5,12 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
 
 #include "common/wire.h"
+#include "engine/runs.h"
 
 namespace p2p::engine {
 
@@ -67,5 +71,123 @@ constexpr size_t kHeaderBytes = 4 + 1 + 1 + 8 + 8;
 constexpr size_t kUserFragmentBytes = kMessageBytes - kHeaderBytes - 4 - 8 - 8 - 4;
 // The largest user message (send()): the receiver reassembles it in memory.
 constexpr uint64_t kMaxUserMessageBytes = uint64_t{1} << 30;
+
+// One struct per message type: its body's fields, written after the header by write() and
+// read by read(), which checks what needs no engine state and throws a ValueError-kind Error
+// for a malformed body (the worker drops such a message with a warning). Text and byte fields
+// read from a message view its buffer: a handler copies what it keeps.
+
+// The sender's live regions when it introduces itself: ids up to `upto` that no range lists
+// are gone (upto 0: too scattered to list, nothing is checked).
+struct LiveRegions {
+  uint64_t upto = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // sorted id ranges, inclusive
+  void write(ByteWriter& w) const;
+  static LiveRegions read(ByteReader& r);
+};
+
+struct Hello {  // the sender introduces itself (its address) to a new or silent peer
+  static constexpr MsgType kType = MsgType::Hello;
+  std::string_view address;
+  LiveRegions live;
+  void write(ByteWriter& w) const;
+  static Hello read(ByteReader& r);
+};
+
+struct HelloAck {  // the answer: the responder's address and the incarnation the HELLO was for
+  static constexpr MsgType kType = MsgType::HelloAck;
+  std::string_view address;
+  uint64_t expected = 0;
+  LiveRegions live;
+  void write(ByteWriter& w) const;
+  static HelloAck read(ByteReader& r);
+};
+
+struct Bye {  // the sender leaves; closing: its engine closes for good
+  static constexpr MsgType kType = MsgType::Bye;
+  bool closing = false;
+  void write(ByteWriter& w) const { w.put<uint8_t>(closing); }
+  static Bye read(ByteReader& r) { return {r.get<uint8_t>() != 0}; }
+};
+
+struct UserFragment {  // part of a send(): bytes [offset, offset + part) of message `id`
+  static constexpr MsgType kType = MsgType::User;
+  uint32_t id = 0;
+  uint64_t total = 0, offset = 0;
+  std::string_view part;
+  void write(ByteWriter& w) const;
+  static UserFragment read(ByteReader& r);
+};
+
+struct UserAck {  // the receiver has the whole message `id`
+  static constexpr MsgType kType = MsgType::UserAck;
+  uint32_t id = 0;
+  void write(ByteWriter& w) const { w.put(id); }
+  static UserAck read(ByteReader& r) { return {r.get<uint32_t>()}; }
+};
+
+struct Notify {  // a write with notify=tag ended with `status` (its bytes are all there)
+  static constexpr MsgType kType = MsgType::Notify;
+  uint32_t tag = 0;
+  ErrorKind kind = ErrorKind::None;
+  std::string_view message;
+  void write(ByteWriter& w) const;
+  static Notify read(ByteReader& r);
+};
+
+// StageReq direction: who moves the bytes between the two slots.
+enum : uint8_t { kOwnerPulls = 0, kOwnerPushes = 1 };
+
+struct StageRequest {  // the initiator's slot and the region's runs it stands for (staging.h)
+  static constexpr MsgType kType = MsgType::StageReq;
+  uint64_t request = 0;
+  uint8_t dir = 0;  // who moves the bytes between the two slots
+  uint64_t region_id = 0;
+  uint64_t bytes = 0;
+  std::vector<uint64_t> base, key;  // the initiator's slot, per initiator rail
+  std::vector<Run> runs;            // remote offsets and lengths in the region
+  void write(ByteWriter& w) const;
+  static StageRequest read(ByteReader& r);
+};
+
+struct StageAck {  // the owner served request `request`, or refused it
+  static constexpr MsgType kType = MsgType::StageAck;
+  uint64_t request = 0;
+  ErrorKind kind = ErrorKind::None;
+  std::string_view message;
+  void write(ByteWriter& w) const;
+  static StageAck read(ByteReader& r);
+};
+
+// Four messages that name one id.
+template <MsgType T>
+struct IdMessage {
+  static constexpr MsgType kType = T;
+  uint64_t id = 0;
+  void write(ByteWriter& w) const { w.put(id); }
+  static IdMessage read(ByteReader& r) { return {r.get<uint64_t>()}; }
+};
+using Fence = IdMessage<MsgType::Fence>;                    // transfer id
+using FenceAck = IdMessage<MsgType::FenceAck>;              // transfer id
+using RegionClosed = IdMessage<MsgType::RegionClosed>;      // region id
+using RegionReleased = IdMessage<MsgType::RegionReleased>;  // region id
+
+using Message = std::variant<Hello, HelloAck, Bye, UserFragment, UserAck, Notify, StageRequest, StageAck, Fence,
+                             FenceAck, RegionClosed, RegionReleased>;
+
+template <typename M>
+ByteWriter encode_message(const M& m, uint64_t from, uint64_t to) {
+  ByteWriter w = begin_message(M::kType, from, to);
+  m.write(w);
+  return w;
+}
+
+// A whole control message, header and body; throws a ValueError-kind Error if malformed.
+// The body's views point into `bytes`.
+struct Received {
+  MsgHeader header;
+  Message body;
+};
+Received decode_message(std::string_view bytes);
 
 }  // namespace p2p::engine

@@ -15,6 +15,19 @@ namespace {
 
 std::string describe(const Peer& p) { return cat("peer ", hex(p.incarnation)); }
 
+// The address a HELLO or its answer carries, which must be its sender's.
+EngineAddress sender_address(const MsgHeader& h, std::string_view address) {
+  EngineAddress a = EngineAddress::decode(std::string(address));
+  if (a.incarnation != h.from)
+    throw Error(ErrorKind::Value, "invalid control message: sender does not match its address");
+  return a;
+}
+
+void take_live_regions(Peer& p, const LiveRegions& live) {
+  p.live_regions_upto = live.upto;
+  p.live_regions = live.ranges;
+}
+
 }  // namespace
 
 // Finds or creates the peer behind an engine address. A new peer gets its rails inserted in
@@ -73,10 +86,7 @@ void Worker::revive(Peer& p) {
 }
 
 void Worker::send_hello(Peer& p) {
-  ByteWriter w = message(MsgType::Hello, p);
-  w.put_bytes(address_);
-  regions_.put_live(w);
-  send_control(p, std::move(w));
+  send_control(p, message(Hello{address_, regions_.live()}, p));
 }
 
 // Asks a Ready peer to introduce itself again, after one of our ops to it failed (a refusal
@@ -148,11 +158,7 @@ void Worker::finish_disconnect(Peer& p) {
 
 // ---------------------------------------------------------------------------------------------
 
-ByteWriter Worker::bye(const Peer& to, bool closing) const {
-  ByteWriter w = message(MsgType::Bye, to);
-  w.put<uint8_t>(closing);
-  return w;
-}
+ByteWriter Worker::bye(const Peer& to, bool closing) const { return message(Bye{closing}, to); }
 
 // The peer leaves us, or closes. A closed peer must never be sent anything again, not even our
 // BYE (usable()) or a HELLO to reconnect: shm (libfabric 1.17) stalls every later completion
@@ -169,31 +175,31 @@ void Worker::on_bye(Peer& p, bool closing) {
     fail_peer(p, left, PeerState::Left);
 }
 
-void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
-  const std::string address(r.get_bytes(1 << 16));
-  const uint64_t expected = ack ? r.get<uint64_t>() : 0;
-  EngineAddress a = EngineAddress::decode(address);
-  if (a.incarnation != h.from) r.fail("sender does not match its address");
-  if (ack) {
-    auto it = peers_.find(expected);
-    if (it == peers_.end() || !it->second->waits()) return;
-    Peer& p = *it->second;
-    if (h.from != expected) {
-      if (a.rails[0] != p.address.rails[0]) return;  // from an address it no longer has
-      return fail_peer(p, Status::error(ErrorKind::Peer,
-                                        cat(describe(p), " restarted: the process at its address is now "
-                                            "incarnation ", hex(h.from),
-                                            "; handles from the old process are void")));
-    }
-    if (a.rails != p.address.rails) {  // the process itself says where it is
-      if (p.confirmed) return;
-      readdress(p, std::move(a), address);
-    }
-    read_live_regions(p, r);
-    p.live.heard(now());
-    return peer_ready(p);
+// The answer to our HELLO: the peer is there, and still the process we meant, or a new one.
+void Worker::on_hello_ack(const MsgHeader& h, const HelloAck& m) {
+  EngineAddress a = sender_address(h, m.address);
+  auto it = peers_.find(m.expected);
+  if (it == peers_.end() || !it->second->waits()) return;
+  Peer& p = *it->second;
+  if (h.from != m.expected) {
+    if (a.rails[0] != p.address.rails[0]) return;  // from an address it no longer has
+    return fail_peer(p, Status::error(ErrorKind::Peer,
+                                      cat(describe(p), " restarted: the process at its address is now "
+                                          "incarnation ", hex(h.from),
+                                          "; handles from the old process are void")));
   }
-  // A HELLO: the sender introduces itself. An older process at the same address is gone.
+  if (a.rails != p.address.rails) {  // the process itself says where it is
+    if (p.confirmed) return;
+    readdress(p, std::move(a), std::string(m.address));
+  }
+  take_live_regions(p, m.live);
+  p.live.heard(now());
+  peer_ready(p);
+}
+
+// A HELLO: the sender introduces itself. An older process at the same address is gone.
+void Worker::on_hello(const MsgHeader& h, const Hello& m) {
+  const EngineAddress a = sender_address(h, m.address);
   for (auto& [inc, q] : peers_) {
     if (inc != a.incarnation && !q->failed() && q->address.rails[0] == a.rails[0])
       fail_peer(*q, Status::error(ErrorKind::Peer, cat(describe(*q), " restarted (a new process now "
@@ -201,18 +207,14 @@ void Worker::on_hello(const MsgHeader& h, ByteReader& r, bool ack) {
   }
   Peer* p;
   try {
-    p = peer_for(address, Contact::Introduction);  // for a new peer this sends our HELLO too
+    p = peer_for(std::string(m.address), Contact::Introduction);  // for a new peer this sends our HELLO too
   } catch (const Error& e) {
     P2P_LOG(Warn, "ignored an introduction: ", e.what());
     return;
   }
   p->live.heard(now());
-  read_live_regions(*p, r);
-  ByteWriter w = message(MsgType::HelloAck, *p);
-  w.put_bytes(address_);
-  w.put(h.to);
-  regions_.put_live(w);
-  send_control(*p, std::move(w));
+  take_live_regions(*p, m.live);
+  send_control(*p, message(HelloAck{address_, h.to, regions_.live()}, *p));
   if (p->waits()) peer_ready(*p);
 }
 

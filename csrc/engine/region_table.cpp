@@ -57,27 +57,19 @@ void RegionTable::clear(const Deregister& deregister) {
   live_.clear();
 }
 
-void RegionTable::put_live(ByteWriter& w) const {
-  std::vector<uint64_t> live;
-  for (const auto& [id, r] : live_) live.push_back(id);
-  std::sort(live.begin(), live.end());
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (uint64_t id : live) {
-    if (!ranges.empty() && ranges.back().second + 1 == id) ranges.back().second = id;
-    else ranges.push_back({id, id});
+LiveRegions RegionTable::live() const {
+  std::vector<uint64_t> ids;
+  for (const auto& [id, r] : live_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  LiveRegions live;
+  for (uint64_t id : ids) {
+    if (!live.ranges.empty() && live.ranges.back().second + 1 == id) live.ranges.back().second = id;
+    else live.ranges.push_back({id, id});
   }
   constexpr size_t kMaxRanges = 256;  // keeps the introduction one message
-  if (ranges.size() > kMaxRanges) {
-    w.put<uint64_t>(0);  // too scattered to list: the peer checks nothing
-    w.put<uint16_t>(0);
-    return;
-  }
-  w.put(last_id_);
-  w.put(static_cast<uint16_t>(ranges.size()));
-  for (auto [first, last] : ranges) {
-    w.put(first);
-    w.put(last);
-  }
+  if (live.ranges.size() > kMaxRanges) return {};  // too scattered to list: the peer checks nothing
+  live.upto = last_id_;
+  return live;
 }
 
 }  // namespace p2p::engine

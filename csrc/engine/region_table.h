@@ -14,7 +14,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "common/wire.h"
+#include "engine/messages.h"
 #include "engine/region.h"
 
 namespace p2p::engine {
@@ -48,7 +48,7 @@ class RegionTable {
   // peer connected is refused before its first RMA (see Peer::region_gone). NOTE: shm writes
   // by CMA straight into our memory and checks no key: without this a stale handle would land
   // in memory the user reuses.
-  void put_live(ByteWriter& w) const;
+  LiveRegions live() const;
 
   size_t closing() const { return closing_.size(); }
 

@@ -78,25 +78,13 @@ void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> 
   const bool wait = std::any_of(rails_.begin(), rails_.end(), [](auto& rs) { return rs.rail->peers_must_release(); });
   for (auto& [inc, p] : peers_) {
     if (p->state() != PeerState::Ready) continue;
-    ByteWriter w = message(MsgType::RegionClosed, *p);
-    w.put(id);
-    send_control(*p, std::move(w));
+    send_control(*p, message(RegionClosed{id}, *p));
     if (wait || (exported && ipc_reaches(p->address))) regions_.must_release(id, inc);
   }
 }
 
 void Worker::deregister_mrs(Region& region) {
   for (size_t k = 0; k < region.mrs.size(); ++k) rails_[k % rails_.size()].rail->deregister(region.mrs[k]);
-}
-
-void Worker::read_live_regions(Peer& p, ByteReader& r) {
-  p.live_regions_upto = r.get<uint64_t>();
-  const uint16_t n = r.get<uint16_t>();
-  p.live_regions.clear();
-  for (uint16_t i = 0; i < n; ++i) {
-    const uint64_t first = r.get<uint64_t>(), last = r.get<uint64_t>();
-    p.live_regions.push_back({first, last});
-  }
 }
 
 bool Peer::region_gone(uint64_t id) const {
@@ -127,9 +115,7 @@ void Worker::release_regions(Peer& p) {
       continue;
     }
     if (ipc_) ipc_->release(p.incarnation, region);
-    ByteWriter w = message(MsgType::RegionReleased, p);
-    w.put(region);
-    send_control(p, std::move(w));
+    send_control(p, message(RegionReleased{region}, p));
     it = p.to_release.erase(it);
   }
 }

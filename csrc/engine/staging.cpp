@@ -66,34 +66,25 @@ Gen Worker::generate_staged(Transfer& t) {
 
 void Worker::send_request(SlotJob& job) {
   Transfer& t = *job.transfer;
-  ByteWriter w = message(MsgType::StageReq, *job.peer);
-  w.put(job.id);
-  w.put<uint8_t>(t.kind == TransferKind::Write ? kOwnerPulls : kOwnerPushes);
-  w.put(t.remote[job.runs[0].rreg]->id);
-  w.put(job.bytes);
-  w.put(static_cast<uint16_t>(rails_.size()));
+  StageRequest req;
+  req.request = job.id;
+  req.dir = t.kind == TransferKind::Write ? kOwnerPulls : kOwnerPushes;
+  req.region_id = t.remote[job.runs[0].rreg]->id;
+  req.bytes = job.bytes;
   for (const auto& mr : job.slot->mrs) {
-    w.put(mr.base);
-    w.put(mr.key);
+    req.base.push_back(mr.base);
+    req.key.push_back(mr.key);
   }
-  w.put(static_cast<uint16_t>(job.runs.size()));
-  for (const Run& run : job.runs) {
-    w.put(run.remote);
-    w.put(static_cast<uint32_t>(run.len));
-  }
-  send_control(*job.peer, std::move(w));
+  req.runs = job.runs;
+  send_control(*job.peer, message(req, *job.peer));
 }
 
-void Worker::on_stage_ack(ByteReader& r) {
-  const uint64_t id = r.get<uint64_t>();
-  const uint8_t kind = r.get<uint8_t>();
-  const std::string_view text = r.get_bytes(kMessageBytes);
-  if (!is_error_kind(kind)) r.fail("bad status");
-  auto it = jobs_.find(id);
+void Worker::on_stage_ack(const StageAck& m) {
+  auto it = jobs_.find(m.request);
   if (it == jobs_.end() || !it->second->transfer || it->second->step() != Step::Request) return;
   SlotJob& job = *it->second;
-  if (kind != 0 && job.status.ok())
-    job.status = Status::error(ErrorKind::Remote, cat("the owner refused: ", text));
+  if (m.kind != ErrorKind::None && job.status.ok())
+    job.status = Status::error(ErrorKind::Remote, cat("the owner refused: ", m.message));
   job.next_step();
   advance(job);
 }

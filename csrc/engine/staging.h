@@ -18,6 +18,7 @@
 
 #include "common/wire.h"
 #include "engine/copier.h"
+#include "engine/messages.h"
 #include "engine/ops.h"
 #include "engine/runs.h"
 #include "engine/striper.h"
@@ -102,19 +103,6 @@ struct SlotJob final : OpOwner {
   bool abandoned() const override { return !status.ok(); }
 };
 
-// StageReq direction: who moves the bytes between the two slots.
-enum : uint8_t { kOwnerPulls = 0, kOwnerPushes = 1 };
-
-// A peer's StageReq, as read from the wire.
-struct StageRequest {
-  uint64_t request = 0;
-  uint8_t dir = 0;  // who moves the bytes between the two slots
-  uint64_t region_id = 0;
-  uint64_t bytes = 0;
-  std::vector<uint64_t> base, key;  // the initiator's slot, per initiator rail
-  std::vector<Run> runs;            // remote offsets and lengths in the region
-};
-StageRequest read_stage_request(ByteReader& r, size_t peer_rails);
 // Why the owner refuses `req` for `region` (null: not registered) with slots of max_bytes,
 // or "" when it serves it; fills in the runs' local addresses.
 std::string stage_request_refusal(StageRequest& req, const Region* region, uint64_t max_bytes);

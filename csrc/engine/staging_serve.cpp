@@ -6,28 +6,6 @@
 
 namespace p2p::engine {
 
-StageRequest read_stage_request(ByteReader& r, size_t peer_rails) {
-  StageRequest req;
-  req.request = r.get<uint64_t>();
-  req.dir = r.get<uint8_t>();
-  req.region_id = r.get<uint64_t>();
-  req.bytes = r.get<uint64_t>();
-  const uint16_t rails = r.get<uint16_t>();
-  if (req.dir > kOwnerPushes || rails != peer_rails) r.fail("bad stage request");
-  req.base.resize(rails);
-  req.key.resize(rails);
-  for (uint16_t i = 0; i < rails; ++i) {
-    req.base[i] = r.get<uint64_t>();
-    req.key[i] = r.get<uint64_t>();
-  }
-  req.runs.resize(r.get<uint16_t>());
-  for (auto& run : req.runs) {
-    run.remote = r.get<uint64_t>();
-    run.len = r.get<uint32_t>();
-  }
-  return req;
-}
-
 // The owner checks what its provider would check for direct RMA: region, access, bounds. It
 // also fills in the runs' local addresses.
 std::string stage_request_refusal(StageRequest& req, const Region* region, uint64_t max_bytes) {
@@ -51,15 +29,12 @@ std::string stage_request_refusal(StageRequest& req, const Region* region, uint6
 
 void Worker::send_ack(Peer& p, uint64_t request, const Status& status) {
   if (p.failed()) return;
-  ByteWriter w = message(MsgType::StageAck, p);
-  w.put(request);
-  w.put(static_cast<uint8_t>(status.kind));
-  w.put_bytes(status.message.substr(0, 1024));
-  send_control(p, std::move(w));
+  send_control(p, message(StageAck{request, status.kind, status.message}, p));
 }
 
-void Worker::on_stage_request(Peer& p, ByteReader& r) {
-  StageRequest req = read_stage_request(r, p.remote_rails());
+void Worker::on_stage_request(Peer& p, StageRequest req) {
+  if (req.base.size() != p.remote_rails())
+    throw Error(ErrorKind::Value, "invalid control message: bad stage request");
   std::shared_ptr<Region> region = regions_.find(req.region_id);
   if (const std::string why = stage_request_refusal(req, region.get(), slot_size(config_.slot_bytes)); !why.empty())
     return send_ack(p, req.request, Status::error(ErrorKind::Remote, why));

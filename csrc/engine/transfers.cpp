@@ -154,13 +154,9 @@ Gen Worker::generate_message(Transfer& t) {
   uint64_t offset = 0;
   do {
     const uint64_t len = std::min<uint64_t>(total - offset, kUserFragmentBytes);
-    ByteWriter w = message(MsgType::User, *t.peer);
-    w.put(id);
-    w.put(total);
-    w.put(offset);
-    w.put_bytes(std::string_view(t.payload).substr(offset, len));
     ++t.pending;
-    send_control(*t.peer, std::move(w), &t);
+    send_control(*t.peer, message(UserFragment{id, total, offset, std::string_view(t.payload).substr(offset, len)}, *t.peer),
+                 &t);
     offset += len;
   } while (offset < total);
   t.payload.clear();
@@ -216,13 +212,11 @@ bool Worker::needs_fence(const Transfer& t) const {
 }
 
 void Worker::send_fence(Transfer& t) {
-  ByteWriter w = message(MsgType::Fence, *t.peer);
-  w.put(t.id);
-  send_control(*t.peer, std::move(w));
+  send_control(*t.peer, message(Fence{t.id}, *t.peer));
 }
 
-void Worker::on_fence(Peer& p, ByteReader& r) {
-  fences_.push_back({copier_->record_provider_event(), p.incarnation, r.get<uint64_t>()});
+void Worker::on_fence(Peer& p, const Fence& m) {
+  fences_.push_back({copier_->record_provider_event(), p.incarnation, m.id});
 }
 
 void Worker::poll_fences() {
@@ -235,9 +229,7 @@ void Worker::poll_fences() {
     if (f.event) copier_->release_event(f.event);
     auto it = peers_.find(f.peer);
     if (it != peers_.end() && !it->second->failed()) {
-      ByteWriter w = message(MsgType::FenceAck, *it->second);
-      w.put(f.transfer);
-      send_control(*it->second, std::move(w));
+      send_control(*it->second, message(FenceAck{f.transfer}, *it->second));
     }
     fences_[i] = fences_.back();
     fences_.pop_back();
@@ -262,10 +254,7 @@ void Worker::finish(Transfer& t, Status status) {
   if (t.notify && t.state != TransferState::Notifying && peer_alive) {
     // The receiver's notification completes with this status. On success the future waits
     // for the notice to leave, so "future done" implies "notice sent".
-    ByteWriter w = message(MsgType::Notify, *p);
-    w.put(t.tag);
-    w.put(static_cast<uint8_t>(t.status.kind));
-    w.put_bytes(t.status.message);
+    ByteWriter w = message(Notify{t.tag, t.status.kind, t.status.message}, *p);
     if (t.status.ok()) {
       t.enter(TransferState::Notifying);
       ++t.pending;

@@ -5,28 +5,21 @@
 
 namespace p2p::engine {
 
-void Worker::on_user(Peer& p, ByteReader& r) {
-  const uint32_t id = r.get<uint32_t>();
-  const uint64_t total = r.get<uint64_t>();
-  const uint64_t offset = r.get<uint64_t>();
-  const std::string_view part = r.get_bytes(kUserFragmentBytes);
-  if (total > kMaxUserMessageBytes) r.fail("message too large");
-  std::string& buf = p.partial[id];
+void Worker::on_user(Peer& p, const UserFragment& m) {
+  std::string& buf = p.partial[m.id];
   // Fragments arrive in order (send-after-send), so each continues the last.
-  if (offset != buf.size() || offset + part.size() > total) {
-    p.partial.erase(id);
-    r.fail("message fragment out of order");
+  if (m.offset != buf.size() || m.offset + m.part.size() > m.total) {
+    p.partial.erase(m.id);
+    throw Error(ErrorKind::Value, "invalid control message: message fragment out of order");
   }
-  if (buf.empty()) buf.reserve(total);
-  buf.append(part);
-  if (buf.size() < total) return;
+  if (buf.empty()) buf.reserve(m.total);
+  buf.append(m.part);
+  if (buf.size() < m.total) return;
   std::string payload = std::move(buf);
-  p.partial.erase(id);
+  p.partial.erase(m.id);
   // Acknowledged here, in the step that takes it: a close() that the delivery itself triggers
   // (a recv callback) comes later and sends this first.
-  ByteWriter ack = message(MsgType::UserAck, p);
-  ack.put(id);
-  send_control(p, std::move(ack));
+  send_control(p, message(UserAck{m.id}, p));
   if (!recv_waiters_.empty()) {
     const uint64_t waiter = recv_waiters_.front().id;
     recv_waiters_.erase(recv_waiters_.begin());
@@ -35,8 +28,8 @@ void Worker::on_user(Peer& p, ByteReader& r) {
   inbox_.emplace_back(p.address_bytes, std::move(payload));
 }
 
-void Worker::on_user_ack(Peer& p, ByteReader& r) {
-  auto entry = p.unacked.find(r.get<uint32_t>());
+void Worker::on_user_ack(Peer& p, const UserAck& m) {
+  auto entry = p.unacked.find(m.id);
   if (entry == p.unacked.end()) return;
   const uint64_t transfer = entry->second;
   p.unacked.erase(entry);
@@ -53,13 +46,10 @@ void Worker::recv(uint64_t id, double timeout_s) {
   recv_waiters_.push_back({id, timeout_s > 0 ? now() + timeout_s : 0});
 }
 
-void Worker::on_notify(ByteReader& r) {
-  const uint32_t tag = r.get<uint32_t>();
-  const uint8_t kind = r.get<uint8_t>();
-  Status status{static_cast<ErrorKind>(kind), std::string(r.get_bytes(kMessageBytes))};
-  if (!is_error_kind(kind)) r.fail("bad status");
+void Worker::on_notify(const Notify& m) {
+  Status status{m.kind, std::string(m.message)};
   if (!status.ok()) status.message = cat("the sender's write failed: ", status.message);
-  NotifyState& s = notify_[tag];
+  NotifyState& s = notify_[m.tag];
   if (!s.waiters.empty()) {
     const uint64_t waiter = s.waiters.front().id;
     s.waiters.erase(s.waiters.begin());

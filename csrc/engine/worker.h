@@ -107,7 +107,7 @@ class Worker {
   void transfer_op_done(Transfer& t, const Status& status);
   bool needs_fence(const Transfer& t) const;
   void send_fence(Transfer& t);
-  void on_fence(Peer& p, ByteReader& r);
+  void on_fence(Peer& p, const Fence& m);
   void acknowledged(Peer& p, uint64_t transfer);
   void poll_fences();
   void job_op_done(SlotJob& job, const Status& status);
@@ -194,7 +194,8 @@ class Worker {
   void readdress(Peer& p, EngineAddress a, const std::string& address_bytes);
   void revive(Peer& p);
   void send_hello(Peer& p);
-  void on_hello(const MsgHeader& h, ByteReader& r, bool ack);
+  void on_hello(const MsgHeader& h, const Hello& m);
+  void on_hello_ack(const MsgHeader& h, const HelloAck& m);
   void on_hello_failed(Peer& p, int err, int prov_errno, const Status& status);
   void peer_ready(Peer& p);
   ByteWriter bye(const Peer& to, bool closing) const;
@@ -210,20 +211,22 @@ class Worker {
   void end_work(Peer& p);
 
   // control.cpp: the control channel.
-  ByteWriter message(MsgType type, const Peer& to) const;
+  template <typename M>
+  ByteWriter message(const M& m, const Peer& to) const {
+    return encode_message(m, incarnation_, to.incarnation);
+  }
   // farewell: sent even though the peer is already marked Left (a BYE).
   void send_control(Peer& p, ByteWriter&& w, OpOwner* owner = nullptr, bool farewell = false);
   bool flush_outbox();
   void on_message(const char* data, size_t len);
 
   // user_messages.cpp: user messages and notifications received.
-  void on_user(Peer& p, ByteReader& r);
-  void on_user_ack(Peer& p, ByteReader& r);
-  void on_notify(ByteReader& r);
+  void on_user(Peer& p, const UserFragment& m);
+  void on_user_ack(Peer& p, const UserAck& m);
+  void on_notify(const Notify& m);
 
   // registration.cpp: regions closing, peers' regions closed.
   void on_region_closed(Peer& p, uint64_t region);
-  void read_live_regions(Peer& p, ByteReader& r);
   void deregister_mrs(Region& region);
   void release_regions(Peer& p);
 
@@ -246,9 +249,9 @@ class Worker {
   bool run_step(SlotJob& job);
   bool run_copy(SlotJob& job);
   void finish_job(SlotJob& job);
-  void on_stage_request(Peer& p, ByteReader& r);
+  void on_stage_request(Peer& p, StageRequest req);
   void serve(Peer& p, StageRequest req, std::shared_ptr<Region> region);
-  void on_stage_ack(ByteReader& r);
+  void on_stage_ack(const StageAck& m);
   void poll_copies();
   void fail_jobs_of(Peer& p, const Status& why);
 

@@ -1,0 +1,167 @@
+#include "engine/messages.h"
+
+namespace p2p::engine {
+
+void LiveRegions::write(ByteWriter& w) const {
+  w.put(upto);
+  w.put(static_cast<uint16_t>(ranges.size()));
+  for (auto [first, last] : ranges) {
+    w.put(first);
+    w.put(last);
+  }
+}
+
+LiveRegions LiveRegions::read(ByteReader& r) {
+  LiveRegions live;
+  live.upto = r.get<uint64_t>();
+  live.ranges.resize(r.get<uint16_t>());
+  for (auto& [first, last] : live.ranges) {
+    first = r.get<uint64_t>();
+    last = r.get<uint64_t>();
+  }
+  return live;
+}
+
+void Hello::write(ByteWriter& w) const {
+  w.put_bytes(address);
+  live.write(w);
+}
+
+Hello Hello::read(ByteReader& r) {
+  Hello m;
+  m.address = r.get_bytes(1 << 16);
+  m.live = LiveRegions::read(r);
+  return m;
+}
+
+void HelloAck::write(ByteWriter& w) const {
+  w.put_bytes(address);
+  w.put(expected);
+  live.write(w);
+}
+
+HelloAck HelloAck::read(ByteReader& r) {
+  HelloAck m;
+  m.address = r.get_bytes(1 << 16);
+  m.expected = r.get<uint64_t>();
+  m.live = LiveRegions::read(r);
+  return m;
+}
+
+void UserFragment::write(ByteWriter& w) const {
+  w.put(id);
+  w.put(total);
+  w.put(offset);
+  w.put_bytes(part);
+}
+
+UserFragment UserFragment::read(ByteReader& r) {
+  UserFragment m;
+  m.id = r.get<uint32_t>();
+  m.total = r.get<uint64_t>();
+  m.offset = r.get<uint64_t>();
+  m.part = r.get_bytes(kUserFragmentBytes);
+  if (m.total > kMaxUserMessageBytes) r.fail("message too large");
+  return m;
+}
+
+namespace {
+
+// A status travels as its kind (one byte) and its text.
+ErrorKind read_kind(ByteReader& r) {
+  const uint8_t kind = r.get<uint8_t>();
+  if (!is_error_kind(kind)) r.fail("bad status");
+  return static_cast<ErrorKind>(kind);
+}
+
+}  // namespace
+
+void Notify::write(ByteWriter& w) const {
+  w.put(tag);
+  w.put(static_cast<uint8_t>(kind));
+  w.put_bytes(message);
+}
+
+Notify Notify::read(ByteReader& r) {
+  Notify m;
+  m.tag = r.get<uint32_t>();
+  m.kind = read_kind(r);
+  m.message = r.get_bytes(kMessageBytes);
+  return m;
+}
+
+void StageRequest::write(ByteWriter& w) const {
+  w.put(request);
+  w.put(dir);
+  w.put(region_id);
+  w.put(bytes);
+  w.put(static_cast<uint16_t>(base.size()));
+  for (size_t i = 0; i < base.size(); ++i) {
+    w.put(base[i]);
+    w.put(key[i]);
+  }
+  w.put(static_cast<uint16_t>(runs.size()));
+  for (const Run& run : runs) {
+    w.put(run.remote);
+    w.put(static_cast<uint32_t>(run.len));
+  }
+}
+
+StageRequest StageRequest::read(ByteReader& r) {
+  StageRequest m;
+  m.request = r.get<uint64_t>();
+  m.dir = r.get<uint8_t>();
+  m.region_id = r.get<uint64_t>();
+  m.bytes = r.get<uint64_t>();
+  const uint16_t rails = r.get<uint16_t>();
+  if (m.dir > kOwnerPushes) r.fail("bad stage request");
+  m.base.resize(rails);
+  m.key.resize(rails);
+  for (uint16_t i = 0; i < rails; ++i) {
+    m.base[i] = r.get<uint64_t>();
+    m.key[i] = r.get<uint64_t>();
+  }
+  m.runs.resize(r.get<uint16_t>());
+  for (Run& run : m.runs) {
+    run.remote = r.get<uint64_t>();
+    run.len = r.get<uint32_t>();
+  }
+  return m;
+}
+
+void StageAck::write(ByteWriter& w) const {
+  w.put(request);
+  w.put(static_cast<uint8_t>(kind));
+  w.put_bytes(message.substr(0, 1024));
+}
+
+StageAck StageAck::read(ByteReader& r) {
+  StageAck m;
+  m.request = r.get<uint64_t>();
+  m.kind = read_kind(r);
+  m.message = r.get_bytes(kMessageBytes);
+  return m;
+}
+
+namespace {
+
+template <size_t I = 0>
+Message read_body(MsgType type, ByteReader& r) {
+  if constexpr (I == std::variant_size_v<Message>) {
+    r.fail("unknown message type");
+  } else {
+    using M = std::variant_alternative_t<I, Message>;
+    if (type == M::kType) return M::read(r);
+    return read_body<I + 1>(type, r);
+  }
+}
+
+}  // namespace
+
+Received decode_message(std::string_view bytes) {
+  ByteReader r(bytes, "control message");
+  const MsgHeader header = read_header(r);
+  return {header, read_body(header.type, r)};
+}
+
+}  // namespace p2p::engine
