@@ -65,31 +65,6 @@ UserFragment UserFragment::read(ByteReader& r) {
   return m;
 }
 
-namespace {
-
-// A status travels as its kind (one byte) and its text.
-ErrorKind read_kind(ByteReader& r) {
-  const uint8_t kind = r.get<uint8_t>();
-  if (!is_error_kind(kind)) r.fail("bad status");
-  return static_cast<ErrorKind>(kind);
-}
-
-}  // namespace
-
-void Notify::write(ByteWriter& w) const {
-  w.put(tag);
-  w.put(static_cast<uint8_t>(kind));
-  w.put_bytes(message);
-}
-
-Notify Notify::read(ByteReader& r) {
-  Notify m;
-  m.tag = r.get<uint32_t>();
-  m.kind = read_kind(r);
-  m.message = r.get_bytes(kMessageBytes);
-  return m;
-}
-
 void StageRequest::write(ByteWriter& w) const {
   w.put(request);
   w.put(dir);
@@ -126,20 +101,6 @@ StageRequest StageRequest::read(ByteReader& r) {
     run.remote = r.get<uint64_t>();
     run.len = r.get<uint32_t>();
   }
-  return m;
-}
-
-void StageAck::write(ByteWriter& w) const {
-  w.put(request);
-  w.put(static_cast<uint8_t>(kind));
-  w.put_bytes(message.substr(0, 1024));
-}
-
-StageAck StageAck::read(ByteReader& r) {
-  StageAck m;
-  m.request = r.get<uint64_t>();
-  m.kind = read_kind(r);
-  m.message = r.get_bytes(kMessageBytes);
   return m;
 }
 

@@ -126,14 +126,32 @@ struct UserAck {  // the receiver has the whole message `id`
   static UserAck read(ByteReader& r) { return {r.get<uint32_t>()}; }
 };
 
-struct Notify {  // a write with notify=tag ended with `status` (its bytes are all there)
-  static constexpr MsgType kType = MsgType::Notify;
-  uint32_t tag = 0;
+// Two messages that carry a status, its kind and its text (at most 1 KiB is sent).
+template <MsgType T, typename Id>
+struct StatusMessage {
+  static constexpr MsgType kType = T;
+  Id id = 0;
   ErrorKind kind = ErrorKind::None;
   std::string_view message;
-  void write(ByteWriter& w) const;
-  static Notify read(ByteReader& r);
+  void write(ByteWriter& w) const {
+    w.put(id);
+    w.put(static_cast<uint8_t>(kind));
+    w.put_bytes(message.substr(0, 1024));
+  }
+  static StatusMessage read(ByteReader& r) {
+    StatusMessage m;
+    m.id = r.get<Id>();
+    const uint8_t kind = r.get<uint8_t>();
+    if (!is_error_kind(kind)) r.fail("bad status");
+    m.kind = static_cast<ErrorKind>(kind);
+    m.message = r.get_bytes(kMessageBytes);
+    return m;
+  }
 };
+// A write with notify=tag (the id) ended with this status; all its bytes are there.
+using Notify = StatusMessage<MsgType::Notify, uint32_t>;
+// The owner served stage request `id`, or refused it.
+using StageAck = StatusMessage<MsgType::StageAck, uint64_t>;
 
 // StageReq direction: who moves the bytes between the two slots.
 enum : uint8_t { kOwnerPulls = 0, kOwnerPushes = 1 };
@@ -148,15 +166,6 @@ struct StageRequest {  // the initiator's slot and the region's runs it stands f
   std::vector<Run> runs;            // remote offsets and lengths in the region
   void write(ByteWriter& w) const;
   static StageRequest read(ByteReader& r);
-};
-
-struct StageAck {  // the owner served request `request`, or refused it
-  static constexpr MsgType kType = MsgType::StageAck;
-  uint64_t request = 0;
-  ErrorKind kind = ErrorKind::None;
-  std::string_view message;
-  void write(ByteWriter& w) const;
-  static StageAck read(ByteReader& r);
 };
 
 // Four messages that name one id.

@@ -80,7 +80,7 @@ void Worker::send_request(SlotJob& job) {
 }
 
 void Worker::on_stage_ack(const StageAck& m) {
-  auto it = jobs_.find(m.request);
+  auto it = jobs_.find(m.id);
   if (it == jobs_.end() || !it->second->transfer || it->second->step() != Step::Request) return;
   SlotJob& job = *it->second;
   if (m.kind != ErrorKind::None && job.status.ok())

@@ -49,7 +49,7 @@ void Worker::recv(uint64_t id, double timeout_s) {
 void Worker::on_notify(const Notify& m) {
   Status status{m.kind, std::string(m.message)};
   if (!status.ok()) status.message = cat("the sender's write failed: ", status.message);
-  NotifyState& s = notify_[m.tag];
+  NotifyState& s = notify_[m.id];
   if (!s.waiters.empty()) {
     const uint64_t waiter = s.waiters.front().id;
     s.waiters.erase(s.waiters.begin());
