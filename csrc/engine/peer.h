@@ -51,10 +51,24 @@ struct Peer {
   std::unordered_map<uint32_t, uint64_t> unacked;     // our messages to it: id -> transfer
 
   bool region_gone(uint64_t id) const;
+  // Its own reactions to its failure (Worker::fail_peer): failed from the event's start, so that
+  // nothing sends to it or waits on it; what it keeps of messages and its process, at the end.
+  void mark_failed(const Status& why, PeerState state) {
+    live.fail(state);
+    failure = why;
+  }
+  void forget();
   uint16_t remote_rails() const { return static_cast<uint16_t>(address.rails.size()); }
   PeerState state() const { return live.state(); }
   bool failed() const { return live.failed(); }
   bool waits() const { return live.waits(); }  // new transfers wait for its answer
+};
+
+// A peer's failure, as each part that keeps something of the peer hears it (Worker::fail_peer).
+struct PeerFailure {
+  Peer& peer;
+  const Status& why;
+  PeerState state;  // Dead, or Left (its goodbye, or our disconnect)
 };
 
 }  // namespace p2p::engine

@@ -243,38 +243,49 @@ void Worker::peer_ready(Peer& p) {
   }
 }
 
-// A peer's failure is one event that each part of the worker holding something of the peer
-// reacts to, in this order: waiters and transfers first (they report), then the staged jobs
-// (a job's failure reports into its transfer), the posted ops, and the peer's own record.
+// A peer's failure is one event that each part keeping something of the peer reacts to, in this
+// order: the peer's record (failed from now on), then what waits on it and reports (connects,
+// transfers, the staged jobs serving them, whose failure reports into their transfers, the
+// posted ops), then what only remembers it (the rail threads, the region table's pending
+// releases, the IPC route's mappings, the record's messages and process watch), and last a
+// disconnect that a death completes.
 void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   assert_on_worker();
   if (p.failed()) return;
   P2P_LOG(Info, "peer ", hex(p.incarnation), " is gone: ", why.message);
-  p.live.fail(state);
-  p.failure = why;
-  for (uint64_t id : p.connect_waiters) report(id, why);
-  p.connect_waiters.clear();
-  fail_transfers_of(p, why);
-  fail_jobs_of(p, why);
-  orphan_ops_of(p, why);
-  forget_peer(p, state);
+  const PeerFailure f{p, why, state};
+  p.mark_failed(why, state);
+  fail_waiters_of(f);
+  fail_transfers_of(f);
+  fail_jobs_of(f);
+  orphan_ops_of(f);
+  for (auto& d : drivers_) forgets_.push_back({d.get(), &p});  // at the rail threads' next turn
+  regions_.forget_peer(p.incarnation);
+  if (ipc_) ipc_->forget(p.incarnation);  // once the copies queued for it are done
+  p.forget();
+  end_disconnect_of(f);
 }
 
-void Worker::fail_transfers_of(Peer& p, const Status& why) {
+void Worker::fail_waiters_of(const PeerFailure& f) {
+  for (uint64_t id : f.peer.connect_waiters) report(id, f.why);
+  f.peer.connect_waiters.clear();
+}
+
+void Worker::fail_transfers_of(const PeerFailure& f) {
   std::vector<Transfer*> affected;
   for (auto& [id, t] : transfers_)
-    if (t->peer == &p && !t->reported()) affected.push_back(t.get());
+    if (t->peer == &f.peer && !t->reported()) affected.push_back(t.get());
   for (Transfer* t : affected) {
-    if (t->held) t->status = why;  // what the check found out is the answer
-    fail(*t, why);
+    if (t->held) t->status = f.why;  // what the check found out is the answer
+    fail(*t, f.why);
   }
 }
 
 // Posted ops to a dead peer may never complete (shm): their owners hear now and the credits
 // return; a completion that still arrives only frees the op.
-void Worker::orphan_ops_of(Peer& p, const Status& why) {
+void Worker::orphan_ops_of(const PeerFailure& f) {
   pool_->for_each_in_use([&](Op& op) {
-    if (op.peer != &p || !op.posted || op.orphaned || op.kind == OpKind::Recv) return;
+    if (op.peer != &f.peer || !op.posted || op.orphaned || op.kind == OpKind::Recv) return;
     op.orphaned = true;
     --rails_[op.rail].inflight;
     if (op.region) {
@@ -284,22 +295,23 @@ void Worker::orphan_ops_of(Peer& p, const Status& why) {
     }
     OpOwner* owner = op.owner;
     op.owner = nullptr;
-    if (owner) owner->op_done(*this, op, why);
+    if (owner) owner->op_done(*this, op, f.why);
   });
 }
 
-// What the rail threads, closing regions, the IPC route and the peer's record keep of it.
-void Worker::forget_peer(Peer& p, PeerState state) {
-  for (auto& d : drivers_) forgets_.push_back({d.get(), &p});
-  p.partial.clear();
-  p.unacked.clear();
-  regions_.forget_peer(p.incarnation);
-  if (ipc_) ipc_->forget(p.incarnation);  // once the copies queued for it are done
-  if (p.pidfd >= 0) {
-    close(p.pidfd);
-    p.pidfd = -1;
+void Peer::forget() {
+  partial.clear();
+  unacked.clear();
+  if (pidfd >= 0) {
+    close(pidfd);
+    pidfd = -1;
   }
-  if (p.disconnect_id && state == PeerState::Dead) {
+}
+
+// A disconnect under way is done once the peer is dead (a clean leave finishes it itself).
+void Worker::end_disconnect_of(const PeerFailure& f) {
+  Peer& p = f.peer;
+  if (p.disconnect_id && f.state == PeerState::Dead) {
     report(p.disconnect_id, Status{});
     p.disconnect_id = 0;
   }

@@ -268,15 +268,15 @@ void Worker::finish_job(SlotJob& job) {
   }
 }
 
-void Worker::fail_jobs_of(Peer& p, const Status& why) {
+void Worker::fail_jobs_of(const PeerFailure& f) {
   std::vector<uint64_t> ids;
   for (auto& [id, job] : jobs_)
-    if (job->peer == &p) ids.push_back(id);
+    if (job->peer == &f.peer) ids.push_back(id);
   for (uint64_t id : ids) {
     auto it = jobs_.find(id);
     if (it == jobs_.end()) continue;
     SlotJob& job = *it->second;
-    if (job.status.ok()) job.status = why;
+    if (job.status.ok()) job.status = f.why;
     if (!job.slot) {
       finish_job(job);  // a request still waiting for a serve slot
       continue;

@@ -202,9 +202,10 @@ class Worker {
   void on_bye(Peer& p, bool closing);
   void finish_disconnect(Peer& p);
   void fail_peer(Peer& p, Status why, PeerState state = PeerState::Dead);
-  void fail_transfers_of(Peer& p, const Status& why);
-  void orphan_ops_of(Peer& p, const Status& why);
-  void forget_peer(Peer& p, PeerState state);
+  void fail_waiters_of(const PeerFailure& f);
+  void fail_transfers_of(const PeerFailure& f);
+  void orphan_ops_of(const PeerFailure& f);
+  void end_disconnect_of(const PeerFailure& f);
   void check_peers();
   void check(Peer& p, double deadline);
   void begin_work(Peer& p);
@@ -253,7 +254,7 @@ class Worker {
   void serve(Peer& p, StageRequest req, std::shared_ptr<Region> region);
   void on_stage_ack(const StageAck& m);
   void poll_copies();
-  void fail_jobs_of(Peer& p, const Status& why);
+  void fail_jobs_of(const PeerFailure& f);
 
   Config config_;
   std::thread::id worker_thread_;  // set as the thread starts
