@@ -6,6 +6,7 @@
 #include "common/wire.h"
 #include "engine/address.h"
 #include "engine/liveness.h"
+#include "engine/messages.h"
 #include "engine/region_table.h"
 #include "engine/remote_view.h"
 #include "engine/runs.h"
@@ -152,9 +153,68 @@ class RegionTableHarness {
   std::unordered_map<uint64_t, std::vector<std::future<void>>> answers_;
 };
 
+// A control message's fields as the worker reads them (csrc/engine/messages.h), for
+// tests/test_messages.py.
+void add_live(py::dict& f, const LiveRegions& live) {
+  f["upto"] = live.upto;
+  py::list ranges;
+  for (auto [first, last] : live.ranges) ranges.append(py::make_tuple(first, last));
+  f["ranges"] = ranges;
+}
+py::bytes bytes_of(std::string_view v) { return py::bytes(v.data(), v.size()); }
+void add_fields(py::dict& f, const Hello& m) {
+  f["address"] = bytes_of(m.address);
+  add_live(f, m.live);
+}
+void add_fields(py::dict& f, const HelloAck& m) {
+  f["address"] = bytes_of(m.address);
+  f["expected"] = m.expected;
+  add_live(f, m.live);
+}
+void add_fields(py::dict& f, const Bye& m) { f["closing"] = m.closing; }
+void add_fields(py::dict& f, const UserFragment& m) {
+  f["id"] = m.id;
+  f["total"] = m.total;
+  f["offset"] = m.offset;
+  f["part"] = bytes_of(m.part);
+}
+void add_fields(py::dict& f, const UserAck& m) { f["id"] = m.id; }
+void add_fields(py::dict& f, const StageRequest& m) {
+  f["request"] = m.request;
+  f["dir"] = m.dir;
+  f["region"] = m.region_id;
+  f["bytes"] = m.bytes;
+  f["base"] = m.base;
+  f["key"] = m.key;
+  py::list runs;
+  for (const Run& r : m.runs) runs.append(py::make_tuple(r.remote, r.len));
+  f["runs"] = runs;
+}
+template <MsgType T, typename Id>
+void add_fields(py::dict& f, const StatusMessage<T, Id>& m) {
+  f["id"] = m.id;
+  f["kind"] = static_cast<int>(m.kind);
+  f["message"] = bytes_of(m.message);
+}
+template <MsgType T>
+void add_fields(py::dict& f, const IdMessage<T>& m) { f["id"] = m.id; }
+
+// (type, from, to, fields, the bytes the message encodes back to).
+py::tuple decode_message_fields(const py::bytes& data) {
+  const std::string bytes(data);
+  const Received m = decode_message(bytes);
+  py::dict fields;
+  std::visit([&](const auto& body) { add_fields(fields, body); }, m.body);
+  const std::string again =
+      std::visit([&](const auto& body) { return encode_message(body, m.header.from, m.header.to).str(); }, m.body);
+  return py::make_tuple(static_cast<int>(m.header.type), m.header.from, m.header.to, fields, py::bytes(again));
+}
+
 }  // namespace
 
 void bind_parts(py::module_& m) {
+  // The control messages' wire format (tests/test_messages.py).
+  m.def("_decode_message", &decode_message_fields);
   // The striper (tests/test_striper.py).
   m.def("_stripe", &stripe);
   m.def("_stripe_slots", &stripe_slots);
