@@ -58,26 +58,6 @@ __global__ void copy_spans_kernel(const engine::CopySpan* spans, size_t n, CopyD
   signal(done);
 }
 
-// Block row y copies the pages of list y, a page per block and turn.
-__global__ void copy_pages_kernel(const engine::CopyPages* lists, CopyDone done) {
-  __shared__ engine::CopyPages list;
-  __shared__ int64_t ids[2];
-  if (threadIdx.x == 0) list = lists[blockIdx.y];
-  __syncthreads();
-  for (uint64_t k = blockIdx.x; k < list.n; k += gridDim.x) {
-    if (threadIdx.x == 0) {
-      ids[0] = list.src_ids[k];
-      ids[1] = list.dst_ids[k];
-    }
-    __syncthreads();
-    const char* src = static_cast<const char*>(list.src) + ids[0] * list.src_stride;
-    char* dst = static_cast<char*>(list.dst) + ids[1] * list.dst_stride;
-    __syncthreads();
-    copy_bytes<4>(dst, src, list.bytes, threadIdx.x, blockDim.x);
-  }
-  signal(done);
-}
-
 // Block row y copies the pages of list y, a page per warp and turn: a small page spread over a
 // whole block gives each thread one vector, while a warp gives each lane several loads in
 // flight, and each warp fetches its page's ids on its own (no block-wide barrier per page).
@@ -108,18 +88,14 @@ cudaError_t launch_copy_spans(const engine::CopySpan* spans, size_t n, cudaStrea
   return cudaGetLastError();
 }
 
-cudaError_t launch_copy_pages(const engine::CopyPages* lists, size_t count, uint64_t most_pages, uint64_t largest_page,
-                              cudaStream_t stream, CopyDone done) {
+cudaError_t launch_copy_pages(const engine::CopyPages* lists, size_t count, uint64_t most_pages, cudaStream_t stream,
+                              CopyDone done) {
   if (count == 0) return cudaSuccess;
-  const bool warps = largest_page <= kWarpPageBytes;
-  const uint64_t blocks_needed = warps ? (most_pages + 7) / 8 : most_pages;  // 8 warps per block
+  const uint64_t blocks_needed = (most_pages + 7) / 8;  // 8 warps per block
   uint64_t per_list = (kBlocks + count - 1) / count;
   if (per_list > blocks_needed) per_list = blocks_needed;
   const dim3 grid(static_cast<unsigned>(per_list > 0 ? per_list : 1), static_cast<unsigned>(count));
-  if (warps)
-    copy_page_warps_kernel<<<grid, 256, 0, stream>>>(lists, done);
-  else
-    copy_pages_kernel<<<grid, 256, 0, stream>>>(lists, done);
+  copy_page_warps_kernel<<<grid, 256, 0, stream>>>(lists, done);
   return cudaGetLastError();
 }
 

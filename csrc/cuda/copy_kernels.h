@@ -26,12 +26,11 @@ struct CopyDone {
 cudaError_t launch_copy_spans(const engine::CopySpan* spans, size_t n, cudaStream_t stream, CopyDone done = {});
 
 // Copies the pages of `count` lists (at most kMaxPageLists; `most_pages`: the longest list's
-// count, `largest_page`: the largest page's bytes) with one kernel, a row of blocks per list,
-// a warp per page up to kWarpPageBytes and a block per page above. `lists` and their ids lie
-// where the GPU reads them (device or mapped pinned memory).
+// count) with one kernel, a row of blocks per list and a warp per page, so pages are meant to
+// be small (the IPC route sends pages over 64 KiB as spans). `lists` and their ids lie where
+// the GPU reads them (device or mapped pinned memory).
 constexpr size_t kMaxPageLists = 65535;  // the grid's y dimension
-constexpr uint64_t kWarpPageBytes = 64 << 10;
-cudaError_t launch_copy_pages(const engine::CopyPages* lists, size_t count, uint64_t most_pages, uint64_t largest_page,
-                              cudaStream_t stream, CopyDone done = {});
+cudaError_t launch_copy_pages(const engine::CopyPages* lists, size_t count, uint64_t most_pages, cudaStream_t stream,
+                              CopyDone done = {});
 
 }  // namespace p2p::cuda

@@ -22,7 +22,7 @@ bool Worker::flush_outbox() {
 // process from a known peer; a goodbye is taken even from a failed peer.
 void Worker::on_message(const char* data, size_t len) {
   try {
-    const Received m = decode_message(std::string_view(data, len));
+    Received m = decode_message(std::string_view(data, len));
     const MsgHeader& h = m.header;
     if (const auto* hello = std::get_if<Hello>(&m.body)) return on_hello(h, *hello);
     if (const auto* ack = std::get_if<HelloAck>(&m.body)) return on_hello_ack(h, *ack);
@@ -40,7 +40,7 @@ void Worker::on_message(const char* data, size_t len) {
       void operator()(const UserFragment& m) { w.on_user(p, m); }
       void operator()(const UserAck& m) { w.on_user_ack(p, m); }
       void operator()(const Notify& m) { w.on_notify(m); }
-      void operator()(const StageRequest& m) { w.on_stage_request(p, m); }
+      void operator()(StageRequest& m) { w.on_stage_request(p, std::move(m)); }
       void operator()(const StageAck& m) { w.on_stage_ack(m); }
       void operator()(const Fence& m) { w.on_fence(p, m); }
       void operator()(const FenceAck& m) { w.acknowledged(p, m.id); }

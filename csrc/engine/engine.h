@@ -69,7 +69,7 @@ class Engine {
   void forget(uint64_t id) { futures_.drop(id); }
   // Waits up to timeout_ms for completions Python must see (errors, received messages), while
   // completing successes here; `done` collects the ids of those. Returns early with `done`
-  // once it holds kDoneBatch ids or its first is kDoneFlushMs old, so that Python (which drops
+  // once it holds 4096 ids or its first is 10 ms old, so that Python (which drops
   // its references to those futures) takes the GIL about a hundred times a second at most
   // rather than once per completion: that GIL traffic slowed the threads that submit.
   std::vector<Completion> poll(int timeout_ms, std::vector<uint64_t>& done);

@@ -231,12 +231,9 @@ class CudaMemory final : public Memory {
     const auto* device = reinterpret_cast<const engine::CopyPages*>(block.device);
     for (size_t first = 0; first < lists; first += cuda::kMaxPageLists) {
       const size_t count = std::min(cuda::kMaxPageLists, lists - first);
-      uint64_t most = 0, largest = 0;
-      for (size_t i = first; i < first + count; ++i) {
-        most = std::max(most, small_pages_[i].n);
-        largest = std::max(largest, small_pages_[i].bytes);
-      }
-      note(cuda::launch_copy_pages(device + first, count, most, largest, stream_, signal_if(first + count == lists, t)));
+      uint64_t most = 0;
+      for (size_t i = first; i < first + count; ++i) most = std::max(most, small_pages_[i].n);
+      note(cuda::launch_copy_pages(device + first, count, most, stream_, signal_if(first + count == lists, t)));
     }
   }
 
