@@ -8,7 +8,7 @@ from torch_p2p import _C
 
 MAGIC, VERSION = 0x4D503250, 1
 SENDER, RECEIVER = 0x1111222233334444, 0x5555666677778888
-PEER_ERROR = 4  # csrc/common/error.h
+PEER_ERROR = next(k for k, name in _C.error_kinds.items() if name == "PeerError")
 
 
 def header(kind, sender=SENDER, receiver=RECEIVER):
