@@ -113,6 +113,10 @@ def test_bad_pages_raise_before_anything_moves(link):
         (IndexError, "local page 8 of 8", lambda: e.write_slices(p2p.pages(src, [0, 8]), p2p.pages(remote, [0, 1]))),
         (IndexError, "remote page -1", lambda: e.write_slices(p2p.pages(src, [0]), p2p.pages(remote, [-1]))),
         (ValueError, "named twice", lambda: e.write_slices(p2p.pages(src, [0, 1]), p2p.pages(remote, [3, 3]))),
+        # The same ids again in a smaller tensor: a repeated entry is checked against its own bounds.
+        (IndexError, "source view 1: page 1 pairs local page 1 of 8 with remote page 4 of 4",
+         lambda: e.write_slices([p2p.pages(src, [0, 1]), p2p.pages(src, [0, 1])],
+                                [p2p.pages(remote, [3, 4]), p2p.pages(remote[:4], [3, 4])])),
         (ValueError, "has 2 pages but its RemoteTensor has 1",
          lambda: e.write_slices(p2p.pages(src, [0, 1]), p2p.pages(remote, [3]))),
         (ValueError, "pages pair with pages", lambda: e.write_slices(p2p.pages(src, [0]), [remote[0]])),

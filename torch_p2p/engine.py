@@ -68,6 +68,14 @@ class Pages:
         return f"Pages({len(self.ids)} pages of dim {self.dim} of {type(self.base).__name__} {tuple(self.base.shape)})"
 
 
+def _checked_pages(base, ids: torch.Tensor, dim: int) -> Pages:
+    """A Pages of ids and a dimension known to be good (a 1-d contiguous int64 CPU tensor; a
+    dimension of base, not negative): what pages() makes, without its checks."""
+    p = Pages.__new__(Pages)
+    p.base, p.ids, p.dim = base, ids, dim
+    return p
+
+
 def pages(base, ids, dim: int = 0) -> Pages:
     """``base.select(dim, i)`` for each ``i`` in ``ids`` (a sequence or an integer tensor), as one
     entry of ``write_slices`` / ``read_slices``. Thousands of random pages (KV-cache blocks)

@@ -36,7 +36,7 @@ import torch
 
 from . import _kv_layout as lay
 from ._kv_layout import LAYOUTS
-from .engine import Engine, Region, pages
+from .engine import Engine, Region, _checked_pages
 from .remote import RemoteTensor
 
 __all__ = ["KVCache", "KVCacheHandle", "PushStream", "LAYOUTS"]
@@ -56,6 +56,9 @@ class _Side:
             raise ValueError(f"{what}: first_head must be >= 0, not {first_head}")
         self.layout, self.axes, self.layers, self.dtype = layout, axes, layers, facts["dtype"]
         self.num_layers, self.num_blocks = len(layers), facts["num_blocks"]
+        # Block ids plus these, flattened, are a kvflat store's pages: K of block b is page b,
+        # its V page num_blocks + b (one broadcast add per call).
+        self._kvflat = torch.tensor([[0], [self.num_blocks]])
         self.block_size, self.head_dim = facts["block_size"], facts["head_dim"]
         start = first_head or 0
         self.heads = None if facts["heads"] is None else (start, start + facts["heads"])
@@ -189,14 +192,12 @@ class KVCache(_Side):
         plan = self._plan(peer)
         local, remote = [], []
         if len(local_ids):
-            # A kvflat store pages K of block b as page b, its V as page num_blocks + b.
-            flat = ((torch.cat([local_ids, local_ids + self.num_blocks]),
-                     torch.cat([remote_ids, remote_ids + peer.num_blocks])) if plan[0][0][3] else None)
+            flat = ((local_ids + self._kvflat).view(-1), (remote_ids + peer._kvflat).view(-1)) if plan[0][0][3] else None
             for layer in layers:
                 for x, rx, dim, is_flat in plan[layer]:
                     mine, theirs = flat if is_flat else (local_ids, remote_ids)
-                    local.append(pages(x, mine, dim))
-                    remote.append(pages(rx, theirs, dim))
+                    local.append(_checked_pages(x, mine, dim))
+                    remote.append(_checked_pages(rx, theirs, dim))
         if write:
             if not local:  # nothing to move, but a notification is owed
                 return self._tell(peer, notify, timeout)

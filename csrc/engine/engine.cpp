@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include "common/log.h"
 
@@ -85,8 +86,13 @@ void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& loca
   t->notify = notify >= 0;
   t->tag = static_cast<uint32_t>(std::max<int64_t>(notify, 0));
   t->timeout_s = timeout_s;
+  size_t ids = 0;
+  for (size_t i = 0; i < local.size(); ++i)
+    if (local_pages[i] && remote_pages[mirror ? 0 : i]) ids += 2 * std::get<0>(*local_pages[i]).numel();
+  t->page_ids.reserve(ids);  // one allocation for the call
   bool cuda = false;
   {
+    PageIdCheck checked;
     std::lock_guard<std::mutex> lock(mu_);
     P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
     for (size_t i = 0; i < local.size(); ++i) {
@@ -102,7 +108,7 @@ void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& loca
                   " of this engine, which is deregistered");
       }
       const bool added = local_pages[i] || remote_pages[mirror ? 0 : i]
-                             ? add_pages(*t, e, mirror, local_pages[i], remote_pages[mirror ? 0 : i])
+                             ? add_pages(*t, e, mirror, local_pages[i], remote_pages[mirror ? 0 : i], checked)
                              : add_view(*t, e, mirror);
       cuda |= added && e.view.is_cuda();
     }
@@ -136,7 +142,8 @@ std::pair<uint32_t, uint32_t> region_indexes(Transfer& t, uint64_t local, const 
 
 }  // namespace
 
-bool Engine::add_pages(Transfer& t, const Entry& e, bool mirror, const Pages& local_pages, const Pages& remote_pages) {
+bool Engine::add_pages(Transfer& t, const Entry& e, bool mirror, const Pages& local_pages, const Pages& remote_pages,
+                       PageIdCheck& checked) {
   const at::Tensor& v = e.view;
   const RemoteView& rv = e.remote;
   const char* what = e.what;
@@ -163,26 +170,51 @@ bool Engine::add_pages(Transfer& t, const Entry& e, bool mirror, const Pages& lo
   const int64_t n = lids.numel(), elem = v.element_size();
   if (n == 0 || v.numel() == 0) return false;
   const LocalRegion& lr = region_of(v, extent_bytes(v.sizes().vec(), v.strides().data(), elem), what, i);
-  PageSide ls{reinterpret_cast<uint64_t>(v.data_ptr()), v.stride(ldim) * elem, lids.data_ptr<int64_t>(),
-              v.strides().vec()};
-  PageSide rs{static_cast<uint64_t>(rv.offset * elem), rv.strides[rdim] * elem, rids.data_ptr<int64_t>(), rv.strides};
+  PageSide ls{reinterpret_cast<uint64_t>(v.data_ptr()), v.stride(ldim) * elem, nullptr, v.strides().vec()};
+  PageSide rs{static_cast<uint64_t>(rv.offset * elem), rv.strides[rdim] * elem, nullptr, rv.strides};
   ls.strides.erase(ls.strides.begin() + ldim);
   rs.strides.erase(rs.strides.begin() + rdim);
   P2P_CHECK(!self_overlapping(page, (e.write ? rs : ls).strides.data()), ErrorKind::Value, what, " ", i,
             ": the destination pages have overlapping elements (a stride of 0?)");
-  const int64_t lcount = v.size(ldim), rcount = rv.shape[rdim];
-  std::vector<bool> taken(e.write ? rcount : lcount, false);
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t l = ls.ids[k], r = rs.ids[k], d = e.write ? r : l;
-    P2P_CHECK(l >= 0 && l < lcount && r >= 0 && r < rcount, ErrorKind::Index, what, " ", i, ": page ", k,
-              " pairs local page ", l, " of ", lcount, " with remote page ", r, " of ", rcount);
-    P2P_CHECK(!taken[d], ErrorKind::Value, what, " ", i, ": destination page ", d,
-              " is named twice; the result would depend on arrival order");
-    taken[d] = true;
-  }
+  // The checks and the route read the transfer's own copy of the ids, which the caller
+  // cannot change after the checks.
+  const size_t first = t.page_ids.size();
+  t.page_ids.insert(t.page_ids.end(), lids.data_ptr<int64_t>(), lids.data_ptr<int64_t>() + n);
+  t.page_ids.insert(t.page_ids.end(), rids.data_ptr<int64_t>(), rids.data_ptr<int64_t>() + n);
+  ls.ids = t.page_ids.data() + first;
+  rs.ids = ls.ids + n;
+  check_page_ids(t, first, n, v.size(ldim), rv.shape[rdim], e, checked);
   const auto [lidx, ridx] = region_indexes(t, lr.id, rv.region);
-  append_pages(page, ls, rs, n, elem, lidx, ridx, t);
+  if (!append_pages(page, ls, rs, n, elem, lidx, ridx, first, t)) checked = {};
   return true;
+}
+
+void Engine::check_page_ids(const Transfer& t, size_t first, int64_t n, int64_t lcount, int64_t rcount,
+                            const Entry& e, PageIdCheck& last) {
+  const int64_t* lids = t.page_ids.data() + first;
+  const int64_t* rids = lids + n;
+  if (last.n == n && last.lcount == lcount && last.rcount == rcount &&
+      std::memcmp(lids, t.page_ids.data() + last.first, 2 * n * sizeof(int64_t)) == 0) {
+    last.first = first;  // the same ids as the previous entry (a KV cache's next layer): checked
+    return;
+  }
+  const int64_t dcount = e.write ? rcount : lcount;
+  if (taken_.size() < static_cast<size_t>(dcount)) taken_.resize(dcount);
+  int64_t k = 0;
+  for (; k < n; ++k) {
+    const int64_t l = lids[k], r = rids[k], d = e.write ? r : l;
+    if (l < 0 || l >= lcount || r < 0 || r >= rcount || taken_[d]) break;
+    taken_[d] = 1;
+  }
+  for (int64_t j = 0; j < k; ++j) taken_[e.write ? rids[j] : lids[j]] = 0;  // left all zero
+  if (k < n) {
+    const int64_t l = lids[k], r = rids[k];
+    P2P_CHECK(l >= 0 && l < lcount && r >= 0 && r < rcount, ErrorKind::Index, e.what, " ", e.index, ": page ", k,
+              " pairs local page ", l, " of ", lcount, " with remote page ", r, " of ", rcount);
+    P2P_THROW(ErrorKind::Value, e.what, " ", e.index, ": destination page ", e.write ? r : l,
+              " is named twice; the result would depend on arrival order");
+  }
+  last = {first, n, lcount, rcount};
 }
 
 bool Engine::add_view(Transfer& t, const Entry& e, bool mirror) {
@@ -233,25 +265,25 @@ bool Engine::add_view(Transfer& t, const Entry& e, bool mirror) {
   return true;
 }
 
-void Engine::append_pages(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
-                          int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, Transfer& t) {
+bool Engine::append_pages(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
+                          int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, size_t first, Transfer& t) {
   auto at = [&](const PageSide& s, int64_t k) { return s.base + static_cast<uint64_t>(s.ids[k] * s.stride); };
   // A page that is one run on both sides (the usual KV block) stays a page: one entry and its
   // ids, expanded into runs by the worker only for a route that needs them.
-  std::vector<Run> first;
+  std::vector<Run> one;
   append_runs(shape, Strided{at(local, 0), local.strides.data()}, Strided{at(remote, 0), remote.strides.data()},
-              elem, lreg, rreg, first);
+              elem, lreg, rreg, one);
   const uint64_t bytes = extent_bytes(shape, local.strides.data(), elem);
-  if (first.size() != 1 || first[0].len != bytes) {
-    for (int64_t k = 0; k < n; ++k)
-      append_runs(shape, Strided{at(local, k), local.strides.data()}, Strided{at(remote, k), remote.strides.data()},
-                  elem, lreg, rreg, t.runs);
-    return;
+  if (one.size() == 1 && one[0].len == bytes) {
+    t.pages.push_back({local.base, local.stride, remote.base, remote.stride, bytes, first, static_cast<size_t>(n),
+                       lreg, rreg});
+    return true;
   }
-  t.pages.push_back({local.base, local.stride, remote.base, remote.stride, bytes, t.page_ids.size(),
-                     static_cast<size_t>(n), lreg, rreg});
-  t.page_ids.insert(t.page_ids.end(), local.ids, local.ids + n);
-  t.page_ids.insert(t.page_ids.end(), remote.ids, remote.ids + n);
+  for (int64_t k = 0; k < n; ++k)
+    append_runs(shape, Strided{at(local, k), local.strides.data()}, Strided{at(remote, k), remote.strides.data()},
+                elem, lreg, rreg, t.runs);
+  t.page_ids.resize(first);
+  return false;
 }
 
 std::vector<Completion> Engine::poll(int timeout_ms, std::vector<uint64_t>& done) {

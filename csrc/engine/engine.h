@@ -101,7 +101,17 @@ class Engine {
     const char* what;  // "source view" or "destination view"
     bool write;
   };
-  bool add_pages(Transfer& t, const Entry& e, bool mirror, const Pages& local_pages, const Pages& remote_pages);
+  // The last page entry whose ids (page_ids from `first`: n local, then n remote) were checked
+  // in a call: the next entry with the same ids (a KV cache's next layer) is not checked again.
+  struct PageIdCheck {
+    size_t first = 0;
+    int64_t n = -1, lcount = 0, rcount = 0;
+  };
+  bool add_pages(Transfer& t, const Entry& e, bool mirror, const Pages& local_pages, const Pages& remote_pages,
+                 PageIdCheck& checked);
+  // Checks the entry's page ids at page_ids[first..]: in range, and no destination page twice.
+  void check_page_ids(const Transfer& t, size_t first, int64_t n, int64_t lcount, int64_t rcount, const Entry& e,
+                      PageIdCheck& last);
   bool add_view(Transfer& t, const Entry& e, bool mirror);
   // Adds entry i's pages to t: local page k at lbase + lids[k] * lstride, remote page k at
   // rbase + rids[k] * rstride (bytes), page shape and strides as given.
@@ -111,8 +121,10 @@ class Engine {
     const int64_t* ids;
     std::vector<int64_t> strides;  // of a page, in elements
   };
-  static void append_pages(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
-                           int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, Transfer& t);
+  // Adds the pages (ids at page_ids[first..]) as one page list, or as runs (dropping the ids)
+  // when a page is not one run on both sides: false then.
+  static bool append_pages(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
+                           int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, size_t first, Transfer& t);
   void check_device(const at::Tensor& t, const char* what) const;
   void post(Command command);
   void enqueue(std::unique_ptr<Transfer> t);
@@ -123,6 +135,7 @@ class Engine {
   int cuda_device_;
   std::mutex mu_;
   std::map<uintptr_t, LocalRegion> regions_;  // by start address
+  std::vector<uint8_t> taken_;                 // check_page_ids' destination pages, zero between calls
   bool closed_ = false;
 #ifdef WITH_CUDA
   std::unique_ptr<cuda::StreamFlags> flags_;

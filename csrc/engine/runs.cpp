@@ -14,9 +14,11 @@ struct Dim {
 // step over it as if it were contiguous with it.
 std::vector<Dim> coalesce(const std::vector<int64_t>& shape, const int64_t* ls, const int64_t* rs) {
   std::vector<Dim> dims;
+  dims.reserve(shape.size());
   for (size_t i = 0; i < shape.size(); ++i)
     if (shape[i] != 1) dims.push_back({shape[i], ls[i], rs[i]});
   std::vector<Dim> out;
+  out.reserve(dims.size());
   for (const Dim& d : dims) {
     if (!out.empty()) {
       Dim& outer = out.back();
