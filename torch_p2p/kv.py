@@ -192,7 +192,9 @@ class KVCache(_Side):
         plan = self._plan(peer)
         local, remote = [], []
         if len(local_ids):
-            flat = ((local_ids + self._kvflat).view(-1), (remote_ids + peer._kvflat).view(-1)) if plan[0][0][3] else None
+            flat = None
+            if plan[0][0][3]:
+                flat = (local_ids + self._kvflat).view(-1), (remote_ids + peer._kvflat).view(-1)
             for layer in layers:
                 for x, rx, dim, is_flat in plan[layer]:
                     mine, theirs = flat if is_flat else (local_ids, remote_ids)
