@@ -104,19 +104,20 @@ void Worker::run(std::promise<void>& ready) {
 
 bool Worker::drain_commands() {
   assert_on_worker();
-  std::vector<Command> batch;
+  draining_.clear();  // empty, unless a command threw past the handler below
   {
     std::lock_guard<std::mutex> lock(commands_mu_);
     if (commands_.empty()) return false;
-    batch.swap(commands_);
+    draining_.swap(commands_);  // the queue keeps the emptied buffer: post() need not allocate
   }
-  for (auto& command : batch) {
+  for (auto& command : draining_) {
     try {
       execute(command, false);
     } catch (const std::exception& e) {
       P2P_LOG(Error, "a command failed on the worker: ", e.what());
     }
   }
+  draining_.clear();
   return true;
 }
 

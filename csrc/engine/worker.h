@@ -274,6 +274,7 @@ class Worker {
   // Commands from Python threads.
   std::mutex commands_mu_;
   std::vector<Command> commands_;
+  std::vector<Command> draining_;  // drain_commands' batch (worker thread), kept for its buffer
   bool closed_ = false;  // under commands_mu_
   std::atomic<bool> stopping_{false};
   std::atomic<bool> sleeping_{false};
