@@ -16,6 +16,8 @@ Layouts (each side owns one [pages, page_bytes] buffer):
   paged       `pages` pages per call, source pages taken in one random order and destination
               pages in another, as when a KV cache migrates between two block tables; given as
               p2p.pages(buffer, ids) on both sides (--page-views: one view per page instead)
+With --prepared each row's call is checked once (engine.prepare_write / prepare_read) and every
+call of the row is a run() of it: the host cost of calls that move the same views again.
 
 Route: the engine's choice for the peer (engine.route): "ipc" between GPUs of one host (CUDA
 IPC, no fabric), else "direct" or "staged" over the provider; the table's title names it.
@@ -61,6 +63,7 @@ from __future__ import annotations
 import argparse
 import base64
 import collections
+import functools
 import importlib.util
 import ipaddress
 import json
@@ -530,6 +533,7 @@ class Driver:
         facts = self.engine_facts
         rails = facts["rails"]
         row = dict(op=op, layout=layout, page_bytes=page_bytes, pages=pages, **facts, window=self.args.window,
+                   prepared=self.args.prepared,
                    gpus=1, gbps=None, mops=None, seconds=None, bytes=None, calls=None, views=None,
                    baseline=None, baseline_gbps=None, ratio=None, ok=False, error=None)
         label = f"{op.upper()} {layout} {fmt_size(page_bytes)} x{pages}, {rails} rail{'s' * (rails > 1)}"
@@ -557,14 +561,17 @@ class Driver:
         else:
             self.channel.ask("fill", seed=seed)
             poison(buf)
-        move = engine.write_slices if write else engine.read_slices
+        if self.args.prepared:
+            move = (engine.prepare_write if write else engine.prepare_read)(views, remotes).run
+        else:
+            move = functools.partial(engine.write_slices if write else engine.read_slices, views, remotes)
 
         issued = [0.0]
         latencies: list[float] = []  # with --window 1: call to completion, seconds
 
         def submit():
             issued[0] = time.perf_counter()
-            return move(views, remotes)
+            return move()
 
         per_call = len(mine) if layout == "paged" else 1
 
@@ -718,7 +725,7 @@ def summary(args, rows: list[dict]) -> str:
     gpus = f", {r['gpus']} process pairs summed" if r["gpus"] > 1 else ""
     return (f"# torch_p2p bw: {r['provider']} [{r['domains']}], {r['device']} -> peer {r['peer_device']} "
             f"(route {r['route']}, data path {r['data_path']}){gpus}, "
-            f"window {args.window}, {args.duration:g} s per row; Gbps = 1e9 bit/s, Mops = million views/s")
+            f"window {args.window}{', prepared calls' if args.prepared else ''}, {args.duration:g} s per row; Gbps = 1e9 bit/s, Mops = million views/s")
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -957,6 +964,9 @@ def parse_args(argv=None):
                     help="local mode: let NCCL use NVLink / shared memory instead of holding it to sockets")
     ap.add_argument("--page-views", action="store_true",
                     help="paged rows pass one view per page instead of p2p.pages()")
+    ap.add_argument("--prepared", action="store_true",
+                    help="prepare each row's call once (engine.prepare_write / prepare_read) and run it "
+                         "again and again, instead of one write_slices / read_slices per call")
     ap.add_argument("--seed", type=int, default=0, help="seed of the paged layouts' page orders")
     ap.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     ap.add_argument("--plot", metavar="PATH", help="plot Gbps against page size (needs matplotlib)")

@@ -137,6 +137,48 @@ def test_bad_pages_raise_before_anything_moves(link):
     helpers.assert_same_bits(back, torch.stack([link.fetch(name)[2]] * 2))
 
 
+def test_prepared_calls_run_again_and_again(link):
+    """prepare_write / prepare_read check and decompose a call once. Each run moves what the
+    views hold at that moment (many may be in flight), ids changed after prepare change
+    nothing, bad calls fail at prepare as the call itself would, and a run after a local region
+    of it was deregistered fails with ClosedError."""
+    pages, page = 32, (4, 9)
+    name, remote = link.remote((pages, *page))
+    src = helpers.random_tensor((pages, *page), torch.float32, 1)
+    region = link.engine.register(src)
+    e, g = link.engine, torch.Generator().manual_seed(4)
+    sids, dids = torch.randperm(pages, generator=g)[:12], torch.randperm(pages, generator=g)[:12]
+    free = next(i for i in range(pages) if i not in dids.tolist())  # a plain view's destination row
+    call = e.prepare_write([p2p.pages(src, sids), src[0, 1]], [p2p.pages(remote, dids), remote[free, 2]])
+    kept = sids.clone()
+    sids.zero_()  # the ids were copied at prepare
+    for seed in (2, 3):
+        src.copy_(helpers.random_tensor(src.shape, torch.float32, seed))
+        for fut in [call.run() for _ in range(20)]:
+            p2p.wait(fut, 60)
+        expected = helpers.poisoned((pages, *page), torch.float32)
+        expected[dids] = src[kept]
+        expected[free, 2] = src[0, 1]
+        helpers.assert_same_bits(link.fetch(name), expected)
+
+    back = helpers.poisoned((pages, *page), torch.float32)
+    link.engine.register(back)
+    read = e.prepare_read(p2p.pages(back, kept), p2p.pages(remote, dids))
+    p2p.wait(read.run(), 60)
+    want = helpers.poisoned((pages, *page), torch.float32)
+    want[kept] = src[kept]
+    helpers.assert_same_bits(back, want)
+
+    with pytest.raises(IndexError, match="local page 99 of 32"):
+        e.prepare_write(p2p.pages(src, [99]), p2p.pages(remote, [0]))
+    with pytest.raises(ValueError, match="notify must be a 32-bit"):
+        e.prepare_write(src, remote, notify=-3)
+    region.close()
+    with pytest.raises(p2p.ClosedError, match="of this prepared call is deregistered"):
+        call.run()
+    p2p.wait(read.run(), 60)  # its regions are still there
+
+
 # -- The IPC route (GPU machine) -----------------------------------------------------------------
 
 @pytest.fixture
@@ -300,6 +342,29 @@ def test_ipc_follows_the_callers_stream_and_notifies_after_the_bytes(ipc_pair):
     dst.fill_(9.0)  # queued before the read: the read lands after it
     a.read_slices(dst, remote).wait()
     assert (dst == 2.0).all()
+
+
+@cuda
+def test_ipc_prepared_calls_follow_the_callers_stream(ipc_pair):
+    """A prepared paged write, run again after a kernel rewrote its source: every run moves
+    what the stream had written by the time of the run."""
+    a, b, _ = ipc_pair
+    blocks, page = 512, 4096
+    remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "p", (blocks, page)))
+    src = torch.zeros((blocks, page), dtype=torch.uint8, device="cuda:0")
+    a.register(src)
+    g = torch.Generator().manual_seed(9)
+    sids, dids = torch.randperm(blocks, generator=g)[:256], torch.randperm(blocks, generator=g)[:256]
+    call = a.prepare_write(p2p.pages(src, sids), p2p.pages(remote, dids))
+    for value in (1, 2, 3):
+        torch.cuda._sleep(50_000_000)  # keeps the stream busy
+        src.fill_(value)               # queued behind the sleep
+        call.run().wait()
+        whole = b.call(fetch_whole, "p")
+        check_guards(whole)
+        expected = torch.full((blocks, page), helpers.POISON, dtype=torch.uint8)
+        expected[dids] = value
+        assert torch.equal(whole[4096:-4096].view(blocks, page), expected)
 
 
 @cuda

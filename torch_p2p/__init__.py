@@ -7,7 +7,7 @@
         fut = engine.write_slices(views, remote)        # -> torch.futures.Future
 """
 from . import errors, topology
-from .engine import Engine, Pages, Region, pages
+from .engine import Engine, Pages, PreparedCall, Region, pages
 from .errors import CancelledError, ClosedError, P2PError, PeerError, RemoteError, TimeoutError
 from .remote import RemoteTensor
 
@@ -18,6 +18,7 @@ __all__ = [
     "Region",
     "Pages",
     "pages",
+    "PreparedCall",
     "RemoteTensor",
     "P2PError",
     "PeerError",

@@ -15,6 +15,8 @@ from array import array
 
 import torch
 
+from . import _C
+
 LAYOUTS = {
     "flash_attn": "kv blocks tokens heads dim",  # vLLM's FlashAttention backend, one tensor per layer
     "flashinfer": "blocks kv tokens heads dim",  # vLLM's FlashInfer backend
@@ -221,9 +223,13 @@ def _components(stores, axes, num_blocks):
 
 def block_ids(ids, count: int, what: str, unique: bool = False) -> torch.Tensor:
     """Block ids as a 1-D int64 CPU tensor, checked against a cache of `count` blocks."""
-    # NOTE: this runs twice per request, on its critical path. A list of Python ints is checked
-    # in Python (torch ops cost microseconds each, more when the engine's threads keep the cores
-    # busy) and converted through an array (torch.as_tensor takes 0.1 us per item).
+    # NOTE: this runs twice per request, on its critical path: a list of good ids takes the
+    # native check (1-2 us for 256 ids, against 15 in Python and 25 for torch.as_tensor). What
+    # it refuses comes here and is checked again, to name the problem.
+    if isinstance(ids, (list, tuple)):
+        fast = _C.checked_ids(ids, count, unique)
+        if fast is not None:
+            return fast
     if isinstance(ids, (list, tuple)) and ids and set(map(type, ids)) == {int}:
         if min(ids) < 0 or max(ids) >= count:
             _out_of_range(next(i for i in ids if not 0 <= i < count), count, what)

@@ -107,6 +107,22 @@ def _unpack(views, kind: type) -> tuple[list, list]:
     return bases, pages
 
 
+class PreparedCall:
+    """A write_slices / read_slices call checked once (``Engine.prepare_write`` /
+    ``prepare_read``). ``run()`` starts it again and returns its future; like the call itself,
+    a run follows the work queued so far on the current CUDA stream, and its views must not
+    change until its future completes. A run fails with ClosedError once a local region that
+    it uses is deregistered, and like any call when the peer's region is gone."""
+
+    __slots__ = ("engine", "_native")
+
+    def __init__(self, engine: "Engine", native):
+        self.engine, self._native = engine, native
+
+    def run(self) -> torch.futures.Future:
+        return self.engine._call(self.engine._c.run, self._native)
+
+
 class Region:
     """A registered storage. ``remote`` is the handle to give peers; ``close()`` deregisters."""
 
@@ -284,7 +300,22 @@ class Engine:
         """Reads remote memory into local views (RDMA READ); pairing as in write_slices."""
         return self._submit(False, dst_views, src, None, timeout)
 
+    def prepare_write(self, src_views, dst, *, notify: int | None = None,
+                      timeout: float | None = None) -> "PreparedCall":
+        """write_slices' checks and decomposition, done once: each ``run()`` of the result then
+        moves what ``write_slices(src_views, dst, ...)`` would, at a fraction of the host cost
+        per call. For the same buffers moved again and again (weights, pipeline stages,
+        benchmarks). Page ids are copied here: changing them later changes nothing."""
+        return PreparedCall(self, self._c.prepare(*self._arguments(True, src_views, dst, notify, timeout)))
+
+    def prepare_read(self, dst_views, src, *, timeout: float | None = None) -> "PreparedCall":
+        """read_slices done once, run many times: see prepare_write."""
+        return PreparedCall(self, self._c.prepare(*self._arguments(False, dst_views, src, None, timeout)))
+
     def _submit(self, write, local, remote, notify, timeout):
+        return self._call(self._c.submit, *self._arguments(write, local, remote, notify, timeout))
+
+    def _arguments(self, write, local, remote, notify, timeout) -> tuple:
         # NOTE: this runs once per call, and small paged calls are bound by its cost: one pass
         # over each side, no closure.
         mirror = isinstance(remote, RemoteTensor)
@@ -292,8 +323,8 @@ class Engine:
         remote, remote_pages = _unpack(remote, RemoteTensor)
         if notify is not None and not 0 <= int(notify) < 1 << 32:
             raise ValueError(f"notify must be a 32-bit unsigned tag, not {notify}")
-        return self._call(self._c.submit, write, local, [r._v for r in remote], local_pages, remote_pages, mirror,
-                          -1 if notify is None else int(notify), _worker_timeout(timeout))
+        return (write, local, [r._v for r in remote], local_pages, remote_pages, mirror,
+                -1 if notify is None else int(notify), _worker_timeout(timeout))
 
     # -- peers and messages --------------------------------------------------------------------
     def connect(self, address: bytes) -> torch.futures.Future:

@@ -25,6 +25,23 @@ Fn driver(const char* name) {
   return reinterpret_cast<Fn>(fn);
 }
 
+// Makes `device` current for a scope; no runtime call to switch when it already is (the
+// usual case: every transfer's stream event goes through here).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) CUDA_OK(cudaSetDevice(device), "cudaSetDevice");
+    else previous_ = -1;
+  }
+  ~DeviceScope() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = -1;
+};
+
 }  // namespace
 
 bool is_vmm_memory(const void* ptr) {
@@ -55,23 +72,16 @@ void* take_event(int device) {
       return ev;
     }
   }
-  int previous = 0;
-  cudaGetDevice(&previous);
-  CUDA_OK(cudaSetDevice(device), "cudaSetDevice");
+  DeviceScope scope(device);
   cudaEvent_t ev = nullptr;
-  const cudaError_t rc = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
-  cudaSetDevice(previous);
-  CUDA_OK(rc, "cudaEventCreate");
+  CUDA_OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
   return ev;
 }
 
 void* record_event(int device, void* stream) {
   auto ev = static_cast<cudaEvent_t>(take_event(device));
-  int previous = 0;
-  cudaGetDevice(&previous);
-  CUDA_OK(cudaSetDevice(device), "cudaSetDevice");
+  DeviceScope scope(device);
   const cudaError_t rc = cudaEventRecord(ev, static_cast<cudaStream_t>(stream));
-  cudaSetDevice(previous);
   if (rc != cudaSuccess) {
     cudaEventDestroy(ev);
     CUDA_OK(rc, "cudaEventRecord");
@@ -86,9 +96,7 @@ void recycle_event(int device, void* event) {
 }
 
 StreamFlags::StreamFlags(int device, size_t count) : generation_(count, 0) {
-  int previous = 0;
-  cudaGetDevice(&previous);
-  CUDA_OK(cudaSetDevice(device), "cudaSetDevice");
+  DeviceScope scope(device);
   void* host = nullptr;
   CUDA_OK(cudaHostAlloc(&host, count * sizeof(uint32_t), cudaHostAllocPortable | cudaHostAllocMapped),
           "allocating stream flags");
@@ -96,7 +104,6 @@ StreamFlags::StreamFlags(int device, size_t count) : generation_(count, 0) {
   void* dev = nullptr;
   CUDA_OK(cudaHostGetDevicePointer(&dev, host, 0), "mapping stream flags");
   device_ptr_ = reinterpret_cast<uint64_t>(dev);
-  cudaSetDevice(previous);
   for (size_t i = 0; i < count; ++i) host_[i] = 0;
   for (size_t i = count; i-- > 0;) free_.push_back(i);
 }

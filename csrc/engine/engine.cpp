@@ -70,6 +70,57 @@ void Engine::check_device(const at::Tensor& t, const char* what) const {
 void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& local,
                     const std::vector<std::shared_ptr<RemoteView>>& remote, const std::vector<Pages>& local_pages,
                     const std::vector<Pages>& remote_pages, bool mirror, int64_t notify, double timeout_s) {
+  auto t = std::make_unique<Transfer>();
+  const bool cuda = build(*t, write, local, remote, local_pages, remote_pages, mirror, notify, timeout_s);
+  start(id, std::move(t), cuda);
+}
+
+std::shared_ptr<Engine::Prepared> Engine::prepare(bool write, const std::vector<at::Tensor>& local,
+                                                   const std::vector<std::shared_ptr<RemoteView>>& remote,
+                                                   const std::vector<Pages>& local_pages,
+                                                   const std::vector<Pages>& remote_pages, bool mirror, int64_t notify,
+                                                   double timeout_s) {
+  auto p = std::make_shared<Prepared>();
+  p->cuda = build(p->call, write, local, remote, local_pages, remote_pages, mirror, notify, timeout_s);
+  return p;
+}
+
+void Engine::run(uint64_t id, const Prepared& prepared) {
+  auto t = std::make_unique<Transfer>();
+  static_cast<TransferCall&>(*t) = prepared.call;
+  {
+    // The checks were made once; a region deregistered since then fails the run here (or, if
+    // it goes meanwhile, in the worker, which resolves every region id again).
+    std::lock_guard<std::mutex> lock(mu_);
+    P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
+    for (uint64_t rid : t->local_ids)
+      P2P_CHECK(open(rid), ErrorKind::Closed, "region ", rid, " of this prepared call is deregistered");
+    for (const auto& r : t->remote)
+      P2P_CHECK(r->owner != worker_->address() || open(r->id), ErrorKind::Closed, "region ", r->id,
+                " of this prepared call is deregistered");
+  }
+  start(id, std::move(t), prepared.cuda);
+}
+
+bool Engine::open(uint64_t region) const {
+  return std::any_of(regions_.begin(), regions_.end(), [&](auto& kv) { return kv.second.id == region && !kv.second.closed; });
+}
+
+void Engine::start(uint64_t id, std::unique_ptr<Transfer> t, bool cuda) {
+  t->id = id;
+#ifdef WITH_CUDA
+  if (cuda) {
+    // The transfer follows the work queued so far on the caller's current stream.
+    void* stream = c10::cuda::getCurrentCUDAStream(cuda_device_).stream();
+    t->cuda_event = cuda::record_event(cuda_device_, stream);
+  }
+#endif
+  enqueue(std::move(t));
+}
+
+bool Engine::build(TransferCall& t, bool write, const std::vector<at::Tensor>& local,
+                   const std::vector<std::shared_ptr<RemoteView>>& remote, const std::vector<Pages>& local_pages,
+                   const std::vector<Pages>& remote_pages, bool mirror, int64_t notify, double timeout_s) {
   const char* what = write ? "source view" : "destination view";
   P2P_CHECK(!remote.empty() && remote[0], ErrorKind::Value, "no RemoteTensor given");
   P2P_CHECK(mirror ? remote.size() == 1 : remote.size() == local.size(), ErrorKind::Value,
@@ -79,48 +130,44 @@ void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& loca
             "one page list (or None) per view");
   const std::string& owner = remote[0]->region->owner;
 
-  auto t = std::make_unique<Transfer>();
-  t->id = id;
-  t->kind = write ? TransferKind::Write : TransferKind::Read;
-  t->peer_address = owner;
-  t->notify = notify >= 0;
-  t->tag = static_cast<uint32_t>(std::max<int64_t>(notify, 0));
-  t->timeout_s = timeout_s;
+  t.kind = write ? TransferKind::Write : TransferKind::Read;
+  t.peer_address = owner;
+  t.notify = notify >= 0;
+  t.tag = static_cast<uint32_t>(std::max<int64_t>(notify, 0));
+  t.timeout_s = timeout_s;
+  // One allocation for the call's page ids; an entry with the previous entry's id tensors (a
+  // KV cache's next layer) usually shares its copy (add_pages).
   size_t ids = 0;
-  for (size_t i = 0; i < local.size(); ++i)
-    if (local_pages[i] && remote_pages[mirror ? 0 : i]) ids += 2 * std::get<0>(*local_pages[i]).numel();
-  t->page_ids.reserve(ids);  // one allocation for the call
+  const void* last_ids[2] = {nullptr, nullptr};
+  for (size_t i = 0; i < local.size(); ++i) {
+    const Pages& l = local_pages[i];
+    const Pages& r = remote_pages[mirror ? 0 : i];
+    if (!l || !r) continue;
+    const void* these[2] = {std::get<0>(*l).data_ptr(), std::get<0>(*r).data_ptr()};
+    if (these[0] != last_ids[0] || these[1] != last_ids[1]) ids += 2 * std::get<0>(*l).numel();
+    last_ids[0] = these[0];
+    last_ids[1] = these[1];
+  }
+  t.page_ids.reserve(ids);
   bool cuda = false;
-  {
-    PageIdCheck checked;
-    std::lock_guard<std::mutex> lock(mu_);
-    P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
-    for (size_t i = 0; i < local.size(); ++i) {
-      const Entry e{i, local[i], *remote[mirror ? 0 : i], what, write};
-      check_device(e.view, what);
-      const RemoteRegion& rr = *e.remote.region;
-      P2P_CHECK(rr.owner == owner, ErrorKind::Value, "all RemoteTensors of one call must belong to one "
-                "peer; RemoteTensor ", i, " belongs to another");
-      if (rr.owner == worker_->address()) {  // our own region: we know whether it is still there
-        const bool open = std::any_of(regions_.begin(), regions_.end(),
-                                      [&](auto& kv) { return kv.second.id == rr.id && !kv.second.closed; });
-        P2P_CHECK(open, ErrorKind::Closed, "RemoteTensor ", i, " names region ", rr.id,
-                  " of this engine, which is deregistered");
-      }
-      const bool added = local_pages[i] || remote_pages[mirror ? 0 : i]
-                             ? add_pages(*t, e, mirror, local_pages[i], remote_pages[mirror ? 0 : i], checked)
-                             : add_view(*t, e, mirror);
-      cuda |= added && e.view.is_cuda();
-    }
+  PageIdCheck checked;
+  std::lock_guard<std::mutex> lock(mu_);
+  P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
+  for (size_t i = 0; i < local.size(); ++i) {
+    const Entry e{i, local[i], *remote[mirror ? 0 : i], what, write};
+    check_device(e.view, what);
+    const RemoteRegion& rr = *e.remote.region;
+    P2P_CHECK(rr.owner == owner, ErrorKind::Value, "all RemoteTensors of one call must belong to one "
+              "peer; RemoteTensor ", i, " belongs to another");
+    // Our own region: we know whether it is still there.
+    P2P_CHECK(rr.owner != worker_->address() || open(rr.id), ErrorKind::Closed, "RemoteTensor ", i,
+              " names region ", rr.id, " of this engine, which is deregistered");
+    const bool added = local_pages[i] || remote_pages[mirror ? 0 : i]
+                           ? add_pages(t, e, mirror, local_pages[i], remote_pages[mirror ? 0 : i], checked)
+                           : add_view(t, e, mirror);
+    cuda |= added && e.view.is_cuda();
   }
-#ifdef WITH_CUDA
-  if (cuda) {
-    // The transfer follows the work queued so far on the caller's current stream.
-    void* stream = c10::cuda::getCurrentCUDAStream(cuda_device_).stream();
-    t->cuda_event = cuda::record_event(cuda_device_, stream);
-  }
-#endif
-  enqueue(std::move(t));
+  return cuda;
 }
 
 namespace {
@@ -132,7 +179,7 @@ void check_access(const RemoteRegion& rr, bool write) {
 }
 
 // The indexes of a local and a remote region in t's lists, added if new.
-std::pair<uint32_t, uint32_t> region_indexes(Transfer& t, uint64_t local, const std::shared_ptr<const RemoteRegion>& remote) {
+std::pair<uint32_t, uint32_t> region_indexes(TransferCall& t, uint64_t local, const std::shared_ptr<const RemoteRegion>& remote) {
   auto l = std::find(t.local_ids.begin(), t.local_ids.end(), local) - t.local_ids.begin();
   if (static_cast<size_t>(l) == t.local_ids.size()) t.local_ids.push_back(local);
   auto r = std::find(t.remote.begin(), t.remote.end(), remote) - t.remote.begin();
@@ -140,9 +187,21 @@ std::pair<uint32_t, uint32_t> region_indexes(Transfer& t, uint64_t local, const 
   return {static_cast<uint32_t>(l), static_cast<uint32_t>(r)};
 }
 
+// A page of `shape` with these strides (elements) is one run of bytes: dense in row-major
+// order, dimensions of size 1 aside.
+bool dense(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
+  int64_t expected = 1;
+  for (size_t d = shape.size(); d-- > 0;) {
+    if (shape[d] == 1) continue;
+    if (strides[d] != expected) return false;
+    expected *= shape[d];
+  }
+  return true;
+}
+
 }  // namespace
 
-bool Engine::add_pages(Transfer& t, const Entry& e, bool mirror, const Pages& local_pages, const Pages& remote_pages,
+bool Engine::add_pages(TransferCall& t, const Entry& e, bool mirror, const Pages& local_pages, const Pages& remote_pages,
                        PageIdCheck& checked) {
   const at::Tensor& v = e.view;
   const RemoteView& rv = e.remote;
@@ -176,28 +235,35 @@ bool Engine::add_pages(Transfer& t, const Entry& e, bool mirror, const Pages& lo
   rs.strides.erase(rs.strides.begin() + rdim);
   P2P_CHECK(!self_overlapping(page, (e.write ? rs : ls).strides.data()), ErrorKind::Value, what, " ", i,
             ": the destination pages have overlapping elements (a stride of 0?)");
-  // The checks and the route read the transfer's own copy of the ids, which the caller
-  // cannot change after the checks.
-  const size_t first = t.page_ids.size();
-  t.page_ids.insert(t.page_ids.end(), lids.data_ptr<int64_t>(), lids.data_ptr<int64_t>() + n);
-  t.page_ids.insert(t.page_ids.end(), rids.data_ptr<int64_t>(), rids.data_ptr<int64_t>() + n);
+  // The checks and the route read the transfer's own copy of the ids, which the caller cannot
+  // change after the checks. An entry whose ids and bounds are the previous entry's (a KV
+  // cache's next layer) shares that entry's checked copy.
+  const int64_t lcount = v.size(ldim), rcount = rv.shape[rdim];
+  const int64_t* lp = lids.data_ptr<int64_t>();
+  const int64_t* rp = rids.data_ptr<int64_t>();
+  const bool shared = checked.n == n && checked.lcount == lcount && checked.rcount == rcount &&
+                      std::memcmp(lp, t.page_ids.data() + checked.first, n * sizeof(int64_t)) == 0 &&
+                      std::memcmp(rp, t.page_ids.data() + checked.first + n, n * sizeof(int64_t)) == 0;
+  const size_t first = shared ? checked.first : t.page_ids.size();
+  if (!shared) {
+    t.page_ids.insert(t.page_ids.end(), lp, lp + n);
+    t.page_ids.insert(t.page_ids.end(), rp, rp + n);
+    check_page_ids(t.page_ids.data() + first, n, lcount, rcount, e);
+  }
   ls.ids = t.page_ids.data() + first;
   rs.ids = ls.ids + n;
-  check_page_ids(t, first, n, v.size(ldim), rv.shape[rdim], e, checked);
   const auto [lidx, ridx] = region_indexes(t, lr.id, rv.region);
-  if (!append_pages(page, ls, rs, n, elem, lidx, ridx, first, t)) checked = {};
+  if (append_pages(page, ls, rs, n, elem, lidx, ridx, first, t)) {
+    if (!shared) checked = {first, n, lcount, rcount};
+  } else if (!shared) {  // moved as runs: its copy of the ids goes
+    t.page_ids.resize(first);
+    checked = {};
+  }
   return true;
 }
 
-void Engine::check_page_ids(const Transfer& t, size_t first, int64_t n, int64_t lcount, int64_t rcount,
-                            const Entry& e, PageIdCheck& last) {
-  const int64_t* lids = t.page_ids.data() + first;
+void Engine::check_page_ids(const int64_t* lids, int64_t n, int64_t lcount, int64_t rcount, const Entry& e) {
   const int64_t* rids = lids + n;
-  if (last.n == n && last.lcount == lcount && last.rcount == rcount &&
-      std::memcmp(lids, t.page_ids.data() + last.first, 2 * n * sizeof(int64_t)) == 0) {
-    last.first = first;  // the same ids as the previous entry (a KV cache's next layer): checked
-    return;
-  }
   const int64_t dcount = e.write ? rcount : lcount;
   if (taken_.size() < static_cast<size_t>(dcount)) taken_.resize(dcount);
   int64_t k = 0;
@@ -214,10 +280,9 @@ void Engine::check_page_ids(const Transfer& t, size_t first, int64_t n, int64_t 
     P2P_THROW(ErrorKind::Value, e.what, " ", e.index, ": destination page ", e.write ? r : l,
               " is named twice; the result would depend on arrival order");
   }
-  last = {first, n, lcount, rcount};
 }
 
-bool Engine::add_view(Transfer& t, const Entry& e, bool mirror) {
+bool Engine::add_view(TransferCall& t, const Entry& e, bool mirror) {
   const at::Tensor& v = e.view;
   const RemoteView& rv = e.remote;
   const char* what = e.what;
@@ -266,23 +331,18 @@ bool Engine::add_view(Transfer& t, const Entry& e, bool mirror) {
 }
 
 bool Engine::append_pages(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
-                          int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, size_t first, Transfer& t) {
-  auto at = [&](const PageSide& s, int64_t k) { return s.base + static_cast<uint64_t>(s.ids[k] * s.stride); };
+                          int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, size_t first, TransferCall& t) {
   // A page that is one run on both sides (the usual KV block) stays a page: one entry and its
   // ids, expanded into runs by the worker only for a route that needs them.
-  std::vector<Run> one;
-  append_runs(shape, Strided{at(local, 0), local.strides.data()}, Strided{at(remote, 0), remote.strides.data()},
-              elem, lreg, rreg, one);
-  const uint64_t bytes = extent_bytes(shape, local.strides.data(), elem);
-  if (one.size() == 1 && one[0].len == bytes) {
-    t.pages.push_back({local.base, local.stride, remote.base, remote.stride, bytes, first, static_cast<size_t>(n),
-                       lreg, rreg});
+  if (dense(shape, local.strides) && dense(shape, remote.strides)) {
+    t.pages.push_back({local.base, local.stride, remote.base, remote.stride,
+                       extent_bytes(shape, local.strides.data(), elem), first, static_cast<size_t>(n), lreg, rreg});
     return true;
   }
+  auto at = [&](const PageSide& s, int64_t k) { return s.base + static_cast<uint64_t>(s.ids[k] * s.stride); };
   for (int64_t k = 0; k < n; ++k)
     append_runs(shape, Strided{at(local, k), local.strides.data()}, Strided{at(remote, k), remote.strides.data()},
                 elem, lreg, rreg, t.runs);
-  t.page_ids.resize(first);
   return false;
 }
 

@@ -54,6 +54,19 @@ class Engine {
   void submit(uint64_t id, bool write, const std::vector<at::Tensor>& local,
               const std::vector<std::shared_ptr<RemoteView>>& remote, const std::vector<Pages>& local_pages,
               const std::vector<Pages>& remote_pages, bool mirror, int64_t notify, double timeout_s);
+  // A call checked and decomposed once, to run many times (prepare_write / prepare_read): each
+  // run() moves the same bytes as a submit() of the same arguments would, after the caller's
+  // stream work of that moment, and fails if a region of this engine that it uses has been
+  // deregistered.
+  struct Prepared {
+    TransferCall call;
+    bool cuda = false;  // a run follows the caller's stream
+  };
+  std::shared_ptr<Prepared> prepare(bool write, const std::vector<at::Tensor>& local,
+                                    const std::vector<std::shared_ptr<RemoteView>>& remote,
+                                    const std::vector<Pages>& local_pages, const std::vector<Pages>& remote_pages,
+                                    bool mirror, int64_t notify, double timeout_s);
+  void run(uint64_t id, const Prepared& prepared);
   // "ipc", "direct" or "staged": see Worker::route.
   std::string route(const std::string& address, const std::shared_ptr<RemoteView>& view);
   void connect(uint64_t id, const std::string& address);
@@ -101,18 +114,25 @@ class Engine {
     const char* what;  // "source view" or "destination view"
     bool write;
   };
-  // The last page entry whose ids (page_ids from `first`: n local, then n remote) were checked
-  // in a call: the next entry with the same ids (a KV cache's next layer) is not checked again.
+  // The last page entry of a call whose ids were copied and checked (page_ids from `first`: n
+  // local, then n remote) and kept: the next entry with the same ids and bounds shares them.
   struct PageIdCheck {
     size_t first = 0;
     int64_t n = -1, lcount = 0, rcount = 0;
   };
-  bool add_pages(Transfer& t, const Entry& e, bool mirror, const Pages& local_pages, const Pages& remote_pages,
+  // Checks a call's arguments and decomposes them into t; true if it moves CUDA memory.
+  bool build(TransferCall& t, bool write, const std::vector<at::Tensor>& local,
+             const std::vector<std::shared_ptr<RemoteView>>& remote, const std::vector<Pages>& local_pages,
+             const std::vector<Pages>& remote_pages, bool mirror, int64_t notify, double timeout_s);
+  // Region `region` of this engine is registered and not closing (mu_ held).
+  bool open(uint64_t region) const;
+  // Gives t its id and stream event and hands it to the worker.
+  void start(uint64_t id, std::unique_ptr<Transfer> t, bool cuda);
+  bool add_pages(TransferCall& t, const Entry& e, bool mirror, const Pages& local_pages, const Pages& remote_pages,
                  PageIdCheck& checked);
-  // Checks the entry's page ids at page_ids[first..]: in range, and no destination page twice.
-  void check_page_ids(const Transfer& t, size_t first, int64_t n, int64_t lcount, int64_t rcount, const Entry& e,
-                      PageIdCheck& last);
-  bool add_view(Transfer& t, const Entry& e, bool mirror);
+  // Checks an entry's page ids (n local, then n remote): in range, and no destination page twice.
+  void check_page_ids(const int64_t* lids, int64_t n, int64_t lcount, int64_t rcount, const Entry& e);
+  bool add_view(TransferCall& t, const Entry& e, bool mirror);
   // Adds entry i's pages to t: local page k at lbase + lids[k] * lstride, remote page k at
   // rbase + rids[k] * rstride (bytes), page shape and strides as given.
   struct PageSide {
@@ -121,10 +141,10 @@ class Engine {
     const int64_t* ids;
     std::vector<int64_t> strides;  // of a page, in elements
   };
-  // Adds the pages (ids at page_ids[first..]) as one page list, or as runs (dropping the ids)
-  // when a page is not one run on both sides: false then.
+  // Adds the pages (ids at page_ids[first..]) as one page list, or as runs when a page is not
+  // one run on both sides: false then (the ids are not needed).
   static bool append_pages(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
-                           int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, size_t first, Transfer& t);
+                           int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, size_t first, TransferCall& t);
   void check_device(const at::Tensor& t, const char* what) const;
   void post(Command command);
   void enqueue(std::unique_ptr<Transfer> t);

@@ -64,8 +64,9 @@ enum class Gen : uint8_t {
   Parked,   // waiting for a staging slot: moved to the slot waiters
 };
 
-struct Transfer final : OpOwner {
-  // The call, as the engine made it.
+// The call, as the engine made it: all a transfer needs to start. A prepared call keeps one
+// and each run copies it into a new transfer.
+struct TransferCall {
   uint64_t id = 0;
   TransferKind kind = TransferKind::Write;
   std::string peer_address;
@@ -80,7 +81,9 @@ struct Transfer final : OpOwner {
   uint32_t tag = 0;
   void* cuda_event = nullptr;  // the caller's stream work this transfer must follow
   double timeout_s = 0;
+};
 
+struct Transfer final : OpOwner, TransferCall {
   // Worker state.
   TransferState state = TransferState::New;
   TransferRoute route = TransferRoute::Direct;

@@ -207,11 +207,17 @@ class CudaMemory final : public Memory {
   }
 
   // The small pages' lists and ids go to one pinned block, the kernel reading the ids there.
+  // Lists that share their ids with the list before (a KV cache's layers) share them there too.
   void launch_pages(Ticket& t) {
     if (small_pages_.empty()) return;
     const size_t lists = small_pages_.size();
+    auto repeats = [&](size_t i) {
+      return i > 0 && small_pages_[i].src_ids == small_pages_[i - 1].src_ids &&
+             small_pages_[i].dst_ids == small_pages_[i - 1].dst_ids && small_pages_[i].n == small_pages_[i - 1].n;
+    };
     size_t ids = 0;
-    for (const engine::CopyPages& p : small_pages_) ids += 2 * p.n;
+    for (size_t i = 0; i < lists; ++i)
+      if (!repeats(i)) ids += 2 * small_pages_[i].n;
     Pinned& block = take_pinned(lists * sizeof(engine::CopyPages) + ids * sizeof(int64_t), t);
     auto* host = reinterpret_cast<engine::CopyPages*>(block.host);
     auto* host_ids = reinterpret_cast<int64_t*>(host + lists);
@@ -224,8 +230,13 @@ class CudaMemory final : public Memory {
     };
     for (size_t i = 0; i < lists; ++i) {
       engine::CopyPages p = small_pages_[i];
-      p.src_ids = place(p.src_ids, p.n);
-      p.dst_ids = place(p.dst_ids, p.n);
+      if (repeats(i)) {
+        p.src_ids = host[i - 1].src_ids;
+        p.dst_ids = host[i - 1].dst_ids;
+      } else {
+        p.src_ids = place(p.src_ids, p.n);
+        p.dst_ids = place(p.dst_ids, p.n);
+      }
       host[i] = p;
     }
     const auto* device = reinterpret_cast<const engine::CopyPages*>(block.device);
