@@ -13,6 +13,9 @@ def libfabric_version() -> tuple[int, int]:
 def list_nics(provider: str, want_hmem: bool) -> tuple[str, bool, list[dict[str, Any]]]:
     """(resolved provider, FI_HMEM granted, [{domain, fabric, pci, speed_bps}])."""
 
+def checked_ids(ids: Any, count: int, unique: bool) -> torch.Tensor | None:
+    """A list or tuple of ints in [0, count) (distinct with unique) as an int64 tensor; else None."""
+
 def settings() -> list[tuple[str, str, str]]:
     """The settings table (csrc/engine/config.h): (key, TORCH_P2P_* variable or "", default)."""
 
@@ -100,6 +103,9 @@ class RemoteView:
     @staticmethod
     def from_bytes(data: bytes) -> RemoteView: ...
 
+class Prepared:
+    """A call checked and decomposed once (Engine.prepare); Engine.run starts it again."""
+
 class Engine:
     address: bytes
     provider: str
@@ -116,6 +122,10 @@ class Engine:
     def submit(self, id: int, future: torch.futures.Future, write: bool, local: list[torch.Tensor], remote: list[RemoteView],
                local_pages: list[tuple[torch.Tensor, int] | None], remote_pages: list[tuple[torch.Tensor, int] | None],
                mirror: bool, notify: int, timeout: float) -> None: ...
+    def prepare(self, write: bool, local: list[torch.Tensor], remote: list[RemoteView],
+                local_pages: list[tuple[torch.Tensor, int] | None], remote_pages: list[tuple[torch.Tensor, int] | None],
+                mirror: bool, notify: int, timeout: float) -> Prepared: ...
+    def run(self, id: int, future: torch.futures.Future, call: Prepared) -> None: ...
     def route(self, address: bytes, view: RemoteView | None) -> str: ...
     def connect(self, id: int, future: torch.futures.Future, address: bytes) -> None: ...
     def disconnect(self, id: int, future: torch.futures.Future, address: bytes) -> None: ...

@@ -303,9 +303,9 @@ class Engine:
     def prepare_write(self, src_views, dst, *, notify: int | None = None,
                       timeout: float | None = None) -> "PreparedCall":
         """write_slices' checks and decomposition, done once: each ``run()`` of the result then
-        moves what ``write_slices(src_views, dst, ...)`` would, at a fraction of the host cost
-        per call. For the same buffers moved again and again (weights, pipeline stages,
-        benchmarks). Page ids are copied here: changing them later changes nothing."""
+        moves what ``write_slices(src_views, dst, ...)`` would, without doing them again. For
+        the same buffers moved again and again (weights, pipeline stages, benchmarks). Page ids
+        are copied here: changing them later changes nothing."""
         return PreparedCall(self, self._c.prepare(*self._arguments(True, src_views, dst, notify, timeout)))
 
     def prepare_read(self, dst_views, src, *, timeout: float | None = None) -> "PreparedCall":

@@ -1,6 +1,6 @@
 """Where a small IPC-route call's time goes: steady state, a burst with the GPU held (no
 completions meanwhile), the C++ submit alone, and CPU tensors (no stream event)."""
-import sys, time, torch, torch.multiprocessing as mp
+import contextlib, sys, time, torch, torch.multiprocessing as mp
 import torch_p2p as p2p
 from torch_p2p.engine import _unpack, _worker_timeout
 
@@ -12,6 +12,22 @@ def peer(q_out, q_in, dev):
         hb = torch.zeros(NPAGES, PAGE, dtype=torch.uint8)
         q_out.put((e.register(buf).remote.to_bytes(), e.register(hb).remote.to_bytes()))
         q_in.get()
+
+@contextlib.contextmanager
+def gpu_pair():
+    """(engine on cuda:0, the handle of a peer process's buffer on cuda:1, a registered random
+    [NPAGES, PAGE] source of the engine)."""
+    ctx = mp.get_context("spawn")
+    qo, qi = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=peer, args=(qo, qi, "cuda:1")); p.start()
+    gblob, _ = qo.get()
+    try:
+        with p2p.Engine("cuda:0") as e:
+            src = torch.randn(NPAGES, PAGE // 4, device="cuda:0").view(torch.uint8).view(NPAGES, PAGE)
+            e.register(src)
+            yield e, p2p.RemoteTensor.from_bytes(gblob), src
+    finally:
+        qi.put(0); p.join()
 
 def burst(e, call, n=400):
     torch.cuda._sleep(int(4e8))  # holds the stream: nothing completes during the burst

@@ -1,18 +1,12 @@
 """Steady 256 x 4 KiB writes, window 8, for a profiler to sample: python steady.py SECONDS"""
-import sys, time, torch, torch.multiprocessing as mp
+import sys, time, torch
 import torch_p2p as p2p
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from decomp import peer, NPAGES, PAGE
+from decomp import gpu_pair, NPAGES, PAGE
 
 def main():
     secs = float(sys.argv[1])
-    ctx = mp.get_context("spawn"); qo, qi = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=peer, args=(qo, qi, "cuda:1")); p.start()
-    gblob, _ = qo.get()
-    with p2p.Engine("cuda:0") as e:
-        remote = p2p.RemoteTensor.from_bytes(gblob)
-        src = torch.randn(NPAGES, PAGE // 4, device="cuda:0").view(torch.uint8).view(NPAGES, PAGE)
-        e.register(src)
+    with gpu_pair() as (e, remote, src):
         ls = torch.randperm(NPAGES)[:256]; rs = torch.randperm(NPAGES)[:256]
         a, b = p2p.pages(src, ls), p2p.pages(remote, rs)
         futs = []; n = 0; t = time.perf_counter()
@@ -21,7 +15,6 @@ def main():
             if len(futs) >= 8: futs.pop(0).wait()
         for f in futs: f.wait()
         print(f"steady: {(time.perf_counter() - t) / n * 1e6:.1f} us/call", flush=True)
-    qi.put(0); p.join()
 
 if __name__ == "__main__":
     main()

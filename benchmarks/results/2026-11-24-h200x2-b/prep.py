@@ -1,8 +1,8 @@
 """Prepared calls vs write_slices on the IPC route: submit cost (GPU held) and steady rate by window."""
-import os, sys, time, torch, torch.multiprocessing as mp
+import os, sys, time, torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "2026-11-23-h200x2"))
 import torch_p2p as p2p
-from decomp import peer, burst, PAGE, NPAGES
+from decomp import burst, gpu_pair, PAGE, NPAGES
 
 def steady(call, window, secs=0.6):
     futs = []; n = 0; t = time.perf_counter()
@@ -13,13 +13,7 @@ def steady(call, window, secs=0.6):
     return (time.perf_counter() - t) / n
 
 def main():
-    ctx = mp.get_context("spawn"); qo, qi = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=peer, args=(qo, qi, "cuda:1")); p.start()
-    gblob, _ = qo.get()
-    with p2p.Engine("cuda:0") as e:
-        remote = p2p.RemoteTensor.from_bytes(gblob)
-        src = torch.randn(NPAGES, PAGE // 4, device="cuda:0").view(torch.uint8).view(NPAGES, PAGE)
-        e.register(src)
+    with gpu_pair() as (e, remote, src):
         for n in (1, 256):
             ls = torch.randperm(NPAGES)[:n]; rs = torch.randperm(NPAGES)[:n]
             a, b = p2p.pages(src, ls), p2p.pages(remote, rs)
@@ -29,7 +23,6 @@ def main():
                 bt = burst(e, call)
                 line = " ".join(f"w{w} {steady(call, w)*1e6:5.1f}" for w in (1, 8, 32, 128))
                 print(f"pages={n:4d} {what:12s}: burst {bt*1e6:5.1f} us/call; steady us/call by window: {line}", flush=True)
-    qi.put(0); p.join()
 
 if __name__ == "__main__":
     main()
