@@ -8,6 +8,7 @@
 #include "common/wire.h"
 #include "engine/config.h"
 #include "engine/engine.h"
+#include "engine/runs.h"
 #include "engine/striper.h"
 #include "fabric/info.h"
 
@@ -113,15 +114,16 @@ py::object checked_ids(const py::handle& seq, int64_t count, bool unique) {
   const Py_ssize_t n = list ? PyList_GET_SIZE(seq.ptr()) : PyTuple_GET_SIZE(seq.ptr());
   at::Tensor out = at::empty({static_cast<int64_t>(n)}, at::kLong);
   int64_t* ids = out.data_ptr<int64_t>();
-  std::vector<uint8_t> seen(unique ? std::max<int64_t>(count, 0) : 0);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = list ? PyList_GET_ITEM(seq.ptr(), i) : PyTuple_GET_ITEM(seq.ptr(), i);
     if (!PyLong_CheckExact(item)) return py::none();
     int overflow = 0;
     const long long id = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (overflow || id < 0 || id >= count || (unique && seen[id]++)) return py::none();
+    if (overflow || id < 0 || id >= count) return py::none();
     ids[i] = id;
   }
+  thread_local std::vector<uint8_t> table;  // repeated_id's, zero between calls
+  if (unique && repeated_id(ids, n, count, table) >= 0) return py::none();
   return py::cast(out);
 }
 

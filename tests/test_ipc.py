@@ -137,6 +137,26 @@ def test_bad_pages_raise_before_anything_moves(link):
     helpers.assert_same_bits(back, torch.stack([link.fetch(name)[2]] * 2))
 
 
+def test_page_ids_of_a_huge_tensor_are_checked_without_a_huge_table(link):
+    """A few pages of a tensor of millions: repeated destinations are found by sorting (no
+    table of a byte per page), the same way for the engine and for KV block tables."""
+    count = 3 << 20
+    name, remote = link.remote((count,), torch.uint8)
+    src = torch.arange(1, 5, dtype=torch.uint8)
+    link.engine.register(src)
+    with pytest.raises(ValueError, match="destination page 5 is named twice"):
+        link.engine.write_slices(p2p.pages(src, [0, 1, 2]), p2p.pages(remote, [5, 2 << 20, 5]))
+    p2p.wait(link.engine.write_slices(p2p.pages(src, [0, 1, 2]), p2p.pages(remote, [5, 2 << 20, 7])), 60)
+    got = link.fetch(name)
+    assert got[[5, 2 << 20, 7]].tolist() == [1, 2, 3]
+    assert int((got != helpers.POISON).sum()) == 3
+    assert _C.checked_ids([5, 2 << 20, 5], count, True) is None
+    assert _C.checked_ids([5, 2 << 20, 5], count, False).tolist() == [5, 2 << 20, 5]
+    assert _C.checked_ids((5, 2 << 20, 7), count, True).tolist() == [5, 2 << 20, 7]
+    assert _C.checked_ids([1, 1], 8, True) is None  # the table's way
+    assert _C.checked_ids([0, count], count, False) is None
+
+
 def test_prepared_calls_run_again_and_again(link):
     """prepare_write / prepare_read check and decompose a call once. Each run moves what the
     views hold at that moment (many may be in flight), ids changed after prepare change

@@ -264,22 +264,14 @@ bool Engine::add_pages(TransferCall& t, const Entry& e, bool mirror, const Pages
 
 void Engine::check_page_ids(const int64_t* lids, int64_t n, int64_t lcount, int64_t rcount, const Entry& e) {
   const int64_t* rids = lids + n;
-  const int64_t dcount = e.write ? rcount : lcount;
-  if (taken_.size() < static_cast<size_t>(dcount)) taken_.resize(dcount);
-  int64_t k = 0;
-  for (; k < n; ++k) {
-    const int64_t l = lids[k], r = rids[k], d = e.write ? r : l;
-    if (l < 0 || l >= lcount || r < 0 || r >= rcount || taken_[d]) break;
-    taken_[d] = 1;
-  }
-  for (int64_t j = 0; j < k; ++j) taken_[e.write ? rids[j] : lids[j]] = 0;  // left all zero
-  if (k < n) {
+  for (int64_t k = 0; k < n; ++k) {
     const int64_t l = lids[k], r = rids[k];
     P2P_CHECK(l >= 0 && l < lcount && r >= 0 && r < rcount, ErrorKind::Index, e.what, " ", e.index, ": page ", k,
               " pairs local page ", l, " of ", lcount, " with remote page ", r, " of ", rcount);
-    P2P_THROW(ErrorKind::Value, e.what, " ", e.index, ": destination page ", e.write ? r : l,
-              " is named twice; the result would depend on arrival order");
   }
+  const int64_t twice = repeated_id(e.write ? rids : lids, n, e.write ? rcount : lcount, taken_);
+  P2P_CHECK(twice < 0, ErrorKind::Value, e.what, " ", e.index, ": destination page ", twice,
+            " is named twice; the result would depend on arrival order");
 }
 
 bool Engine::add_view(TransferCall& t, const Entry& e, bool mirror) {

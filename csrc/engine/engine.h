@@ -155,7 +155,7 @@ class Engine {
   int cuda_device_;
   std::mutex mu_;
   std::map<uintptr_t, LocalRegion> regions_;  // by start address
-  std::vector<uint8_t> taken_;                 // check_page_ids' destination pages, zero between calls
+  std::vector<uint8_t> taken_;                 // check_page_ids' table (repeated_id), zero between calls
   bool closed_ = false;
 #ifdef WITH_CUDA
   std::unique_ptr<cuda::StreamFlags> flags_;

@@ -74,6 +74,22 @@ void append_runs(const std::vector<int64_t>& shape, Strided local, Strided remot
   }
 }
 
+int64_t repeated_id(const int64_t* ids, size_t n, int64_t count, std::vector<uint8_t>& table) {
+  const int64_t most = std::max<int64_t>(int64_t{1} << 20, 16 * static_cast<int64_t>(n));
+  if (count <= most) {
+    if (table.size() < static_cast<size_t>(count)) table.resize(count);
+    size_t k = 0;
+    for (; k < n && !table[ids[k]]; ++k) table[ids[k]] = 1;
+    const int64_t twice = k < n ? ids[k] : -1;
+    for (size_t j = 0; j < k; ++j) table[ids[j]] = 0;
+    return twice;
+  }
+  std::vector<int64_t> sorted(ids, ids + n);
+  std::sort(sorted.begin(), sorted.end());
+  const auto twice = std::adjacent_find(sorted.begin(), sorted.end());
+  return twice == sorted.end() ? -1 : *twice;
+}
+
 void append_page_runs(const PageRuns& p, const int64_t* ids, std::vector<Run>& out) {
   const int64_t* lids = ids + p.first;
   const int64_t* rids = lids + p.n;

@@ -34,6 +34,11 @@ struct PageRuns {
 // Appends the runs of `pages`, merging pages that continue each other on both sides.
 void append_page_runs(const PageRuns& pages, const int64_t* ids, std::vector<Run>& out);
 
+// An id of ids[0..n) (each in [0, count)) that appears twice, or -1. Where count is not far
+// above n, `table` holds a byte per id (grown to count, left all zero); past that a sorted copy
+// decides, so that a few pages of a huge tensor cost no huge table.
+int64_t repeated_id(const int64_t* ids, size_t n, int64_t count, std::vector<uint8_t>& table);
+
 struct Strided {
   uint64_t base;            // byte address (local) or byte offset (remote) of element 0
   const int64_t* strides;   // in elements
