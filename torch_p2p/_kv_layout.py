@@ -11,7 +11,6 @@ and "v".
 from __future__ import annotations
 
 import threading
-from array import array
 
 import torch
 
@@ -230,12 +229,10 @@ def block_ids(ids, count: int, what: str, unique: bool = False) -> torch.Tensor:
         fast = _C.checked_ids(ids, count, unique)
         if fast is not None:
             return fast
-    if isinstance(ids, (list, tuple)) and ids and set(map(type, ids)) == {int}:
-        if min(ids) < 0 or max(ids) >= count:
-            _out_of_range(next(i for i in ids if not 0 <= i < count), count, what)
-        if unique and len(set(ids)) != len(ids):
+        if ids and set(map(type, ids)) == {int}:  # ints it refused: out of range (or past int64), or repeated
+            if min(ids) < 0 or max(ids) >= count:
+                _out_of_range(next(i for i in ids if not 0 <= i < count), count, what)
             _twice(ids, what)
-        return torch.frombuffer(array("q", ids), dtype=torch.int64)
     t = torch.arange(ids.start, ids.stop, ids.step) if isinstance(ids, range) else torch.as_tensor(ids)
     if t.numel() and (t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex):
         raise TypeError(f"{what} block ids must be integers, not {t.dtype}")
