@@ -186,6 +186,70 @@ def test_cpu_spread_skips_smt_siblings_and_cpu0(tmp_path):
     assert [plan([Nic("eth0")], f"cuda:{g}", **kw).cpu for g in range(2)] == [1, 2]
 
 
+def _claims(tmp_path):
+    """claim_core in a scope of this test's own, so that live engines on the host do not count."""
+    scope = f"torch_p2p-test/{os.getpid()}/{tmp_path.name}"
+    return lambda cpu: topology.claim_core(cpu, scope)
+
+
+def test_engines_of_one_gpu_claim_different_cores(tmp_path):
+    # Two processes (or two engines) on one GPU would otherwise pin both busy-polling workers to
+    # the share's first core, each getting half of it.
+    fs = FakeSysfs(tmp_path)
+    (gpu0,) = fs.switch("pci0000:00", "0000:00:01.0", 0x10, 1, 0)
+    (gpu1,) = fs.switch("pci0000:00", "0000:00:02.0", 0x20, 1, 0)
+    fs.node(0, "0-7")
+    kw = dict(gpu_pcis=[gpu0, gpu1], sysfs=fs.root, allowed_cpus=set(range(8)), claim=_claims(tmp_path))
+    first = [plan([Nic("eth0")], "cuda:0", **kw) for _ in range(3)]
+    assert [p.cpu for p in first] == [1, 2, 3]  # GPU 0's share of cores 1-7 is 1-3
+    assert all(p.claim is not None and "shared" not in p.reason for p in first)
+    gpu1_plans = [plan([Nic("eth0")], "cuda:1", **kw) for _ in range(2)]
+    assert [p.cpu for p in gpu1_plans] == [4, 5]  # its own share, from its first core
+    # A full share takes the node's next free core; a released core is taken again.
+    spill = plan([Nic("eth0")], "cuda:0", **kw)
+    assert spill.cpu == 6
+    first[1].release()
+    first[1].release()  # idempotent
+    again = plan([Nic("eth0")], "cuda:0", **kw)
+    assert again.cpu == 2
+    for p in first + gpu1_plans + [spill, again]:
+        p.release()
+    # Without claims (what plan() does when not told) the choice is the share's first core.
+    assert plan([Nic("eth0")], "cuda:0", gpu_pcis=[gpu0, gpu1], sysfs=fs.root, allowed_cpus=set(range(8))).cpu == 1
+
+
+def test_every_core_claimed_shares_and_says_so(tmp_path):
+    fs = FakeSysfs(tmp_path)
+    (gpu,) = fs.switch("pci0000:00", "0000:00:01.0", 0x10, 1, 0)
+    fs.node(0, "0-1")
+    kw = dict(gpu_pcis=[gpu], sysfs=fs.root, allowed_cpus={0, 1}, claim=_claims(tmp_path))
+    a = plan([Nic("eth0")], "cuda:0", **kw)
+    b = plan([Nic("eth0")], "cuda:0", **kw)
+    assert a.cpu == b.cpu == 1 and a.claim is not None and b.claim is None
+    assert "shared" in b.reason and "shared" not in a.reason
+    a.release()
+
+
+def test_a_dead_process_leaves_its_core_free(tmp_path):
+    import subprocess
+    import sys
+
+    scope = f"torch_p2p-test/{os.getpid()}/{tmp_path.name}"
+    code = ("import sys, time; from torch_p2p import topology; "
+            f"c = topology.claim_core(5, {scope!r}); print(c is not None, flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        assert topology.claim_core(5, scope) is None
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    claim = topology.claim_core(5, scope)
+    assert claim is not None
+    claim.close()
+
+
 def test_numa_unknown_spreads_over_allowed_cpus(tmp_path):
     fs = FakeSysfs(tmp_path)
     gpus = [fs.device(["pci0000:00", f"0000:00:0{i}.0"], numa=-1) for i in (1, 2)]

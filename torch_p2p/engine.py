@@ -205,11 +205,16 @@ class Engine:
         ))
         nics = [topology.Nic(n["domain"], n["pci"], n["speed_bps"]) for n in setup.nics]
         self.plan = topology.plan(nics, str(self.device), num_rails, domains=domains, cpus=cpus,
-                                  min_rails=topology.default_tcp_rails() if setup.provider.startswith("tcp") else 1)
+                                  min_rails=topology.default_tcp_rails() if setup.provider.startswith("tcp") else 1,
+                                  claim=topology.claim_core)
         setup.place([nic.domain for nic in self.plan.rails], -1 if self.plan.cpu is None else self.plan.cpu,
                     list(self.plan.node_cpus))
         self.timeout = setup.setting("timeout")
-        self._c = _C.Engine(setup)
+        try:
+            self._c = _C.Engine(setup)
+        except BaseException:
+            self.plan.release()
+            raise
         self._closed = False
         self._ids = itertools.count(1)
         self._futures: dict[int, torch.futures.Future] = {}
@@ -386,6 +391,7 @@ class Engine:
             return
         self._closed = True
         self._c.close()
+        self.plan.release()
         if threading.current_thread() is not self._dispatcher:
             self._dispatcher.join(timeout=30)
         for fut in list(self._futures.values()):

@@ -79,7 +79,7 @@ void RailDriver::run() {
     // NOTE: completions that the provider's progress thread writes do not always wake a
     // driver sleeping on the CQ's fd (a staged GPU transfer, a chain of dependent round trips,
     // runs at 7 Gbps instead of 45 then): a driver with ops out keeps polling.
-    if (busy || spin_us_ < 0 || outstanding_ > 0)
+    if (busy || outstanding_ > 0)
       idle_since = t;
     else if ((t - idle_since) * 1e6 > spin_us_)
       idle();

@@ -129,7 +129,8 @@ class RailDriver {
 
   // rails: the engine's rails, indexed like Op::rail; `mine` the indices this driver owns.
   // cpus: the cores the driver may run on (the process's own set: a driver must not inherit
-  // the pinned worker's single core). name: the thread's name, for tools like top -H.
+  // the pinned worker's single core). name: the thread's name, for tools like top -H. An idle
+  // driver (no op out) polls for spin_us, then sleeps until kick() or a completion.
   RailDriver(const std::vector<fabric::Rail*>& rails, std::vector<uint16_t> mine, size_t capacity,
              size_t batch, int spin_us, int main_wake_fd, std::atomic<bool>* main_sleeping,
              const cpu_set_t& cpus, const std::string& name);

@@ -163,8 +163,10 @@ void Worker::start_drivers() {
     }
     cpu_set_t cpus = node_cpus_;
     if (config_.cpu >= 0 && CPU_COUNT(&cpus) > 1) CPU_CLR(config_.cpu, &cpus);  // the worker's own core
-    drivers_.push_back(std::make_unique<RailDriver>(rails, mine, capacity, config_.batch,
-                                                    config_.spin_us < 0 ? -1 : 1000, wake_fd_, &sleeping_,
+    // NOTE: drivers sleep after a millisecond idle even beside a pinned worker that always
+    // spins: a CUDA engine on tcp whose peers take the IPC route would otherwise keep a core per
+    // rail busy doing nothing (8 per GPU engine on the 32-core GPU machine).
+    drivers_.push_back(std::make_unique<RailDriver>(rails, mine, capacity, config_.batch, 1000, wake_fd_, &sleeping_,
                                                     cpus, cat("p2p-rail", d)));
     for (uint16_t r : mine) rails_[r].driver = drivers_.back().get();
   }
