@@ -75,6 +75,92 @@ void start(Engine& e, uint64_t id, const py::object& future, Start&& operation) 
   }
 }
 
+// write_slices / read_slices / prepare_*: their arguments taken apart here, not in Python, since
+// a small paged call is bound by its cost per call (Python's unpacking and pybind11's list
+// conversions took several microseconds of it). Messages and order of checks are Python's.
+struct Classes {
+  PyObject* pages = nullptr;          // torch_p2p.engine.Pages
+  PyObject* remote_tensor = nullptr;  // torch_p2p.remote.RemoteTensor
+  PyObject* sequence = nullptr;       // collections.abc.Sequence
+};
+Classes classes;  // set once by torch_p2p.engine (_C._set_classes); references kept for good
+
+// isinstance() through the type's MRO only, without calling __instancecheck__ (Pages and
+// RemoteTensor define none) as PyObject_IsInstance does when the type is not the exact one.
+bool is_a(py::handle obj, PyObject* cls) { return PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(cls)); }
+
+bool is_instance(py::handle obj, PyObject* cls) {
+  const int r = PyObject_IsInstance(obj.ptr(), cls);
+  if (r < 0) throw py::error_already_set();
+  return r == 1;
+}
+
+std::string type_name(py::handle obj) { return py::type::handle_of(obj).attr("__name__").cast<std::string>(); }
+
+struct CallArgs {
+  std::vector<at::Tensor> local;
+  std::vector<std::shared_ptr<RemoteView>> remote;
+  std::vector<Engine::Pages> local_pages, remote_pages;
+  bool mirror = false;
+  int64_t notify = -1;
+  double timeout = 0;  // 0: the engine's default
+};
+
+// One side: a tensor (local) or RemoteTensor (remote), a Pages of one, or a sequence of them.
+void unpack(py::handle views, bool local, CallArgs& a) {
+  P2P_CHECK(classes.pages, ErrorKind::Generic, "torch_p2p.engine did not set up its classes");
+  auto add = [&](size_t i, py::handle item) {
+    py::object base = py::reinterpret_borrow<py::object>(item);
+    Engine::Pages pages;
+    if (is_a(item, classes.pages)) {
+      pages = std::make_tuple(THPVariable_Unpack(item.attr("ids").ptr()), item.attr("dim").cast<int64_t>());
+      base = item.attr("base");
+    }
+    if (local ? !THPVariable_Check(base.ptr()) : !is_a(base, classes.remote_tensor))
+      throw py::type_error(cat(local ? "local view " : "remote ", i, " is a ", type_name(base),
+                               local ? ", not a tensor" : ", not a RemoteTensor"));
+    if (local) {
+      a.local.push_back(THPVariable_Unpack(base.ptr()));
+      a.local_pages.push_back(std::move(pages));
+    } else {
+      a.remote.push_back(base.attr("_v").cast<std::shared_ptr<RemoteView>>());
+      a.remote_pages.push_back(std::move(pages));
+    }
+  };
+  PyObject* v = views.ptr();
+  if (THPVariable_Check(v) || is_a(views, classes.remote_tensor) || is_a(views, classes.pages))
+    return add(0, views);
+  if (PyList_Check(v) || PyTuple_Check(v) || is_instance(views, classes.sequence)) {
+    const py::sequence items = py::reinterpret_borrow<py::sequence>(views);
+    const size_t n = items.size();
+    for (size_t i = 0; i < n; ++i) add(i, items[i]);
+    return;
+  }
+  throw py::type_error(cat("the ", local ? "local views" : "remote tensors", " must be a tensor or a sequence of them, not ",
+                           type_name(views)));
+}
+
+CallArgs call_args(py::handle local, py::handle remote, py::handle notify, py::handle timeout) {
+  CallArgs a;
+  a.mirror = is_a(remote, classes.remote_tensor);
+  unpack(local, true, a);
+  unpack(remote, false, a);
+  if (!notify.is_none()) {
+    const py::int_ tag(py::reinterpret_borrow<py::object>(notify));
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(tag.ptr(), &overflow);
+    if (overflow || value < 0 || value >= (1LL << 32))
+      throw py::value_error(cat("notify must be a 32-bit unsigned tag, not ", py::str(notify).cast<std::string>()));
+    a.notify = value;
+  }
+  if (!timeout.is_none()) {
+    const double t = py::float_(py::reinterpret_borrow<py::object>(timeout));
+    if (!(t > 0)) throw py::value_error(cat("timeout must be positive, not ", py::str(timeout).cast<std::string>()));
+    a.timeout = t;
+  }
+  return a;
+}
+
 py::object setting(const Config& c, const std::string& name) {
 #define P2P_SETTING_VALUE(key, field, type, value, env) \
   if (name == #key) return py::cast(c.field);
@@ -235,19 +321,20 @@ PYBIND11_MODULE(_C, m) {
         return e.register_tensor(t, access, timeout);
       })
       .def("deregister", &Engine::deregister, py::call_guard<py::gil_scoped_release>())
-      .def("submit", [](Engine& e, uint64_t id, const py::object& future, bool write, const std::vector<at::Tensor>& local,
-                        const std::vector<std::shared_ptr<RemoteView>>& remote, const std::vector<Engine::Pages>& local_pages,
-                        const std::vector<Engine::Pages>& remote_pages, bool mirror, int64_t notify, double timeout) {
+      // write_slices (write) / read_slices with the user's arguments as they came (call_args).
+      .def("submit", [](Engine& e, uint64_t id, const py::object& future, bool write, py::handle local,
+                        py::handle remote, py::handle notify, py::handle timeout) {
+        const CallArgs a = call_args(local, remote, notify, timeout);
         start(e, id, future, [&] {
           py::gil_scoped_release release;  // the dispatcher completes earlier calls meanwhile
-          e.submit(id, write, local, remote, local_pages, remote_pages, mirror, notify, timeout);
+          e.submit(id, write, a.local, a.remote, a.local_pages, a.remote_pages, a.mirror, a.notify, a.timeout);
         });
       })
-      .def("prepare", [](Engine& e, bool write, const std::vector<at::Tensor>& local,
-                         const std::vector<std::shared_ptr<RemoteView>>& remote, const std::vector<Engine::Pages>& local_pages,
-                         const std::vector<Engine::Pages>& remote_pages, bool mirror, int64_t notify, double timeout) {
+      .def("prepare", [](Engine& e, bool write, py::handle local, py::handle remote, py::handle notify,
+                         py::handle timeout) {
+        const CallArgs a = call_args(local, remote, notify, timeout);
         py::gil_scoped_release release;
-        return e.prepare(write, local, remote, local_pages, remote_pages, mirror, notify, timeout);
+        return e.prepare(write, a.local, a.remote, a.local_pages, a.remote_pages, a.mirror, a.notify, a.timeout);
       })
       .def("run", [](Engine& e, uint64_t id, const py::object& future, const std::shared_ptr<Engine::Prepared>& call) {
         start(e, id, future, [&] {
@@ -292,5 +379,8 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("stream_release", &Engine::stream_release);
 
+  m.def("_set_classes", [](py::object pages, py::object remote_tensor, py::object sequence) {
+    classes = {pages.release().ptr(), remote_tensor.release().ptr(), sequence.release().ptr()};
+  }, "torch_p2p.engine's Pages, RemoteTensor and collections.abc.Sequence, for write_slices' arguments.");
   bind_wire(m);
 }

@@ -11,7 +11,7 @@ import itertools
 import logging
 import threading
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -24,6 +24,8 @@ log = logging.getLogger("torch_p2p")
 _DEFAULTS = {key: default for key, _, default in _C.settings()}
 
 _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+_Future, _new_future, _init_future, _NO_DEVICES = torch.futures.Future, torch._C.Future.__new__, torch._C.Future.__init__, []
 
 
 def _parse_device(device) -> torch.device:
@@ -83,28 +85,9 @@ def pages(base, ids, dim: int = 0) -> Pages:
     return Pages(base, ids, dim)
 
 
-def _unpack(views, kind: type) -> tuple[list, list]:
-    """The bases and the (ids, dim) page lists (None where not pages) of one side of
-    write_slices / read_slices: a `kind` (tensor, or RemoteTensor), a Pages of one, or a
-    sequence of them."""
-    local = kind is torch.Tensor
-    if isinstance(views, (torch.Tensor, RemoteTensor, Pages)):
-        views = (views,)
-    elif not isinstance(views, Sequence):
-        raise TypeError(f"the {'local views' if local else 'remote tensors'} must be a tensor or a sequence of "
-                        f"them, not {type(views).__name__}")
-    bases, pages = [], []
-    for i, v in enumerate(views):
-        if isinstance(v, Pages):
-            pages.append((v.ids, v.dim))
-            v = v.base
-        else:
-            pages.append(None)
-        if not isinstance(v, kind):
-            raise TypeError(f"{'local view' if local else 'remote'} {i} is a {type(v).__name__}, "
-                            f"not {'a tensor' if local else 'a RemoteTensor'}")
-        bases.append(v)
-    return bases, pages
+# write_slices' arguments are taken apart natively (a small call's cost is mostly per call):
+# the native side needs the classes it takes apart.
+_C._set_classes(Pages, RemoteTensor, Sequence)
 
 
 class PreparedCall:
@@ -311,25 +294,15 @@ class Engine:
         moves what ``write_slices(src_views, dst, ...)`` would, without doing them again. For
         the same buffers moved again and again (weights, pipeline stages, benchmarks). Page ids
         are copied here: changing them later changes nothing."""
-        return PreparedCall(self, self._c.prepare(*self._arguments(True, src_views, dst, notify, timeout)))
+        return PreparedCall(self, self._c.prepare(True, src_views, dst, notify, timeout))
 
     def prepare_read(self, dst_views, src, *, timeout: float | None = None) -> "PreparedCall":
         """read_slices done once, run many times: see prepare_write."""
-        return PreparedCall(self, self._c.prepare(*self._arguments(False, dst_views, src, None, timeout)))
+        return PreparedCall(self, self._c.prepare(False, dst_views, src, None, timeout))
 
     def _submit(self, write, local, remote, notify, timeout):
-        return self._call(self._c.submit, *self._arguments(write, local, remote, notify, timeout))
-
-    def _arguments(self, write, local, remote, notify, timeout) -> tuple:
-        # NOTE: this runs once per call, and small paged calls are bound by its cost: one pass
-        # over each side, no closure.
-        mirror = isinstance(remote, RemoteTensor)
-        local, local_pages = _unpack(local, torch.Tensor)
-        remote, remote_pages = _unpack(remote, RemoteTensor)
-        if notify is not None and not 0 <= int(notify) < 1 << 32:
-            raise ValueError(f"notify must be a 32-bit unsigned tag, not {notify}")
-        return (write, local, [r._v for r in remote], local_pages, remote_pages, mirror,
-                -1 if notify is None else int(notify), _worker_timeout(timeout))
+        # The native side checks and takes apart the views, the tag and the timeout.
+        return self._call(self._c.submit, write, local, remote, notify, timeout)
 
     # -- peers and messages --------------------------------------------------------------------
     def connect(self, address: bytes) -> torch.futures.Future:
@@ -426,9 +399,11 @@ class Engine:
     def _call(self, start, *args) -> torch.futures.Future:
         """Registers a future under a fresh id, then starts the operation that completes it:
         ``start(id, future, *args)``."""
-        self._check_open()
+        if self._closed:
+            raise errors.ClosedError("the engine is closed")
         fid = next(self._ids)
-        fut = torch.futures.Future()
+        fut = _new_future(_Future)  # torch.futures.Future() without its Python __init__
+        _init_future(fut, _NO_DEVICES)
         self._futures[fid] = fut
         try:
             start(fid, fut, *args)
