@@ -29,6 +29,20 @@ class CompletionQueue {
     }
     cv_.notify_one();
   }
+  // Moves every item of `items` in at once (one wake of the dispatcher); leaves it empty.
+  void push_all(std::vector<Completion>& items) {
+    if (items.empty()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (items_.empty()) {
+        items_.swap(items);
+      } else {
+        for (Completion& c : items) items_.push_back(std::move(c));
+        items.clear();
+      }
+    }
+    cv_.notify_one();
+  }
   // Everything queued, waiting up to timeout_ms for the first; empty on timeout or close.
   std::vector<Completion> pop(int timeout_ms) {
     std::unique_lock<std::mutex> lock(mu_);

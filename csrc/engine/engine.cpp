@@ -24,7 +24,7 @@ std::string dims(at::IntArrayRef v) {
 }  // namespace
 
 Engine::Engine(Setup setup) : cuda_device_(setup.config.cuda_device) {
-  worker_ = std::make_unique<Worker>(std::move(setup), &completions_);
+  worker_ = std::make_unique<Worker>(std::move(setup), &completions_, &transfers_);
 }
 
 Engine::~Engine() { close(); }
@@ -70,7 +70,7 @@ void Engine::check_device(const at::Tensor& t, const char* what) const {
 void Engine::submit(uint64_t id, bool write, const std::vector<at::Tensor>& local,
                     const std::vector<std::shared_ptr<RemoteView>>& remote, const std::vector<Pages>& local_pages,
                     const std::vector<Pages>& remote_pages, bool mirror, int64_t notify, double timeout_s) {
-  auto t = std::make_unique<Transfer>();
+  auto t = transfers_.take();
   const bool cuda = build(*t, write, local, remote, local_pages, remote_pages, mirror, notify, timeout_s);
   start(id, std::move(t), cuda);
 }
@@ -86,7 +86,7 @@ std::shared_ptr<Engine::Prepared> Engine::prepare(bool write, const std::vector<
 }
 
 void Engine::run(uint64_t id, const Prepared& prepared) {
-  auto t = std::make_unique<Transfer>();
+  auto t = transfers_.take();
   static_cast<TransferCall&>(*t) = prepared.call;
   {
     // The checks were made once; a region deregistered since then fails the run here (or, if
@@ -386,7 +386,7 @@ void Engine::send(uint64_t id, const std::string& address, std::string payload, 
   EngineAddress::decode(address);
   P2P_CHECK(payload.size() <= kMaxUserMessageBytes, ErrorKind::Value, "a message may hold at most ", kMaxUserMessageBytes,
             " bytes, not ", payload.size());
-  auto t = std::make_unique<Transfer>();
+  auto t = transfers_.take();
   t->id = id;
   t->kind = TransferKind::Message;
   t->peer_address = address;

@@ -151,6 +151,7 @@ class Engine {
 
   CompletionQueue completions_;
   TorchFutures futures_;
+  TransferPool transfers_;  // the worker gives finished transfers back
   std::unique_ptr<Worker> worker_;
   int cuda_device_;
   std::mutex mu_;

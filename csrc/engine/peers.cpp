@@ -40,6 +40,14 @@ void take_live_regions(Peer& p, const LiveRegions& live) {
 // HELLO, would keep rail 0's send buffers busy and hold up a real peer's introduction past
 // peer_timeout.
 Peer* Worker::peer_for(const std::string& address_bytes, Contact how) {
+  // Every transfer names its peer by address: the same bytes as the last peer's, of a peer that
+  // has not failed, find it without decoding them (which allocates). Peers are never erased.
+  if (last_peer_ && !last_peer_->failed() && last_peer_->address_bytes == address_bytes) return last_peer_;
+  last_peer_ = find_peer(address_bytes, how);
+  return last_peer_;
+}
+
+Peer* Worker::find_peer(const std::string& address_bytes, Contact how) {
   EngineAddress a = EngineAddress::decode(address_bytes);
   P2P_CHECK(a.provider == provider_, ErrorKind::Value, "the peer uses provider ", a.provider,
             " but this engine uses ", provider_, "; both ends need the same provider");

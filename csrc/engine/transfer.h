@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -116,6 +117,24 @@ struct Transfer final : OpOwner, TransferCall {
 
   void op_done(Worker& worker, Op& op, const Status& status) override;
   bool abandoned() const override { return reported(); }
+  // Back to a new transfer's state, keeping the buffers' capacity (TransferPool).
+  void recycle();
+};
+
+// Finished transfers, for new calls to reuse: the worker gives them back, the engine takes
+// them. NOTE: a call's transfer and buffers were allocated on the calling thread and freed on
+// the worker's, which glibc's per-thread caches serve badly: with jemalloc preloaded instead,
+// a paged call's checks took 1.4 / 3.7 us (1 / 256 pages) instead of 2.8 / 5.6 on the H100
+// machine. Reused buffers allocate nothing in steady state.
+class TransferPool {
+ public:
+  std::unique_ptr<Transfer> take();
+  void give(std::unique_ptr<Transfer> t);  // keeps at most kSpare
+
+ private:
+  static constexpr size_t kSpare = 256;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Transfer>> spare_;
 };
 
 }  // namespace p2p::engine

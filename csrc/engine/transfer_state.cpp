@@ -26,6 +26,47 @@ const char* name(TransferStep step) {
   return "?";
 }
 
+void Transfer::recycle() {
+  auto emptied = [](auto& buffer) {
+    auto kept = std::move(buffer);
+    kept.clear();
+    return kept;
+  };
+  auto local_ids_kept = emptied(local_ids);
+  auto remote_kept = emptied(remote);
+  auto runs_kept = emptied(runs);
+  auto pages_kept = emptied(pages);
+  auto page_ids_kept = emptied(page_ids);
+  auto local_kept = emptied(local);
+  auto address_kept = emptied(peer_address);
+  *this = Transfer();
+  local_ids = std::move(local_ids_kept);
+  remote = std::move(remote_kept);
+  runs = std::move(runs_kept);
+  pages = std::move(pages_kept);
+  page_ids = std::move(page_ids_kept);
+  local = std::move(local_kept);
+  peer_address = std::move(address_kept);
+}
+
+std::unique_ptr<Transfer> TransferPool::take() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!spare_.empty()) {
+      std::unique_ptr<Transfer> t = std::move(spare_.back());
+      spare_.pop_back();
+      return t;
+    }
+  }
+  return std::make_unique<Transfer>();
+}
+
+void TransferPool::give(std::unique_ptr<Transfer> t) {
+  t->recycle();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (spare_.size() < kSpare) spare_.push_back(std::move(t));
+}
+
 TransferStep Transfer::next_step(bool needs_fence) const {
   using S = TransferState;
   if (state == S::Reported) return TransferStep::Wait;

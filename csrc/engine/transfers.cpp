@@ -280,7 +280,9 @@ void Worker::maybe_free(Transfer& t) {
   if (!t.reported() || t.pending > 0 || t.queued) return;
   if (t.cuda_event) copier_->release_event(t.cuda_event);
   Peer* p = t.peer;
-  transfers_.erase(t.id);  // t is gone from here on
+  auto it = transfers_.find(t.id);
+  finished_->give(std::move(it->second));  // t is gone from here on
+  transfers_.erase(it);
   if (!p) return;
   if (!p->to_release.empty()) release_regions(*p);
   end_work(*p);

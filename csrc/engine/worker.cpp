@@ -11,8 +11,8 @@
 
 namespace p2p::engine {
 
-Worker::Worker(Setup setup, CompletionQueue* completions)
-    : config_(std::move(setup.config)), offer_(std::move(setup.offer)), completions_(completions) {
+Worker::Worker(Setup setup, CompletionQueue* completions, TransferPool* transfers)
+    : config_(std::move(setup.config)), offer_(std::move(setup.offer)), completions_(completions), finished_(transfers) {
   std::promise<void> ready;
   auto opened = ready.get_future();
   thread_ = std::thread([this, &ready] { run(ready); });
@@ -55,8 +55,10 @@ double Worker::now() const {
 }
 
 void Worker::report(uint64_t id, Status status, std::string payload, std::string address) {
-  completions_->push({id, std::move(status), std::move(payload), std::move(address)});
+  reports_.push_back({id, std::move(status), std::move(payload), std::move(address)});
 }
+
+void Worker::hand_over_reports() { completions_->push_all(reports_); }
 
 bool Worker::region_staged(bool cuda) const {
   if (config_.data_path == DataPath::Staged) return true;
@@ -94,6 +96,8 @@ void Worker::run(std::promise<void>& ready) {
       tick();
       next_tick_ = t + 0.005;
     }
+    if (ipc_) ipc_->flush();  // the copies this turn queued, in one launch
+    hand_over_reports();
     if (busy || always_spin)
       idle_since_ = t;
     else if ((t - idle_since_) * 1e6 > config_.spin_us)
@@ -210,6 +214,7 @@ void Worker::shutdown() {
   close_rails();
   release_held_resources();
   refuse_late_commands();
+  hand_over_reports();
   if (epoll_fd_ >= 0) close(epoll_fd_);
   // wake_fd_ stays open until the destructor: post() may still write to it.
 }

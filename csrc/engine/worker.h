@@ -57,7 +57,8 @@ struct Slot;
 
 class Worker {
  public:
-  Worker(Setup setup, CompletionQueue* completions);
+  // Finished transfers go back to `transfers` (the engine's).
+  Worker(Setup setup, CompletionQueue* completions, TransferPool* transfers);
   ~Worker();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -112,6 +113,8 @@ class Worker {
   void poll_fences();
   void job_op_done(SlotJob& job, const Status& status);
   double now() const;
+  // Gives operation `id` its result. Results leave at the end of the loop's turn, together:
+  // one wake of the dispatcher for all that completed in a turn.
   void report(uint64_t id, Status status, std::string payload = {}, std::string address = {});
 
  private:
@@ -130,6 +133,7 @@ class Worker {
   // worker.cpp: thread, loop, timers, shutdown.
   void run(std::promise<void>& ready);
   bool drain_commands();
+  void hand_over_reports();
   // Runs a command; closed: the worker has stopped, so it only fails its operation.
   void execute(Command& command, bool closed);
   void tick();
@@ -191,6 +195,7 @@ class Worker {
   // How an address reached peer_for(): a transfer's handle, connect(), or the process's own HELLO.
   enum class Contact : uint8_t { Implicit, Connect, Introduction };
   Peer* peer_for(const std::string& address_bytes, Contact how);
+  Peer* find_peer(const std::string& address_bytes, Contact how);  // peer_for without its cache
   void readdress(Peer& p, EngineAddress a, const std::string& address_bytes);
   void revive(Peer& p);
   void send_hello(Peer& p);
@@ -260,6 +265,8 @@ class Worker {
   std::thread::id worker_thread_;  // set as the thread starts
   std::shared_ptr<const fabric::Offer> offer_;  // the provider as set-up queried it
   CompletionQueue* completions_;
+  std::vector<Completion> reports_;  // reported this turn (worker thread)
+  TransferPool* finished_;
   std::thread thread_;
 
   // Fixed once the thread has opened its rails.
@@ -292,6 +299,7 @@ class Worker {
   RegionTable regions_;
   std::unordered_map<Region*, std::pair<std::shared_ptr<Region>, size_t>> orphan_pins_;
   std::unordered_map<uint64_t, std::unique_ptr<Peer>> peers_;  // by incarnation
+  Peer* last_peer_ = nullptr;  // peer_for's cache
   std::unordered_map<uint64_t, std::unique_ptr<Transfer>> transfers_;
   Ring<Transfer*> gen_queue_;
   Striper striper_{config_.min_chunk, config_.max_chunk};
