@@ -97,6 +97,21 @@ bool is_instance(py::handle obj, PyObject* cls) {
 
 std::string type_name(py::handle obj) { return py::type::handle_of(obj).attr("__name__").cast<std::string>(); }
 
+// An attribute name, interned at its first use (a lookup by C string makes a Python string
+// each time); kept for good.
+struct Name {
+  const char* text;
+  PyObject* interned = nullptr;
+};
+Name ids_name{"ids"}, dim_name{"dim"}, base_name{"base"}, view_name{"_v"};
+
+py::object attribute(py::handle obj, Name& name) {
+  if (!name.interned) name.interned = PyUnicode_InternFromString(name.text);
+  PyObject* value = PyObject_GetAttr(obj.ptr(), name.interned);
+  if (!value) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(value);
+}
+
 struct CallArgs {
   std::vector<at::Tensor> local;
   std::vector<std::shared_ptr<RemoteView>> remote;
@@ -113,8 +128,10 @@ void unpack(py::handle views, bool local, CallArgs& a) {
     py::object base = py::reinterpret_borrow<py::object>(item);
     Engine::Pages pages;
     if (is_a(item, classes.pages)) {
-      pages = std::make_tuple(THPVariable_Unpack(item.attr("ids").ptr()), item.attr("dim").cast<int64_t>());
-      base = item.attr("base");
+      const py::object ids = attribute(item, ids_name);
+      if (!THPVariable_Check(ids.ptr())) throw py::type_error("page ids must be a 1-d contiguous int64 CPU tensor");
+      pages = std::make_tuple(THPVariable_Unpack(ids.ptr()), attribute(item, dim_name).cast<int64_t>());
+      base = attribute(item, base_name);
     }
     if (local ? !THPVariable_Check(base.ptr()) : !is_a(base, classes.remote_tensor))
       throw py::type_error(cat(local ? "local view " : "remote ", i, " is a ", type_name(base),
@@ -123,14 +140,18 @@ void unpack(py::handle views, bool local, CallArgs& a) {
       a.local.push_back(THPVariable_Unpack(base.ptr()));
       a.local_pages.push_back(std::move(pages));
     } else {
-      a.remote.push_back(base.attr("_v").cast<std::shared_ptr<RemoteView>>());
+      a.remote.push_back(attribute(base, view_name).cast<std::shared_ptr<RemoteView>>());
       a.remote_pages.push_back(std::move(pages));
     }
   };
   PyObject* v = views.ptr();
   if (THPVariable_Check(v) || is_a(views, classes.remote_tensor) || is_a(views, classes.pages))
     return add(0, views);
-  if (PyList_Check(v) || PyTuple_Check(v) || is_instance(views, classes.sequence)) {
+  if (PyList_Check(v) || PyTuple_Check(v)) {
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(v); ++i) add(i, PySequence_Fast_GET_ITEM(v, i));
+    return;
+  }
+  if (is_instance(views, classes.sequence)) {
     const py::sequence items = py::reinterpret_borrow<py::sequence>(views);
     const size_t n = items.size();
     for (size_t i = 0; i < n; ++i) add(i, items[i]);

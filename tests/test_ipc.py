@@ -259,6 +259,35 @@ def test_ipc_paged_random_both_sides(ipc_pair):
 
 
 @cuda
+def test_ipc_calls_in_flight_together_each_land_whole(ipc_pair):
+    # Calls that reach the worker in one turn share one launch: each must still land whole.
+    a, b, _ = ipc_pair
+    blocks, page, calls, per = 4096, 4096, 64, 48
+    remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (blocks, page)))
+    src = gpu_random((blocks, page), torch.uint8, 3)
+    a.register(src)
+    g = torch.Generator().manual_seed(11)
+    dids = torch.randperm(blocks, generator=g)[:calls * per].view(calls, per)
+    sids = torch.randint(0, blocks, (calls, per), generator=g)
+    for fut in [a.write_slices(p2p.pages(src, sids[i]), p2p.pages(remote, dids[i])) for i in range(calls)]:
+        fut.wait()
+    whole = b.call(fetch_whole, "t")
+    check_guards(whole)
+    expected = torch.full((blocks, page), helpers.POISON, dtype=torch.uint8)
+    expected[dids.flatten()] = src.cpu()[sids.flatten()]
+    assert torch.equal(whole[4096:-4096].view(blocks, page), expected)
+
+    back = torch.full((blocks, page), helpers.POISON, dtype=torch.uint8, device="cuda:0")
+    a.register(back)
+    odd = dids[1::2]  # every other call's pages, read back in calls in flight together
+    for fut in [a.read_slices(p2p.pages(back, ids), p2p.pages(remote, ids)) for ids in odd]:
+        fut.wait()
+    want = torch.full((blocks, page), helpers.POISON, dtype=torch.uint8)
+    want[odd.flatten()] = expected[odd.flatten()]
+    assert torch.equal(back.cpu(), want)
+
+
+@cuda
 def test_ipc_one_call_mixes_page_sizes_and_views(ipc_pair):
     """Page lists of different lengths, pages too long for the page kernel (they go as spans),
     and a plain view, in one write and one read: each launch of the call lands, and the last
@@ -480,11 +509,17 @@ def test_ipc_peer_killed_mid_transfer():
         assert torch.equal(c.call(fetch_whole, "t")[4096:-4096], src[: 1 << 20].cpu())
 
 
+def engine_cpu(state):
+    return state["engine"].plan.cpu
+
+
 @cuda
 def test_ipc_same_gpu_two_processes():
     with Peer() as b, p2p.Engine("cuda:0", **engine_kwargs("tcp")) as a:
         address = b.call(helpers.start_engine, "tcp", device="cuda:0")
         assert a.route(address) == "ipc"
+        # Their busy-polling workers pin different cores (topology.claim_core).
+        assert a.plan.cpu is None or b.call(engine_cpu) != a.plan.cpu, a.plan.reason
         remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (256, 1024), fill=-1.0, device="cuda:0"))
         src = gpu_random((256, 1024), torch.float32, 8)
         a.register(src)

@@ -282,11 +282,11 @@ class Engine:
         The future completes when every byte is in the destination memory. CUDA sources are
         read after the work queued so far on the current stream.
         """
-        return self._submit(True, src_views, dst, notify, timeout)
+        return self._call(self._c.submit, True, src_views, dst, notify, timeout)
 
     def read_slices(self, dst_views, src, *, timeout: float | None = None) -> torch.futures.Future:
         """Reads remote memory into local views (RDMA READ); pairing as in write_slices."""
-        return self._submit(False, dst_views, src, None, timeout)
+        return self._call(self._c.submit, False, dst_views, src, None, timeout)
 
     def prepare_write(self, src_views, dst, *, notify: int | None = None,
                       timeout: float | None = None) -> "PreparedCall":
@@ -299,10 +299,6 @@ class Engine:
     def prepare_read(self, dst_views, src, *, timeout: float | None = None) -> "PreparedCall":
         """read_slices done once, run many times: see prepare_write."""
         return PreparedCall(self, self._c.prepare(False, dst_views, src, None, timeout))
-
-    def _submit(self, write, local, remote, notify, timeout):
-        # The native side checks and takes apart the views, the tag and the timeout.
-        return self._call(self._c.submit, write, local, remote, notify, timeout)
 
     # -- peers and messages --------------------------------------------------------------------
     def connect(self, address: bytes) -> torch.futures.Future:

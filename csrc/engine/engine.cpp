@@ -264,7 +264,13 @@ bool Engine::add_pages(TransferCall& t, const Entry& e, bool mirror, const Pages
 
 void Engine::check_page_ids(const int64_t* lids, int64_t n, int64_t lcount, int64_t rcount, const Entry& e) {
   const int64_t* rids = lids + n;
-  for (int64_t k = 0; k < n; ++k) {
+  // One pass without branches (vectorized) tells whether any id is out of range; only then
+  // does the loop below look for the first, to name it.
+  bool out = false;
+  for (int64_t k = 0; k < n; ++k)
+    out |= (static_cast<uint64_t>(lids[k]) >= static_cast<uint64_t>(lcount)) |
+           (static_cast<uint64_t>(rids[k]) >= static_cast<uint64_t>(rcount));
+  for (int64_t k = 0; out && k < n; ++k) {
     const int64_t l = lids[k], r = rids[k];
     P2P_CHECK(l >= 0 && l < lcount && r >= 0 && r < rcount, ErrorKind::Index, e.what, " ", e.index, ": page ", k,
               " pairs local page ", l, " of ", lcount, " with remote page ", r, " of ", rcount);
