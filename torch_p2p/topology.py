@@ -57,8 +57,9 @@ def claim_core(cpu: int, scope: str = "torch_p2p") -> socket.socket | None:
     """Claims `cpu` for one engine's busy-polling progress thread on this host; None if another
     engine holds it. A claim is an abstract Unix socket named after the core: the kernel frees the
     name when the socket closes or its process dies, so a crashed engine leaves nothing behind.
-    NOTE: two pinned workers on one core each get half of it, in slices of milliseconds (two
-    processes on one H100 moved a 4 KiB page in 49 us per call instead of 16).
+    NOTE: two pinned workers on one core each get half of it, in slices of milliseconds: two
+    processes on one H100 took 49 us per one-page IPC call (61 for 256 pages) where claimed
+    cores took 19 (26; benchmarks/results/2026-11-24-h100-ipc/prof-{1,2}*.txt).
     Claims are seen within one network namespace: containers with their own do not see each
     other's (then set TORCH_P2P_CPUS). `scope` names a separate set of claims (tests)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
