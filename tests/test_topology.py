@@ -230,6 +230,14 @@ def test_every_core_claimed_shares_and_says_so(tmp_path):
     a.release()
 
 
+def test_cores_unclaimable_pin_the_first_and_say_so(tmp_path):
+    def refused(cpu):
+        raise OSError("no Unix sockets here")
+
+    p = plan([Nic("eth0")], "cuda:0", gpu_pcis=[], sysfs=str(tmp_path), allowed_cpus={0, 1, 2, 3}, claim=refused)
+    assert p.cpu == 1 and p.claim is None and "not claimed: no Unix sockets here" in p.reason
+
+
 def test_a_dead_process_leaves_its_core_free(tmp_path):
     import subprocess
     import sys

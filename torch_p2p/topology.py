@@ -61,7 +61,8 @@ def claim_core(cpu: int, scope: str = "torch_p2p") -> socket.socket | None:
     processes on one H100 took 49 us per one-page IPC call (61 for 256 pages) where claimed
     cores took 19 (26; benchmarks/results/2026-11-24-h100-ipc/prof-{1,2}*.txt).
     Claims are seen within one network namespace: containers with their own do not see each
-    other's (then set TORCH_P2P_CPUS). `scope` names a separate set of claims (tests)."""
+    other's (then set TORCH_P2P_CPUS). `scope` names a separate set of claims (tests). Raises
+    OSError where no Unix socket can be made (plan() then pins without claiming)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         s.bind(f"\0{scope}/cpu/{cpu}")
@@ -180,11 +181,15 @@ def plan(
         order = _cpus_for_gpu(ordinal, gpu_paths, sysfs, allowed)
         cpu = order[0] if order else None
         if claim is not None and order:
-            held = next(((c, h) for c in order if (h := claim(c)) is not None), None)
-            if held is None:
-                shared = " (shared: another engine holds every core of the node)"
+            try:
+                held = next(((c, h) for c in order if (h := claim(c)) is not None), None)
+            except OSError as e:
+                shared = f" (not claimed: {e})"
             else:
-                cpu, held = held
+                if held is None:
+                    shared = " (shared: another engine holds every core of the node)"
+                else:
+                    cpu, held = held
     else:
         cpu = None  # a host-memory engine has no device to be near
     numa = None if cpu is None else _numa_of_cpu(sysfs, cpu)
