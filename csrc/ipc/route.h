@@ -3,8 +3,8 @@
 // initiator maps the owner's exported storage once (cached per region) and moves the whole
 // call with one queued copy (a gather kernel for small runs, the copy engines for large ones)
 // on its own stream, after the caller's stream event. The calls queued in one turn of the
-// worker's loop go out together: one launch of the gather kernel for all of them. The worker completes the transfer once
-// the copy's ticket is done, and sends its notification after that.
+// worker's loop go out together: one launch of the gather kernel for all of them. The worker
+// completes the transfer once the copy's ticket is done, and sends its notification after that.
 //
 // Lifetime: a mapping stays while its region is live at the owner. The owner's RegionClosed
 // makes the worker release it once nothing of ours flows into it (release()), and the owner
