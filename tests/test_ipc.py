@@ -260,7 +260,7 @@ def test_ipc_paged_random_both_sides(ipc_pair):
 
 @cuda
 def test_ipc_calls_in_flight_together_each_land_whole(ipc_pair):
-    # Calls that reach the worker in one turn share one launch: each must still land whole.
+    # Many calls in flight at once, each its own page set: each lands whole and completes.
     a, b, _ = ipc_pair
     blocks, page, calls, per = 4096, 4096, 64, 48
     remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (blocks, page)))
@@ -285,6 +285,30 @@ def test_ipc_calls_in_flight_together_each_land_whole(ipc_pair):
     want = torch.full((blocks, page), helpers.POISON, dtype=torch.uint8)
     want[odd.flatten()] = expected[odd.flatten()]
     assert torch.equal(back.cpu(), want)
+
+
+@cuda
+def test_ipc_a_call_after_a_stream_wait_for_an_earlier_one(ipc_pair):
+    # Call A follows the caller's stream, which waits (stream_wait) for call B: B's copy must go
+    # out on its own, not behind A's wait. Both posted back to back reach the worker together;
+    # copies sharing one launch after both waits deadlocked here until B's timeout.
+    a, b, _ = ipc_pair
+    n = 1 << 20
+    remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (2, n)))
+    src = gpu_random((2, n), torch.uint8, 5)
+    a.register(src)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for i in range(200):
+            earlier = a.write_slices([src[0]], [remote[0]], timeout=10)
+            a.stream_wait(earlier, stream)
+            src[1].add_(1)  # on the stream, after the wait: A must send this
+            later = a.write_slices([src[1]], [remote[1]], timeout=10)
+            p2p.wait(later, 20)
+            p2p.wait(earlier, 20)
+    whole = b.call(fetch_whole, "t")
+    check_guards(whole)
+    assert torch.equal(whole[4096:-4096].view(2, n), src.cpu())
 
 
 @cuda

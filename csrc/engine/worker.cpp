@@ -96,7 +96,6 @@ void Worker::run(std::promise<void>& ready) {
       tick();
       next_tick_ = t + 0.005;
     }
-    if (ipc_) ipc_->flush();  // the copies this turn queued, in one launch
     hand_over_reports();
     if (busy || always_spin)
       idle_since_ = t;
@@ -209,6 +208,9 @@ void Worker::tick() {
 void Worker::shutdown() {
   const Status closed = Status::error(ErrorKind::Closed, "the engine was closed");
   fail_everything(closed);
+  // Out before anything below waits on a stream: a stream may wait (stream_wait) on one of
+  // these futures, released only when the dispatcher has failed it.
+  hand_over_reports();
   say_goodbye();
   release_registrations();
   close_rails();

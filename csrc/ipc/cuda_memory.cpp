@@ -66,7 +66,7 @@ class CudaMemory final : public Memory {
     *flag_ = 0;
   }
   ~CudaMemory() override {
-    cudaStreamSynchronize(stream_);  // a batch never flushed is dropped: its transfers failed
+    cudaStreamSynchronize(stream_);
     for (auto& t : outstanding_) cudaEventDestroy(t.event);
     for (Pinned& b : blocks_) cudaFreeHost(b.host);
     cudaFreeHost(flag_);
@@ -120,12 +120,11 @@ class CudaMemory final : public Memory {
     return address_range(ptr, base, size) && ptr + nbytes <= base + size;
   }
 
-  // A call's wait and its copy-engine copies go out at once, in order; its kernel spans fill
-  // descriptor blocks (a full one is launched: every wait before it is out) and its small pages
-  // wait for flush(), where one launch takes the pages of every call of the batch.
   uint64_t copy(const std::vector<engine::CopySpan>& spans, const std::vector<engine::CopyPages>& pages,
                 void* after) override {
+    Ticket t;
     if (after) note(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(after), 0));
+    small_pages_.clear();
     big_pages_.clear();
     for (const engine::CopyPages& p : pages) {
       if (p.bytes <= kKernelSpan) {
@@ -136,27 +135,20 @@ class CudaMemory final : public Memory {
         big_pages_.push_back({static_cast<char*>(p.dst) + p.dst_ids[k] * p.dst_stride,
                               static_cast<const char*>(p.src) + p.src_ids[k] * p.src_stride, p.bytes});
     }
-    queue_spans(spans, batch_, pending_);
-    queue_spans(big_pages_, batch_, pending_);
-    queued_ = true;
-    return issued_ + 1;
-  }
-
-  void flush() override {
-    if (!queued_) return;
+    SpanBatch batch;
+    queue_spans(spans, batch, t);
+    queue_spans(big_pages_, batch, t);
     // Only the last launch signals (the stream runs launches in order), and it comes after
-    // every copy-engine copy of the batch, so its flag covers them.
-    launch_spans(batch_, small_pages_.empty(), pending_);
-    launch_pages(pending_);
-    small_pages_.clear();
-    if (!pending_.signaled) {
-      pending_.event = static_cast<cudaEvent_t>(cuda::take_event(device_));
-      note(cudaEventRecord(pending_.event, stream_));
+    // every copy-engine copy of the call, so its flag covers them.
+    launch_spans(batch, small_pages_.empty(), t);
+    launch_pages(t);
+    if (!t.signaled) {
+      t.event = static_cast<cudaEvent_t>(cuda::take_event(device_));
+      note(cudaEventRecord(t.event, stream_));
     }
-    pending_.id = ++issued_;
-    outstanding_.push_back(std::move(pending_));
-    pending_ = {};
-    queued_ = false;
+    t.id = ++issued_;
+    outstanding_.push_back(std::move(t));
+    return issued_;
   }
 
   bool done(uint64_t ticket) override {
@@ -328,12 +320,8 @@ class CudaMemory final : public Memory {
   std::deque<Ticket> outstanding_;
   std::deque<Pinned> blocks_;  // stable addresses
   std::vector<size_t> free_blocks_;
-  // The batch that flush() launches: its ticket, kernel spans not launched yet, and small pages.
-  Ticket pending_;
-  SpanBatch batch_;
-  std::vector<engine::CopyPages> small_pages_;
-  bool queued_ = false;
-  std::vector<engine::CopySpan> big_pages_;  // reused by copy(): pages too long for the page kernel
+  std::vector<engine::CopyPages> small_pages_;  // reused by copy(): pages for the page kernel
+  std::vector<engine::CopySpan> big_pages_;     // and pages too long for it, as spans
   uint64_t issued_ = 0, completed_ = 0;
   std::string error_;
 };

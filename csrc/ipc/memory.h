@@ -26,13 +26,10 @@ class Memory {
   // True when [ptr, ptr + nbytes) is device memory of this process (an engine of ours owns it).
   virtual bool owns(uint64_t ptr, uint64_t nbytes) = 0;
   // Queues every span and page (device memory, or mapped memory of a peer) after the work
-  // behind `after` (a cudaEvent_t, or null); returns the ticket of the batch it joins. A batch
-  // is what was queued since the last flush(), which launches it: one kernel (or two) for
-  // every call of a loop turn instead of a launch each. Tickets complete in order. The page
-  // ids must stay as they are until flush() returns.
+  // behind `after` (a cudaEvent_t, or null); returns a ticket. Tickets complete in order. The
+  // page ids are read before copy() returns.
   virtual uint64_t copy(const std::vector<engine::CopySpan>& spans, const std::vector<engine::CopyPages>& pages,
                         void* after) = 0;
-  virtual void flush() = 0;
   virtual bool done(uint64_t ticket) = 0;
   // The first CUDA error seen on the stream, empty if none.
   virtual std::string error() const = 0;

@@ -2,9 +2,8 @@
 // host (boot id and pid namespace alike, both CUDA engines with IPC on) skips the fabric: the
 // initiator maps the owner's exported storage once (cached per region) and moves the whole
 // call with one queued copy (a gather kernel for small runs, the copy engines for large ones)
-// on its own stream, after the caller's stream event. The calls queued in one turn of the
-// worker's loop go out together: one launch of the gather kernel for all of them. The worker
-// completes the transfer once the copy's ticket is done, and sends its notification after that.
+// on its own stream, after the caller's stream event. The worker completes the transfer once
+// the copy's ticket is done, and sends its notification after that.
 //
 // Lifetime: a mapping stays while its region is live at the owner. The owner's RegionClosed
 // makes the worker release it once nothing of ours flows into it (release()), and the owner
@@ -42,12 +41,10 @@ class Route {
   void map(uint64_t peer, bool same_process, const engine::RemoteRegion& region);
   bool mapped(uint64_t peer, uint64_t region) const { return regions_.count({peer, region}) > 0; }
   // Queues one transfer's runs and pages (local addresses, offsets into regions[rreg], all
-  // mapped; page ids in `page_ids`, kept until flush()) after `after`; returns a ticket for
-  // done(). flush() launches what the calls since the last one queued, together.
+  // mapped; page ids in `page_ids`) after `after`; returns a ticket for done().
   uint64_t copy(uint64_t peer, const std::vector<const engine::RemoteRegion*>& regions,
                 const std::vector<engine::Run>& runs, const std::vector<engine::PageRuns>& pages,
                 const std::vector<int64_t>& page_ids, bool write, void* after);
-  void flush() { memory_->flush(); }
   bool done(uint64_t ticket) { return memory_->done(ticket); }
   std::string error() const { return memory_->error(); }
   // Drops a region's mapping (shared mappings go with their last region) once the copies
