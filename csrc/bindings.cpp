@@ -396,9 +396,11 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("drained", &Engine::drained)
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
-      .def("stream_wait", [](Engine& e, uint64_t stream) { return e.stream_wait(reinterpret_cast<void*>(stream)); },
-           py::call_guard<py::gil_scoped_release>())
-      .def("stream_release", &Engine::stream_release);
+      .def("stream_wait", [](Engine& e, uint64_t stream, const py::object& future) {
+        auto fut = future.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+        py::gil_scoped_release release;
+        e.stream_wait(reinterpret_cast<void*>(stream), fut);
+      });
 
   m.def("_set_classes", [](py::object pages, py::object remote_tensor, py::object sequence) {
     classes = {pages.release().ptr(), remote_tensor.release().ptr(), sequence.release().ptr()};

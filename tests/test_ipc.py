@@ -289,9 +289,11 @@ def test_ipc_calls_in_flight_together_each_land_whole(ipc_pair):
 
 @cuda
 def test_ipc_a_call_after_a_stream_wait_for_an_earlier_one(ipc_pair):
-    # Call A follows the caller's stream, which waits (stream_wait) for call B: B's copy must go
-    # out on its own, not behind A's wait. Both posted back to back reach the worker together;
-    # copies sharing one launch after both waits deadlocked here until B's timeout.
+    # The caller's stream waits (stream_wait) for call B, then a kernel and call A follow on it.
+    # B's copy must go out on its own, not behind A's wait (both reach the worker together), and
+    # the wait must be released without the GIL: this thread holds it in add_(), which blocked
+    # in CUDA until the stream was released (on the GPU machine, while the release was a
+    # Python callback).
     a, b, _ = ipc_pair
     n = 1 << 20
     remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (2, n)))

@@ -343,14 +343,15 @@ class Engine:
         future fails the stream is released too: check the future."""
         if self.device.type != "cuda":
             raise ValueError("stream_wait needs a CUDA engine")
+        if not isinstance(future, torch._C.Future):
+            raise TypeError(f"stream_wait takes a torch.futures.Future, not {type(future).__name__}")
         stream = stream or torch.cuda.current_stream(self.device)
         if stream.cuda_stream == 0 and self.data_path == "direct":
             # The provider's own CUDA copies (shm's CUDA IPC path uses cudaMemcpy) run on the
             # legacy default stream and would queue behind this wait: the data could never arrive.
             raise ValueError("stream_wait on the legacy default stream can block the copies that "
                              "deliver the data on the direct path; wait on a torch.cuda.Stream()")
-        token = self._c.stream_wait(stream.cuda_stream)
-        future.add_done_callback(lambda _: self._c.stream_release(token))
+        self._c.stream_wait(stream.cuda_stream, future)
 
     # -- life cycle ----------------------------------------------------------------------------
     def close(self) -> None:

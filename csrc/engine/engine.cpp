@@ -414,25 +414,22 @@ void Engine::cancel(uint64_t id) {
   worker_->post(Cancel{id});
 }
 
-uint64_t Engine::stream_wait(void* stream) {
+void Engine::stream_wait(void* stream, const TorchFutures::Future& future) {
 #ifdef WITH_CUDA
   P2P_CHECK(cuda_device_ >= 0, ErrorKind::Value, "stream waits need a CUDA engine");
+  std::shared_ptr<cuda::StreamFlags> flags;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!flags_) flags_ = std::make_unique<cuda::StreamFlags>(cuda_device_);
+    if (!flags_) flags_ = std::make_shared<cuda::StreamFlags>(cuda_device_);
+    flags = flags_;
   }
-  return flags_->wait(stream);
+  const uint64_t token = flags->wait(stream);
+  // Runs at once if the future is done already.
+  future->addCallback([flags, token](c10::ivalue::Future&) { flags->release(token); }, false);
 #else
   (void)stream;
+  (void)future;
   P2P_THROW(ErrorKind::Value, "torch_p2p was built without CUDA");
-#endif
-}
-
-void Engine::stream_release(uint64_t token) {
-#ifdef WITH_CUDA
-  if (flags_) flags_->release(token);
-#else
-  (void)token;
 #endif
 }
 

@@ -89,9 +89,11 @@ class Engine {
   bool drained() { return completions_.closed(); }
   void close();
 
-  // Makes `stream` wait (on the GPU) until release(token) is called.
-  uint64_t stream_wait(void* stream);
-  void stream_release(uint64_t token);
+  // Makes `stream` wait (on the GPU) until `future` completes, or fails. The wait is released
+  // by a callback in C++, without the GIL: a Python callback could wait forever for a thread
+  // that holds the GIL in a CUDA call that itself waits for this stream (a kernel's first
+  // launch, which loads its module, does: seen on the GPU machine).
+  void stream_wait(void* stream, const TorchFutures::Future& future);
 
  private:
   // NOTE: PyTorch takes the GIL when a tensor that Python also holds gains its first or loses its
@@ -159,7 +161,7 @@ class Engine {
   std::vector<uint8_t> taken_;                 // check_page_ids' table (repeated_id), zero between calls
   bool closed_ = false;
 #ifdef WITH_CUDA
-  std::unique_ptr<cuda::StreamFlags> flags_;
+  std::shared_ptr<cuda::StreamFlags> flags_;  // the futures' callbacks hold it too
 #endif
 };
 
