@@ -175,7 +175,8 @@ CallArgs call_args(py::handle local, py::handle remote, py::handle notify, py::h
     a.notify = value;
   }
   if (!timeout.is_none()) {
-    const double t = py::float_(py::reinterpret_borrow<py::object>(timeout));
+    const double t = PyFloat_AsDouble(timeout.ptr());  // a number, as Python's `timeout <= 0` needs
+    if (t == -1.0 && PyErr_Occurred()) throw py::error_already_set();
     if (!(t > 0)) throw py::value_error(cat("timeout must be positive, not ", py::str(timeout).cast<std::string>()));
     a.timeout = t;
   }
