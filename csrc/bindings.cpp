@@ -123,7 +123,6 @@ struct CallArgs {
 
 // One side: a tensor (local) or RemoteTensor (remote), a Pages of one, or a sequence of them.
 void unpack(py::handle views, bool local, CallArgs& a) {
-  P2P_CHECK(classes.pages, ErrorKind::Generic, "torch_p2p.engine did not set up its classes");
   auto add = [&](size_t i, py::handle item) {
     py::object base = py::reinterpret_borrow<py::object>(item);
     Engine::Pages pages;
@@ -162,6 +161,7 @@ void unpack(py::handle views, bool local, CallArgs& a) {
 }
 
 CallArgs call_args(py::handle local, py::handle remote, py::handle notify, py::handle timeout) {
+  P2P_CHECK(classes.pages, ErrorKind::Generic, "torch_p2p.engine did not set up its classes");
   CallArgs a;
   a.mirror = is_a(remote, classes.remote_tensor);
   unpack(local, true, a);

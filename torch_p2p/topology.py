@@ -182,14 +182,11 @@ def plan(
         cpu = order[0] if order else None
         if claim is not None and order:
             try:
-                held = next(((c, h) for c in order if (h := claim(c)) is not None), None)
-            except OSError as e:
-                shared = f" (not claimed: {e})"
-            else:
+                cpu, held = next(((c, h) for c in order if (h := claim(c)) is not None), (cpu, None))
                 if held is None:
                     shared = " (shared: another engine holds every core of the node)"
-                else:
-                    cpu, held = held
+            except OSError as e:
+                shared = f" (not claimed: {e})"
     else:
         cpu = None  # a host-memory engine has no device to be near
     numa = None if cpu is None else _numa_of_cpu(sysfs, cpu)
