@@ -1,6 +1,9 @@
 """GPU tensors on both ends: one process per GPU, staged over tcp, direct over a CUDA-enabled
 shm where the libfabric in use has one, and the same-host CUDA IPC route (tests/test_ipc.py has
 its own tests). Skipped without CUDA."""
+import os
+import signal
+
 import pytest
 import torch
 
@@ -174,8 +177,8 @@ def test_staging_pool_much_smaller_than_the_transfer():
 
 
 def wait_then_copy(state, name: str, tag: int) -> None:
-    """Receiver: order the current stream after the notification, then copy the target on
-    the GPU. The host never waits for the data."""
+    """Receiver: order a stream after the notification, then copy the target on the GPU.
+    Returns once the notification is in (stream_wait waits on the host for it): start it."""
     engine, t = state["engine"], state[name]
     state["copy"] = torch.empty_like(t)
     state["note"] = engine.notification(tag, timeout=60)
@@ -194,11 +197,50 @@ def copied(state) -> torch.Tensor:
 def test_receiver_orders_its_stream_after_arrival(pair):
     a, b, _ = pair
     remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (1 << 18,), fill=POISON, device=PEER_GPU))
-    b.call(wait_then_copy, "t", 77)
+    b.start(wait_then_copy, "t", 77)
     src = random_like((1 << 18,), "cuda:0", 5)
     a.register(src)
     a.write_slices(src, remote, notify=77).wait()
+    b.result()
     assert torch.equal(b.call(copied), src.cpu())
+
+
+def test_a_stream_follows_a_read_and_a_failed_call(pair):
+    """stream_wait on a read: a kernel queued after the wait sees the bytes. On a call that
+    fails (the peer stopped, so a fabric call times out) stream_wait returns once it has failed,
+    and the stream is not held."""
+    a, b, provider = pair
+    n = 1 << 24  # 64 MiB: long enough that a missing wait would read the poison
+    remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (n,), fill=3.0, device=PEER_GPU))
+    dst = torch.full((n,), POISON, device="cuda:0")
+    a.register(dst)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            dst.fill_(POISON)
+            fut = a.read_slices(dst, remote)
+            a.stream_wait(fut, stream)
+            doubled = dst * 2
+            stream.synchronize()
+            fut.wait()
+            assert (doubled == 6.0).all()
+
+    os.kill(b.pid, signal.SIGSTOP)
+    try:
+        with torch.cuda.stream(stream):
+            fut = a.read_slices([dst[:1024]], [remote[:1024]], timeout=1)
+            a.stream_wait(fut, stream)
+            after = dst[:1024] + 1
+        stream.synchronize()
+        if a.route(remote) == "ipc":  # needs nothing of the stopped peer
+            fut.wait()
+            assert (after == 4.0).all()
+        else:
+            assert fut.done()
+            with pytest.raises(p2p.P2PError):
+                fut.wait()
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
 
 
 def register_vmm(state) -> str:

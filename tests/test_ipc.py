@@ -290,10 +290,10 @@ def test_ipc_calls_in_flight_together_each_land_whole(ipc_pair):
 @cuda
 def test_ipc_a_call_after_a_stream_wait_for_an_earlier_one(ipc_pair):
     # The caller's stream waits (stream_wait) for call B, then a kernel and call A follow on it.
-    # B's copy must go out on its own, not behind A's wait (both reach the worker together), and
-    # the wait must be released without the GIL: this thread holds it in add_(), which blocked
-    # in CUDA until the stream was released (on the GPU machine, while the release was a
-    # Python callback).
+    # The wait must hang on nothing the host does later: a kernel's first launch (CUDA loads
+    # modules lazily, PyTorch's default) waits for every stream of the context, and on the GPU
+    # machine it held up the worker's CUDA calls too, so a wait that the worker's completion
+    # of B released (a host flag) hung here, GIL or no GIL.
     a, b, _ = ipc_pair
     n = 1 << 20
     remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (2, n)))
@@ -405,10 +405,11 @@ def test_ipc_follows_the_callers_stream_and_notifies_after_the_bytes(ipc_pair):
     src = torch.zeros(n, device="cuda:0")
     a.register(src)
     for value in (1.0, 2.0):
-        b.call(wait_then_copy, "t", 5)
+        b.start(wait_then_copy, "t", 5)
         torch.cuda._sleep(200_000_000)  # keeps the stream busy ~0.1 s
         src.fill_(value)                # queued behind the sleep
         a.write_slices(src, remote, notify=5).wait()
+        b.result()
         assert (b.call(copied) == value).all()
 
     dst = torch.zeros(n, device="cuda:0")

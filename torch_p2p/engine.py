@@ -338,19 +338,17 @@ class Engine:
                 self._c.cancel(fid)
 
     def stream_wait(self, future: torch.futures.Future, stream: torch.cuda.Stream | None = None) -> None:
-        """Makes `stream` (default: current) wait on the GPU until `future` completes, so that
-        kernels queued after this call see the arrived data without a host round trip. If the
-        future fails the stream is released too: check the future."""
+        """Makes `stream` (default: current) follow `future`, so that kernels queued after this
+        call see the arrived data. A call of this engine on the IPC route is followed on the
+        GPU (an event after its copy; this returns once the copy is queued); anything else is
+        waited for here, on the host (the GIL released), since a stream held until the host
+        releases it can hold up what would release it. If the future fails the stream is
+        released too: check the future."""
         if self.device.type != "cuda":
             raise ValueError("stream_wait needs a CUDA engine")
         if not isinstance(future, torch._C.Future):
             raise TypeError(f"stream_wait takes a torch.futures.Future, not {type(future).__name__}")
         stream = stream or torch.cuda.current_stream(self.device)
-        if stream.cuda_stream == 0 and self.data_path == "direct":
-            # The provider's own CUDA copies (shm's CUDA IPC path uses cudaMemcpy) run on the
-            # legacy default stream and would queue behind this wait: the data could never arrive.
-            raise ValueError("stream_wait on the legacy default stream can block the copies that "
-                             "deliver the data on the direct path; wait on a torch.cuda.Stream()")
         self._c.stream_wait(stream.cuda_stream, future)
 
     # -- life cycle ----------------------------------------------------------------------------

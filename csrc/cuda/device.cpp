@@ -3,6 +3,9 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <vector>
+
 #include "common/error.h"
 
 namespace p2p::cuda {
@@ -95,54 +98,10 @@ void recycle_event(int device, void* event) {
   free_events[device].push_back(static_cast<cudaEvent_t>(event));
 }
 
-StreamFlags::StreamFlags(int device, size_t count) : generation_(count, 0) {
-  DeviceScope scope(device);
-  void* host = nullptr;
-  CUDA_OK(cudaHostAlloc(&host, count * sizeof(uint32_t), cudaHostAllocPortable | cudaHostAllocMapped),
-          "allocating stream flags");
-  host_ = static_cast<uint32_t*>(host);
-  void* dev = nullptr;
-  CUDA_OK(cudaHostGetDevicePointer(&dev, host, 0), "mapping stream flags");
-  device_ptr_ = reinterpret_cast<uint64_t>(dev);
-  for (size_t i = 0; i < count; ++i) host_[i] = 0;
-  for (size_t i = count; i-- > 0;) free_.push_back(i);
-}
-
-StreamFlags::~StreamFlags() {
-  // Release every wait and keep the page: a stream may still be about to read its flag, and
-  // freeing pinned memory under it would fault. 16 KiB per engine, once.
-  for (size_t i = 0; i < generation_.size(); ++i) __atomic_store_n(&host_[i], UINT32_MAX, __ATOMIC_RELEASE);
-}
-
-uint64_t StreamFlags::wait(void* stream) {
-  using WaitValue = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-  static const auto wait_value = driver<WaitValue>("cuStreamWaitValue32");
-  P2P_CHECK(wait_value, ErrorKind::Generic, "this CUDA driver has no cuStreamWaitValue32");
-  size_t slot;
-  uint32_t value;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    P2P_CHECK(!free_.empty(), ErrorKind::Generic, "too many stream waits in flight (",
-              generation_.size(), ")");
-    slot = free_.back();
-    free_.pop_back();
-    value = ++generation_[slot];
-  }
-  const CUresult rc = wait_value(static_cast<CUstream>(stream), device_ptr_ + slot * sizeof(uint32_t),
-                                 value, CU_STREAM_WAIT_VALUE_GEQ);
-  if (rc != CUDA_SUCCESS) {
-    release((uint64_t{slot} << 32) | value);
-    P2P_THROW(ErrorKind::Generic, "cuStreamWaitValue32 failed with CUresult ", rc);
-  }
-  return (uint64_t{slot} << 32) | value;
-}
-
-void StreamFlags::release(uint64_t token) {
-  const size_t slot = token >> 32;
-  const uint32_t value = static_cast<uint32_t>(token);
-  __atomic_store_n(&host_[slot], value, __ATOMIC_RELEASE);
-  std::lock_guard<std::mutex> lock(mu_);
-  free_.push_back(slot);
+void wait_event(int device, void* stream, void* event) {
+  const cudaError_t rc = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0);
+  recycle_event(device, event);
+  CUDA_OK(rc, "cudaStreamWaitEvent");
 }
 
 }  // namespace p2p::cuda

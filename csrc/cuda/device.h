@@ -3,8 +3,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
-#include <vector>
 
 namespace p2p::cuda {
 
@@ -19,24 +17,7 @@ void* record_event(int device, void* stream);
 // own; every event of the engine goes back with recycle_event.
 void* take_event(int device);
 void recycle_event(int device, void* event);
-
-// Pinned host flags that CUDA streams can wait on (cuStreamWaitValue32): a receiver orders its
-// stream after an arrival without blocking a host thread. A flag only grows, so a slot can be
-// reused once its value is written: earlier waits on it stay released.
-class StreamFlags {
- public:
-  explicit StreamFlags(int device, size_t count = 4096);
-  ~StreamFlags();
-  // Enqueues on `stream` a wait for a fresh flag; returns the token to release it with.
-  uint64_t wait(void* stream);
-  void release(uint64_t token);
-
- private:
-  std::mutex mu_;
-  uint32_t* host_ = nullptr;
-  uint64_t device_ptr_ = 0;
-  std::vector<uint32_t> generation_;
-  std::vector<size_t> free_;
-};
+// Makes `stream` wait (on the GPU) for `event`, which goes back to the pool.
+void wait_event(int device, void* stream, void* event);
 
 }  // namespace p2p::cuda

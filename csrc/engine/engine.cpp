@@ -45,9 +45,6 @@ void Engine::close() {
   decltype(regions_) gone;  // released after the lock (see LocalRegion)
   std::lock_guard<std::mutex> lock(mu_);
   gone.swap(regions_);
-#ifdef WITH_CUDA
-  flags_.reset();
-#endif
 }
 
 void Engine::post(Command command) {
@@ -417,15 +414,25 @@ void Engine::cancel(uint64_t id) {
 void Engine::stream_wait(void* stream, const TorchFutures::Future& future) {
 #ifdef WITH_CUDA
   P2P_CHECK(cuda_device_ >= 0, ErrorKind::Value, "stream waits need a CUDA engine");
-  std::shared_ptr<cuda::StreamFlags> flags;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!flags_) flags_ = std::make_shared<cuda::StreamFlags>(cuda_device_);
-    flags = flags_;
+  uint64_t id = 0;
+  if (futures_.find(future, id)) {  // an operation of ours in flight: how to follow it
+    auto answer = std::make_shared<std::promise<StreamOrder>>();
+    auto order = answer->get_future();
+    post(Call{[id, answer](Worker& w, bool closed) {
+      if (closed) return answer->set_value({});
+      w.stream_order(id, answer);
+    }});
+    StreamOrder o;
+    try {
+      o = order.get();
+    } catch (const std::future_error&) {  // the worker stopped with it unanswered: it has ended
+    }
+    if (o.kind == StreamOrder::Done) return;
+    if (o.kind == StreamOrder::Event) return cuda::wait_event(cuda_device_, stream, o.event);
   }
-  const uint64_t token = flags->wait(stream);
-  // Runs at once if the future is done already.
-  future->addCallback([flags, token](c10::ivalue::Future&) { flags->release(token); }, false);
+  // Anything else is waited for here, on the host: a stream that waited on a flag the host
+  // releases could hold up what releases it (README, "stream_wait").
+  future->wait();
 #else
   (void)stream;
   (void)future;

@@ -20,10 +20,6 @@
 #include "engine/remote_view.h"
 #include "engine/worker.h"
 
-namespace p2p::cuda {
-class StreamFlags;
-}
-
 namespace p2p::engine {
 
 class Engine {
@@ -89,10 +85,9 @@ class Engine {
   bool drained() { return completions_.closed(); }
   void close();
 
-  // Makes `stream` wait (on the GPU) until `future` completes, or fails. The wait is released
-  // by a callback in C++, without the GIL: a Python callback could wait forever for a thread
-  // that holds the GIL in a CUDA call that itself waits for this stream (a kernel's first
-  // launch, which loads its module, does: seen on the GPU machine).
+  // Makes `stream` follow `future`: a call of ours on the IPC route through an event recorded
+  // after its copy, on the GPU (this returns once the copy is queued); anything else by
+  // waiting here, on the host, until the future completes or fails. No GIL needed.
   void stream_wait(void* stream, const TorchFutures::Future& future);
 
  private:
@@ -160,9 +155,6 @@ class Engine {
   std::map<uintptr_t, LocalRegion> regions_;  // by start address
   std::vector<uint8_t> taken_;                 // check_page_ids' table (repeated_id), zero between calls
   bool closed_ = false;
-#ifdef WITH_CUDA
-  std::shared_ptr<cuda::StreamFlags> flags_;  // the futures' callbacks hold it too
-#endif
 };
 
 }  // namespace p2p::engine

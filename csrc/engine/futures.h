@@ -27,6 +27,16 @@ class TorchFutures {
     std::lock_guard<std::mutex> lock(mu_);
     futures_.erase(id);
   }
+  // The id of the operation in flight that completes `future`; false if none does.
+  bool find(const Future& future, uint64_t& id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [i, f] : futures_)
+      if (f == future) {
+        id = i;
+        return true;
+      }
+    return false;
+  }
   // Completes the future of `c` if it is a success without a result (true); anything else is
   // for Python, which builds results and errors (false; the future is forgotten here).
   bool complete(const Completion& c) {

@@ -66,6 +66,7 @@ void Worker::ready_to_generate(Transfer& t) {
   for (const Run& r : t.runs) total += r.len;
   t.chunk = striper_.chunk(total, Striper::pairs(rails_.size(), t.peer->remote_rails()));
   t.enter(TransferState::Queued);
+  answer_orders(t);
   t.queued = true;
   gen_queue_.push_back(&t);
 }
@@ -268,6 +269,7 @@ void Worker::finish(Transfer& t, Status status) {
     w.erase(std::remove(w.begin(), w.end(), &t), w.end());
   }
   t.enter(TransferState::Reported);
+  answer_orders(t);
   report(t.id, t.status);
 }
 

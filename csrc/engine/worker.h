@@ -100,6 +100,9 @@ class Worker {
   void recv(uint64_t id, double timeout_s);
   void notification(uint64_t id, uint32_t tag, double timeout_s);
   void cancel(uint64_t id);
+  // Answers what a stream must wait on to follow transfer `id`: at once, or once the transfer
+  // has taken its route (it may wait for its peer first).
+  void stream_order(uint64_t id, StreamOrderAnswer answer);
   // "ipc", "direct" or "staged": how a transfer of this engine's memory to the owner of
   // `address` (and of `region`, if given) moves. Maps the region if that decides it.
   std::string route(const std::string& address, const RemoteRegion* region);
@@ -318,6 +321,10 @@ class Worker {
   std::string host_;
   std::vector<std::pair<uint64_t, uint64_t>> ipc_copies_;  // (ticket, transfer id), in order
   std::unordered_map<uint64_t, std::string> no_ipc_;  // peers whose mapping failed: why
+  // stream_order() answers due once their transfer (by id) takes its route or ends.
+  std::unordered_map<uint64_t, std::vector<StreamOrderAnswer>> order_waits_;
+  StreamOrder order_of(const Transfer& t);
+  void answer_orders(const Transfer& t);
 
   // Staging (slots.cpp, staging.cpp).
   std::unique_ptr<Copier> copier_;

@@ -163,6 +163,18 @@ class CudaMemory final : public Memory {
     return ticket <= completed_;
   }
 
+  void* mark() override {
+    try {
+      auto event = static_cast<cudaEvent_t>(cuda::take_event(device_));
+      if (cudaEventRecord(event, stream_) == cudaSuccess) return event;
+      cudaGetLastError();
+      cuda::recycle_event(device_, event);
+    } catch (const Error& e) {
+      P2P_LOG(Warn, "no event for a stream wait: ", e.what());
+    }
+    return nullptr;
+  }
+
   std::string error() const override { return error_; }
 
  private:

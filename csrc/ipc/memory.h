@@ -31,6 +31,9 @@ class Memory {
   virtual uint64_t copy(const std::vector<engine::CopySpan>& spans, const std::vector<engine::CopyPages>& pages,
                         void* after) = 0;
   virtual bool done(uint64_t ticket) = 0;
+  // A cudaEvent_t (from cuda::take_event) recorded after every copy queued so far, or null if
+  // recording failed. Whoever takes it recycles it.
+  virtual void* mark() = 0;
   // The first CUDA error seen on the stream, empty if none.
   virtual std::string error() const = 0;
 };

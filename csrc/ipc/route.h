@@ -46,6 +46,7 @@ class Route {
                 const std::vector<engine::Run>& runs, const std::vector<engine::PageRuns>& pages,
                 const std::vector<int64_t>& page_ids, bool write, void* after);
   bool done(uint64_t ticket) { return memory_->done(ticket); }
+  void* mark() { return memory_->mark(); }  // see Memory::mark
   std::string error() const { return memory_->error(); }
   // Drops a region's mapping (shared mappings go with their last region) once the copies
   // queued so far are done; forget() drops all of a peer's.

@@ -61,6 +61,7 @@ bool Worker::start_ipc(Transfer& t) {
   t.enter(TransferState::Running);
   ++t.pending;
   ipc_copies_.push_back({ticket, t.id});
+  answer_orders(t);
   return true;
 }
 
@@ -79,6 +80,36 @@ bool Worker::poll_ipc() {
   }
   ipc_copies_.erase(ipc_copies_.begin(), ipc_copies_.begin() + n);
   return true;
+}
+
+// A stream that follows an IPC copy waits for an event recorded after it: on the GPU only, so
+// nothing it holds up can hold up the copy. A wait on a flag the host releases could (README,
+// "stream_wait"): seen on the GPU machine.
+StreamOrder Worker::order_of(const Transfer& t) {
+  if (t.reported()) return {};
+  if (t.route == TransferRoute::Ipc)
+    if (void* event = ipc_->mark()) return {StreamOrder::Event, event};
+  return {StreamOrder::Future};
+}
+
+void Worker::stream_order(uint64_t id, StreamOrderAnswer answer) {
+  auto it = transfers_.find(id);
+  // Not a transfer (a notification, a receive), or one that ended: its future says when.
+  if (it == transfers_.end()) return answer->set_value({StreamOrder::Future});
+  const Transfer& t = *it->second;
+  if (t.state == TransferState::New || t.state == TransferState::WaitingForPeer) {
+    order_waits_[id].push_back(std::move(answer));
+    return;
+  }
+  answer->set_value(order_of(t));
+}
+
+void Worker::answer_orders(const Transfer& t) {
+  if (order_waits_.empty()) return;
+  auto it = order_waits_.find(t.id);
+  if (it == order_waits_.end()) return;
+  for (auto& answer : it->second) answer->set_value(order_of(t));  // an event each: each is recycled
+  order_waits_.erase(it);
 }
 
 std::string Worker::route(const std::string& address, const RemoteRegion* region) {
