@@ -355,3 +355,10 @@ def test_bad_engine_arguments():
     with pytest.raises(ValueError, match="access must be 'rw', 'r' or 'w'"), \
             p2p.Engine("cpu", **engine_kwargs("tcp")) as engine:
         engine.register(torch.zeros(4), access="x")
+
+
+def test_stream_wait_needs_a_cuda_engine(link, target):
+    fut = link.engine.write_slices([target.src[1]], [target.remote[6]])
+    with pytest.raises(ValueError, match="stream_wait needs a CUDA engine"):
+        link.engine.stream_wait(fut)
+    p2p.wait(fut, timeout=60)

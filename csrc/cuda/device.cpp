@@ -81,6 +81,13 @@ void* take_event(int device) {
   return ev;
 }
 
+bool idle(void* stream) {
+  const cudaError_t rc = cudaStreamQuery(static_cast<cudaStream_t>(stream));
+  if (rc == cudaSuccess) return true;
+  if (rc != cudaErrorNotReady) cudaGetLastError();  // record_event says what is wrong
+  return false;
+}
+
 void* record_event(int device, void* stream) {
   auto ev = static_cast<cudaEvent_t>(take_event(device));
   DeviceScope scope(device);

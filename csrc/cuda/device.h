@@ -10,6 +10,8 @@ namespace p2p::cuda {
 // PyTorch's expandable segments are: older providers cannot register it for RDMA.
 bool is_vmm_memory(const void* ptr);
 
+// True when every operation queued on `stream` so far has completed.
+bool idle(void* stream);
 // Creates an event recorded on `stream` (a cudaStream_t of `device`): the point a transfer
 // must wait for. The worker hands it back with recycle_event once nothing waits on it.
 void* record_event(int device, void* stream);

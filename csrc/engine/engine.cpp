@@ -107,9 +107,10 @@ void Engine::start(uint64_t id, std::unique_ptr<Transfer> t, bool cuda) {
   t->id = id;
 #ifdef WITH_CUDA
   if (cuda) {
-    // The transfer follows the work queued so far on the caller's current stream.
+    // The transfer follows the work queued so far on the caller's current stream: nothing to
+    // follow if all of it is done (then no event, and no wait for one on the worker).
     void* stream = c10::cuda::getCurrentCUDAStream(cuda_device_).stream();
-    t->cuda_event = cuda::record_event(cuda_device_, stream);
+    if (!cuda::idle(stream)) t->cuda_event = cuda::record_event(cuda_device_, stream);
   }
 #endif
   enqueue(std::move(t));
