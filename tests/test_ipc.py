@@ -314,6 +314,29 @@ def test_ipc_a_call_after_a_stream_wait_for_an_earlier_one(ipc_pair):
 
 
 @cuda
+def test_ipc_stream_wait_holds_later_work_until_the_copy_is_done(ipc_pair):
+    """The first call to a peer (its copy may wait for the peer's hello), stream_wait on it,
+    then a kernel on the stream that overwrites the source: the peer gets the bytes from
+    before the overwrite."""
+    a, b, _ = ipc_pair
+    n = 64 << 20
+    remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (n,)))
+    src = gpu_random((n,), torch.uint8, 7)
+    a.register(src)
+    want = src.cpu()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fut = a.write_slices([src], [remote])
+        a.stream_wait(fut, stream)
+        src.fill_(1)  # only after the copy has read src
+    p2p.wait(fut, 60)
+    stream.synchronize()
+    whole = b.call(fetch_whole, "t")
+    check_guards(whole)
+    assert torch.equal(whole[4096:-4096], want)
+
+
+@cuda
 def test_ipc_one_call_mixes_page_sizes_and_views(ipc_pair):
     """Page lists of different lengths, pages too long for the page kernel (they go as spans),
     and a plain view, in one write and one read: each launch of the call lands, and the last
