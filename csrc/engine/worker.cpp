@@ -208,8 +208,8 @@ void Worker::tick() {
 void Worker::shutdown() {
   const Status closed = Status::error(ErrorKind::Closed, "the engine was closed");
   fail_everything(closed);
-  // Out before anything below waits on a stream: a stream may wait (stream_wait) on one of
-  // these futures, released only when the dispatcher has failed it.
+  // Out before anything below, which may wait (for a stream, for peers): threads waiting on
+  // these futures (stream_wait among them) hear at once.
   hand_over_reports();
   say_goodbye();
   release_registrations();
