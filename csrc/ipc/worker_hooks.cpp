@@ -97,7 +97,7 @@ void Worker::stream_order(uint64_t id, StreamOrderAnswer answer) {
   // Not a transfer (a notification, a receive), or one that ended: its future says when.
   if (it == transfers_.end()) return answer->set_value({StreamOrder::Future});
   const Transfer& t = *it->second;
-  if (t.state == TransferState::New || t.state == TransferState::WaitingForPeer) {
+  if (t.state == TransferState::WaitingForPeer) {  // no route yet
     order_waits_[id].push_back(std::move(answer));
     return;
   }
