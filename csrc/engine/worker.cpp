@@ -85,6 +85,7 @@ void Worker::run(std::promise<void>& ready) {
   while (!stopping_.load(std::memory_order_relaxed)) {
     bool busy = drain_commands();
     busy |= poll_rails();
+    if (ipc_) ipc_->flush();  // the IPC copies of the calls started above, in one launch
     poll_copies();
     busy |= poll_ipc();
     poll_fences();

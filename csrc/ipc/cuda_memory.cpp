@@ -66,7 +66,7 @@ class CudaMemory final : public Memory {
     *flag_ = 0;
   }
   ~CudaMemory() override {
-    cudaStreamSynchronize(stream_);
+    cudaStreamSynchronize(stream_);  // a batch never flushed is dropped: its transfers failed
     for (auto& t : outstanding_) cudaEventDestroy(t.event);
     for (Pinned& b : blocks_) cudaFreeHost(b.host);
     cudaFreeHost(flag_);
@@ -120,35 +120,47 @@ class CudaMemory final : public Memory {
     return address_range(ptr, base, size) && ptr + nbytes <= base + size;
   }
 
+  // A call's stream wait and its copy-engine copies go out at once; its kernel spans fill a
+  // descriptor block (launched when full) and its small pages join the batch that flush()
+  // launches: the calls of one worker turn share a launch. A wait first launches the batch
+  // before it, so no copy ever waits behind a later call's stream (which may wait for it).
   uint64_t copy(const std::vector<engine::CopySpan>& spans, const std::vector<engine::CopyPages>& pages,
                 void* after) override {
-    Ticket t;
-    if (after) note(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(after), 0));
-    small_pages_.clear();
+    if (after) {
+      flush();
+      note(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(after), 0));
+    }
     big_pages_.clear();
+    const size_t first = lists_.size();
     for (const engine::CopyPages& p : pages) {
       if (p.bytes <= kKernelSpan) {
-        small_pages_.push_back(p);
+        queue_pages(p, first);
         continue;
       }
       for (uint64_t k = 0; k < p.n; ++k)
         big_pages_.push_back({static_cast<char*>(p.dst) + p.dst_ids[k] * p.dst_stride,
                               static_cast<const char*>(p.src) + p.src_ids[k] * p.src_stride, p.bytes});
     }
-    SpanBatch batch;
-    queue_spans(spans, batch, t);
-    queue_spans(big_pages_, batch, t);
+    queue_spans(spans);
+    queue_spans(big_pages_);
+    queued_ = true;
+    return issued_ + 1;
+  }
+
+  void flush() override {
+    if (!queued_) return;
     // Only the last launch signals (the stream runs launches in order), and it comes after
-    // every copy-engine copy of the call, so its flag covers them.
-    launch_spans(batch, small_pages_.empty(), t);
-    launch_pages(t);
-    if (!t.signaled) {
-      t.event = static_cast<cudaEvent_t>(cuda::take_event(device_));
-      note(cudaEventRecord(t.event, stream_));
+    // every copy-engine copy of the batch, so its flag covers them.
+    launch_spans(lists_.empty());
+    launch_pages();
+    if (!pending_.signaled) {
+      pending_.event = static_cast<cudaEvent_t>(cuda::take_event(device_));
+      note(cudaEventRecord(pending_.event, stream_));
     }
-    t.id = ++issued_;
-    outstanding_.push_back(std::move(t));
-    return issued_;
+    pending_.id = ++issued_;
+    outstanding_.push_back(std::move(pending_));
+    pending_ = {};
+    queued_ = false;
   }
 
   bool done(uint64_t ticket) override {
@@ -164,6 +176,7 @@ class CudaMemory final : public Memory {
   }
 
   void* mark() override {
+    flush();
     try {
       auto event = static_cast<cudaEvent_t>(cuda::take_event(device_));
       if (cudaEventRecord(event, stream_) == cudaSuccess) return event;
@@ -196,75 +209,80 @@ class CudaMemory final : public Memory {
   };
 
   // Copy-engine copies go out at once; the rest fill descriptor blocks, launched when full.
-  void queue_spans(const std::vector<engine::CopySpan>& spans, SpanBatch& batch, Ticket& t) {
+  void queue_spans(const std::vector<engine::CopySpan>& spans) {
     for (const engine::CopySpan& s : spans) {
       if (s.len >= copy_engine_bytes_) {
         note(cudaMemcpyAsync(s.dst, s.src, s.len, cudaMemcpyDefault, stream_));
         continue;
       }
       for (uint64_t off = 0; off < s.len; off += kKernelSpan) {
-        if (batch.used == kBlockSpans) launch_spans(batch, false, t);
-        if (!batch.block) batch.block = &take_pinned(kBlockSpans * sizeof(engine::CopySpan), t);
-        reinterpret_cast<engine::CopySpan*>(batch.block->host)[batch.used++] = {
+        if (spans_.used == kBlockSpans) launch_spans(false);
+        if (!spans_.block) spans_.block = &take_pinned(kBlockSpans * sizeof(engine::CopySpan));
+        reinterpret_cast<engine::CopySpan*>(spans_.block->host)[spans_.used++] = {
             static_cast<char*>(s.dst) + off, static_cast<const char*>(s.src) + off, std::min(kKernelSpan, s.len - off)};
       }
     }
   }
 
-  void launch_spans(SpanBatch& batch, bool last, Ticket& t) {
-    if (!batch.used) return;
-    note(cuda::launch_copy_spans(reinterpret_cast<engine::CopySpan*>(batch.block->device), batch.used, stream_,
-                                 signal_if(last, t)));
-    batch = {};
+  void launch_spans(bool last) {
+    if (!spans_.used) return;
+    note(cuda::launch_copy_spans(reinterpret_cast<engine::CopySpan*>(spans_.block->device), spans_.used, stream_,
+                                 signal_if(last)));
+    spans_ = {};
   }
 
-  // The small pages' lists and ids go to one pinned block, the kernel reading the ids there.
-  // Lists that share their ids with the list before (a KV cache's layers) share them there too.
-  void launch_pages(Ticket& t) {
-    if (small_pages_.empty()) return;
-    const size_t lists = small_pages_.size();
-    auto repeats = [&](size_t i) {
-      return i > 0 && small_pages_[i].src_ids == small_pages_[i - 1].src_ids &&
-             small_pages_[i].dst_ids == small_pages_[i - 1].dst_ids && small_pages_[i].n == small_pages_[i - 1].n;
-    };
-    size_t ids = 0;
-    for (size_t i = 0; i < lists; ++i)
-      if (!repeats(i)) ids += 2 * small_pages_[i].n;
-    Pinned& block = take_pinned(lists * sizeof(engine::CopyPages) + ids * sizeof(int64_t), t);
+  // A list of small pages joins the batch with a copy of its ids (the caller's may be gone by
+  // the launch); a list that shares its ids with the one before in the same call (a KV
+  // cache's layers) shares the copy. `first`: the call's first list in the batch.
+  void queue_pages(engine::CopyPages p, size_t first) {
+    const bool repeats = lists_.size() > first && lists_.back().n == p.n && last_src_ids_ == p.src_ids &&
+                         last_dst_ids_ == p.dst_ids;
+    last_src_ids_ = p.src_ids;
+    last_dst_ids_ = p.dst_ids;
+    if (repeats) {
+      p.src_ids = lists_.back().src_ids;
+      p.dst_ids = lists_.back().dst_ids;
+    } else {
+      // Offsets into ids_ for now; flush() turns them into device addresses.
+      const size_t at = ids_.size();
+      ids_.insert(ids_.end(), p.src_ids, p.src_ids + p.n);
+      ids_.insert(ids_.end(), p.dst_ids, p.dst_ids + p.n);
+      p.src_ids = reinterpret_cast<const int64_t*>(at);
+      p.dst_ids = reinterpret_cast<const int64_t*>(at + p.n);
+    }
+    lists_.push_back(p);
+  }
+
+  // The batch's page lists and ids go to one pinned block, the kernel reading the ids there.
+  void launch_pages() {
+    if (lists_.empty()) return;
+    const size_t lists = lists_.size();
+    Pinned& block = take_pinned(lists * sizeof(engine::CopyPages) + ids_.size() * sizeof(int64_t));
+    const auto* device = reinterpret_cast<const engine::CopyPages*>(block.device);
+    const auto* device_ids = reinterpret_cast<const int64_t*>(device + lists);
+    std::memcpy(block.host + lists * sizeof(engine::CopyPages), ids_.data(), ids_.size() * sizeof(int64_t));
     auto* host = reinterpret_cast<engine::CopyPages*>(block.host);
-    auto* host_ids = reinterpret_cast<int64_t*>(host + lists);
-    auto* device_ids = reinterpret_cast<int64_t*>(reinterpret_cast<engine::CopyPages*>(block.device) + lists);
-    auto place = [&](const int64_t* from, uint64_t n) {
-      std::memcpy(host_ids, from, n * sizeof(int64_t));
-      host_ids += n;
-      device_ids += n;
-      return device_ids - n;
-    };
     for (size_t i = 0; i < lists; ++i) {
-      engine::CopyPages p = small_pages_[i];
-      if (repeats(i)) {
-        p.src_ids = host[i - 1].src_ids;
-        p.dst_ids = host[i - 1].dst_ids;
-      } else {
-        p.src_ids = place(p.src_ids, p.n);
-        p.dst_ids = place(p.dst_ids, p.n);
-      }
+      engine::CopyPages p = lists_[i];
+      p.src_ids = device_ids + reinterpret_cast<uintptr_t>(p.src_ids);
+      p.dst_ids = device_ids + reinterpret_cast<uintptr_t>(p.dst_ids);
       host[i] = p;
     }
-    const auto* device = reinterpret_cast<const engine::CopyPages*>(block.device);
     for (size_t first = 0; first < lists; first += cuda::kMaxPageLists) {
       const size_t count = std::min(cuda::kMaxPageLists, lists - first);
       uint64_t most = 0;
-      for (size_t i = first; i < first + count; ++i) most = std::max(most, small_pages_[i].n);
-      note(cuda::launch_copy_pages(device + first, count, most, stream_, signal_if(first + count == lists, t)));
+      for (size_t i = first; i < first + count; ++i) most = std::max(most, lists_[i].n);
+      note(cuda::launch_copy_pages(device + first, count, most, stream_, signal_if(first + count == lists)));
     }
+    lists_.clear();
+    ids_.clear();
   }
 
-  cuda::CopyDone signal_if(bool last, Ticket& t) {
+  cuda::CopyDone signal_if(bool last) {
     if (!last) return {};
     cuda::CopyDone done = done_;
     done.value = issued_ + 1;
-    t.signaled = true;
+    pending_.signaled = true;
     return done;
   }
 
@@ -300,7 +318,7 @@ class CudaMemory final : public Memory {
 
   // Descriptor blocks return when their copy is done, so the pool grows only to what the
   // launches in flight hold. A block serves any request up to its size.
-  Pinned& take_pinned(size_t bytes, Ticket& t) {
+  Pinned& take_pinned(size_t bytes) {
     auto fits = std::find_if(free_blocks_.begin(), free_blocks_.end(), [&](size_t b) { return blocks_[b].bytes >= bytes; });
     if (fits == free_blocks_.end()) {
       Pinned b;
@@ -311,9 +329,9 @@ class CudaMemory final : public Memory {
       free_blocks_.push_back(blocks_.size() - 1);
       fits = free_blocks_.end() - 1;
     }
-    t.blocks.push_back(*fits);
+    pending_.blocks.push_back(*fits);
     free_blocks_.erase(fits);
-    return blocks_[t.blocks.back()];
+    return blocks_[pending_.blocks.back()];
   }
 
   void note(cudaError_t rc) {
@@ -332,8 +350,16 @@ class CudaMemory final : public Memory {
   std::deque<Ticket> outstanding_;
   std::deque<Pinned> blocks_;  // stable addresses
   std::vector<size_t> free_blocks_;
-  std::vector<engine::CopyPages> small_pages_;  // reused by copy(): pages for the page kernel
-  std::vector<engine::CopySpan> big_pages_;     // and pages too long for it, as spans
+  // The batch that flush() launches: its ticket, kernel spans not launched yet, small pages
+  // and their ids (the lists hold offsets into ids_ until then).
+  Ticket pending_;
+  SpanBatch spans_;
+  std::vector<engine::CopyPages> lists_;
+  std::vector<int64_t> ids_;
+  const int64_t* last_src_ids_ = nullptr;  // the caller's ids of the last list queued
+  const int64_t* last_dst_ids_ = nullptr;
+  bool queued_ = false;
+  std::vector<engine::CopySpan> big_pages_;  // reused by copy(): pages too long for the page kernel
   uint64_t issued_ = 0, completed_ = 0;
   std::string error_;
 };

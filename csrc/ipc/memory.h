@@ -27,11 +27,13 @@ class Memory {
   virtual bool owns(uint64_t ptr, uint64_t nbytes) = 0;
   // Queues every span and page (device memory, or mapped memory of a peer) after the work
   // behind `after` (a cudaEvent_t, or null); returns a ticket. Tickets complete in order. The
-  // page ids are read before copy() returns.
+  // page ids are read before copy() returns. Copies may wait for flush() to go out: the calls
+  // queued between two flushes share one launch and one ticket.
   virtual uint64_t copy(const std::vector<engine::CopySpan>& spans, const std::vector<engine::CopyPages>& pages,
                         void* after) = 0;
+  virtual void flush() = 0;
   virtual bool done(uint64_t ticket) = 0;
-  // A cudaEvent_t (from cuda::take_event) recorded after every copy queued so far, or null if
+  // A cudaEvent_t (from cuda::take_event) recorded after every copy queued so far (flushed), or null if
   // recording failed. Whoever takes it recycles it.
   virtual void* mark() = 0;
   // The first CUDA error seen on the stream, empty if none.

@@ -45,6 +45,7 @@ class Route {
   uint64_t copy(uint64_t peer, const std::vector<const engine::RemoteRegion*>& regions,
                 const std::vector<engine::Run>& runs, const std::vector<engine::PageRuns>& pages,
                 const std::vector<int64_t>& page_ids, bool write, void* after);
+  void flush() { memory_->flush(); }  // see Memory::flush
   bool done(uint64_t ticket) { return memory_->done(ticket); }
   void* mark() { return memory_->mark(); }  // see Memory::mark
   std::string error() const { return memory_->error(); }
