@@ -1,6 +1,7 @@
 #include "cuda/copy_kernels.h"
 
 #include <cstdint>
+#include <cstring>
 
 namespace p2p::cuda {
 namespace {
@@ -60,20 +61,50 @@ __global__ void copy_spans_kernel(const engine::CopySpan* spans, size_t n, CopyD
 
 // Block row y copies the pages of list y, a page per warp and turn: a small page spread over a
 // whole block gives each thread one vector, while a warp gives each lane several loads in
-// flight, and each warp fetches its page's ids on its own (no block-wide barrier per page).
-__global__ void copy_page_warps_kernel(const engine::CopyPages* lists, CopyDone done) {
-  __shared__ engine::CopyPages list;
-  if (threadIdx.x == 0) list = lists[blockIdx.y];
+// flight. The pairs of a turn's pages lie side by side: one read fetches them for the block
+// (from host memory, one read instead of one per page).
+__device__ void copy_packed_pages(const char* packed, size_t lists, const CopyDone& done) {
+  constexpr unsigned kWarps = 8;  // blockDim.x / 32
+  __shared__ PackedPages list;
+  __shared__ PagePair turn[kWarps];
+  if (threadIdx.x == 0) list = reinterpret_cast<const PackedPages*>(packed + lists)[blockIdx.y];
   __syncthreads();
-  const unsigned lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  for (uint64_t k = blockIdx.x * warps + threadIdx.x / 32; k < list.n; k += uint64_t{gridDim.x} * warps) {
-    int64_t id = 0;
-    if (lane < 2) id = (lane == 0 ? list.src_ids : list.dst_ids)[k];
-    const int64_t src_id = __shfl_sync(0xffffffffu, id, 0), dst_id = __shfl_sync(0xffffffffu, id, 1);
-    copy_bytes<8>(static_cast<char*>(list.dst) + dst_id * list.dst_stride,
-                  static_cast<const char*>(list.src) + src_id * list.src_stride, list.bytes, lane, 32);
+  const auto* pairs = reinterpret_cast<const PagePair*>(packed + list.pairs);
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (uint64_t first = uint64_t{blockIdx.x} * kWarps; first < list.n; first += uint64_t{gridDim.x} * kWarps) {
+    if (threadIdx.x < kWarps && first + threadIdx.x < list.n) turn[threadIdx.x] = pairs[first + threadIdx.x];
+    __syncthreads();
+    if (first + warp < list.n)
+      copy_bytes<8>(static_cast<char*>(list.dst) + turn[warp].dst * list.dst_stride,
+                    static_cast<const char*>(list.src) + turn[warp].src * list.src_stride, list.bytes, lane, 32);
+    __syncthreads();  // the turn's pairs are read before the next turn's replace them
   }
   signal(done);
+}
+
+template <size_t N>
+struct PackedParams {
+  alignas(16) char bytes[N];
+};
+
+template <size_t N>
+__global__ void copy_packed_params_kernel(const __grid_constant__ PackedParams<N> packed, size_t lists, CopyDone done) {
+  copy_packed_pages(packed.bytes, lists, done);
+}
+
+__global__ void copy_packed_mapped_kernel(const char* packed, size_t lists, CopyDone done) {
+  copy_packed_pages(packed, lists, done);
+}
+
+// The parameter block's size is fixed per kernel and every launch carries all of it: a small
+// block takes the smallest kernel that holds it.
+template <size_t N>
+cudaError_t launch_with_params(const char* host, size_t bytes, size_t lists, dim3 grid, cudaStream_t stream,
+                               const CopyDone& done) {
+  PackedParams<N> packed;
+  memcpy(packed.bytes, host, bytes);
+  copy_packed_params_kernel<N><<<grid, 256, 0, stream>>>(packed, lists, done);
+  return cudaGetLastError();
 }
 
 constexpr unsigned kBlocks = 8192;  // enough to fill any GPU; more blocks take several items
@@ -88,15 +119,24 @@ cudaError_t launch_copy_spans(const engine::CopySpan* spans, size_t n, cudaStrea
   return cudaGetLastError();
 }
 
-cudaError_t launch_copy_pages(const engine::CopyPages* lists, size_t count, uint64_t most_pages, cudaStream_t stream,
-                              CopyDone done) {
+cudaError_t launch_packed_pages(const char* host, const char* device, size_t bytes, size_t lists, size_t count,
+                                uint64_t most_pages, cudaStream_t stream, CopyDone done) {
   if (count == 0) return cudaSuccess;
   const uint64_t blocks_needed = (most_pages + 7) / 8;  // 8 warps per block
   uint64_t per_list = (kBlocks + count - 1) / count;
   if (per_list > blocks_needed) per_list = blocks_needed;
   const dim3 grid(static_cast<unsigned>(per_list > 0 ? per_list : 1), static_cast<unsigned>(count));
-  copy_page_warps_kernel<<<grid, 256, 0, stream>>>(lists, done);
-  return cudaGetLastError();
+  if (device) {
+    copy_packed_mapped_kernel<<<grid, 256, 0, stream>>>(device, lists, done);
+    return cudaGetLastError();
+  }
+  if (bytes <= 1008) return launch_with_params<1008>(host, bytes, lists, grid, stream, done);
+  if (bytes <= 4032) return launch_with_params<4032>(host, bytes, lists, grid, stream, done);
+#if CUDART_VERSION >= 12010
+  if (bytes <= 12224) return launch_with_params<12224>(host, bytes, lists, grid, stream, done);
+  if (bytes <= kPackedParamBytes) return launch_with_params<kPackedParamBytes>(host, bytes, lists, grid, stream, done);
+#endif
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace p2p::cuda

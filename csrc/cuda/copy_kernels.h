@@ -25,12 +25,34 @@ struct CopyDone {
 };
 cudaError_t launch_copy_spans(const engine::CopySpan* spans, size_t n, cudaStream_t stream, CopyDone done = {});
 
+// Small pages packed for the page kernel. A packed block holds each list's page pairs (source
+// id, destination id, 32-bit), then the lists; `pairs` is the byte offset of a list's first
+// pair from the block's start.
+struct PagePair {
+  int32_t src, dst;
+};
+struct PackedPages {
+  void* dst;
+  const void* src;
+  int64_t dst_stride, src_stride;
+  uint64_t bytes;
+  uint32_t n;      // pages
+  uint32_t pairs;  // byte offset of its first pair
+};
+
 // Copies the pages of `count` lists (at most kMaxPageLists; `most_pages`: the longest list's
 // count) with one kernel, a row of blocks per list and a warp per page, so pages are meant to
-// be small (the IPC route sends pages over 64 KiB as spans). `lists` and their ids lie where
-// the GPU reads them (device or mapped pinned memory).
+// be small (the IPC route sends pages over 64 KiB as spans). The lists start `lists` bytes
+// into the packed block. A block of up to kPackedParamBytes goes with the launch itself
+// (`host`; the kernel reads it from the constant bank: no read of host memory on the copy's
+// critical path); a larger one is read by the kernel from `device` (mapped pinned memory).
 constexpr size_t kMaxPageLists = 65535;  // the grid's y dimension
-cudaError_t launch_copy_pages(const engine::CopyPages* lists, size_t count, uint64_t most_pages, cudaStream_t stream,
-                              CopyDone done = {});
+#if CUDART_VERSION >= 12010
+constexpr size_t kPackedParamBytes = 32704;  // launch parameters of up to 32764 bytes (Volta on)
+#else
+constexpr size_t kPackedParamBytes = 4032;  // launch parameters of up to 4096 bytes
+#endif
+cudaError_t launch_packed_pages(const char* host, const char* device, size_t bytes, size_t lists, size_t count,
+                                uint64_t most_pages, cudaStream_t stream, CopyDone done = {});
 
 }  // namespace p2p::cuda

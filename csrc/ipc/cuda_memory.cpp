@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <limits>
 
 #include "common/log.h"
 #include "cuda/copy_kernels.h"
@@ -133,10 +134,7 @@ class CudaMemory final : public Memory {
     big_pages_.clear();
     const size_t first = lists_.size();
     for (const engine::CopyPages& p : pages) {
-      if (p.bytes <= kKernelSpan) {
-        queue_pages(p, first);
-        continue;
-      }
+      if (p.bytes <= kKernelSpan && queue_pages(p, first)) continue;
       for (uint64_t k = 0; k < p.n; ++k)
         big_pages_.push_back({static_cast<char*>(p.dst) + p.dst_ids[k] * p.dst_stride,
                               static_cast<const char*>(p.src) + p.src_ids[k] * p.src_stride, p.bytes});
@@ -231,51 +229,56 @@ class CudaMemory final : public Memory {
     spans_ = {};
   }
 
-  // A list of small pages joins the batch with a copy of its ids (the caller's may be gone by
-  // the launch); a list that shares its ids with the one before in the same call (a KV
-  // cache's layers) shares the copy. `first`: the call's first list in the batch.
-  void queue_pages(engine::CopyPages p, size_t first) {
-    const bool repeats = lists_.size() > first && lists_.back().n == p.n && last_src_ids_ == p.src_ids &&
-                         last_dst_ids_ == p.dst_ids;
+  // A list of small pages joins the batch with a copy of its ids as 32-bit pairs (the
+  // caller's may be gone by the launch); a list that shares its ids with the one before in the
+  // same call (a KV cache's layers) shares the pairs. `first`: the call's first list in the
+  // batch. False if an id does not fit 32 bits: the caller sends those pages as spans.
+  bool queue_pages(const engine::CopyPages& p, size_t first) {
+    cuda::PackedPages list{p.dst, p.src, p.dst_stride, p.src_stride, p.bytes, static_cast<uint32_t>(p.n), 0};
+    if (lists_.size() > first && lists_.back().n == p.n && last_src_ids_ == p.src_ids && last_dst_ids_ == p.dst_ids) {
+      list.pairs = lists_.back().pairs;
+      lists_.push_back(list);
+      return true;
+    }
+    constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+    int64_t most = 0, least = 0;
+    for (uint64_t k = 0; k < p.n; ++k) {
+      most = std::max({most, p.src_ids[k], p.dst_ids[k]});
+      least = std::min({least, p.src_ids[k], p.dst_ids[k]});
+    }
+    if (p.n > kMax || most > kMax || least < 0 || packed_.size() > std::numeric_limits<uint32_t>::max()) return false;
     last_src_ids_ = p.src_ids;
     last_dst_ids_ = p.dst_ids;
-    if (repeats) {
-      p.src_ids = lists_.back().src_ids;
-      p.dst_ids = lists_.back().dst_ids;
-    } else {
-      // Offsets into ids_ for now; flush() turns them into device addresses.
-      const size_t at = ids_.size();
-      ids_.insert(ids_.end(), p.src_ids, p.src_ids + p.n);
-      ids_.insert(ids_.end(), p.dst_ids, p.dst_ids + p.n);
-      p.src_ids = reinterpret_cast<const int64_t*>(at);
-      p.dst_ids = reinterpret_cast<const int64_t*>(at + p.n);
-    }
-    lists_.push_back(p);
+    list.pairs = static_cast<uint32_t>(packed_.size());
+    packed_.resize(packed_.size() + p.n * sizeof(cuda::PagePair));
+    auto* pairs = reinterpret_cast<cuda::PagePair*>(packed_.data() + list.pairs);
+    for (uint64_t k = 0; k < p.n; ++k) pairs[k] = {static_cast<int32_t>(p.src_ids[k]), static_cast<int32_t>(p.dst_ids[k])};
+    lists_.push_back(list);
+    return true;
   }
 
-  // The batch's page lists and ids go to one pinned block, the kernel reading the ids there.
+  // The batch's pairs, then its lists, go with the launch (a block small enough for its
+  // parameters) or to one pinned block that the kernel reads.
   void launch_pages() {
     if (lists_.empty()) return;
-    const size_t lists = lists_.size();
-    Pinned& block = take_pinned(lists * sizeof(engine::CopyPages) + ids_.size() * sizeof(int64_t));
-    const auto* device = reinterpret_cast<const engine::CopyPages*>(block.device);
-    const auto* device_ids = reinterpret_cast<const int64_t*>(device + lists);
-    std::memcpy(block.host + lists * sizeof(engine::CopyPages), ids_.data(), ids_.size() * sizeof(int64_t));
-    auto* host = reinterpret_cast<engine::CopyPages*>(block.host);
-    for (size_t i = 0; i < lists; ++i) {
-      engine::CopyPages p = lists_[i];
-      p.src_ids = device_ids + reinterpret_cast<uintptr_t>(p.src_ids);
-      p.dst_ids = device_ids + reinterpret_cast<uintptr_t>(p.dst_ids);
-      host[i] = p;
+    const size_t lists = packed_.size(), count = lists_.size();
+    const auto* from = reinterpret_cast<const char*>(lists_.data());
+    packed_.insert(packed_.end(), from, from + count * sizeof(cuda::PackedPages));
+    const char* device = nullptr;
+    if (packed_.size() > cuda::kPackedParamBytes) {
+      Pinned& block = take_pinned(packed_.size());
+      std::memcpy(block.host, packed_.data(), packed_.size());
+      device = block.device;
     }
-    for (size_t first = 0; first < lists; first += cuda::kMaxPageLists) {
-      const size_t count = std::min(cuda::kMaxPageLists, lists - first);
+    for (size_t first = 0; first < count; first += cuda::kMaxPageLists) {
+      const size_t n = std::min(cuda::kMaxPageLists, count - first);
       uint64_t most = 0;
-      for (size_t i = first; i < first + count; ++i) most = std::max(most, lists_[i].n);
-      note(cuda::launch_copy_pages(device + first, count, most, stream_, signal_if(first + count == lists)));
+      for (size_t i = first; i < first + n; ++i) most = std::max<uint64_t>(most, lists_[i].n);
+      note(cuda::launch_packed_pages(packed_.data(), device, packed_.size(), lists + first * sizeof(cuda::PackedPages),
+                                     n, most, stream_, signal_if(first + n == count)));
     }
     lists_.clear();
-    ids_.clear();
+    packed_.clear();
   }
 
   cuda::CopyDone signal_if(bool last) {
@@ -351,11 +354,11 @@ class CudaMemory final : public Memory {
   std::deque<Pinned> blocks_;  // stable addresses
   std::vector<size_t> free_blocks_;
   // The batch that flush() launches: its ticket, kernel spans not launched yet, small pages
-  // and their ids (the lists hold offsets into ids_ until then).
+  // (their pairs packed, the lists appended at the launch).
   Ticket pending_;
   SpanBatch spans_;
-  std::vector<engine::CopyPages> lists_;
-  std::vector<int64_t> ids_;
+  std::vector<cuda::PackedPages> lists_;
+  std::vector<char> packed_;
   const int64_t* last_src_ids_ = nullptr;  // the caller's ids of the last list queued
   const int64_t* last_dst_ids_ = nullptr;
   bool queued_ = false;
