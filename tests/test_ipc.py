@@ -258,6 +258,31 @@ def test_ipc_paged_random_both_sides(ipc_pair):
     assert torch.equal(back.cpu(), want)
 
 
+def probe(state, name: str, ids: list) -> tuple:
+    """The bytes at `ids` of a uint8 target, how many of its bytes are not poison, and whether
+    its guards are whole, without fetching it."""
+    t, whole = state[name], state[name + ".whole"]
+    guards = bool((whole[:4096] == helpers.POISON).all() and (whole[-4096:] == helpers.POISON).all())
+    return t[ids].cpu().tolist(), int((t != helpers.POISON).sum()), guards
+
+
+@cuda
+def test_ipc_page_ids_past_32_bits(ipc_pair):
+    # The page kernel takes 32-bit ids: a list with a larger one goes as spans, and lands.
+    a, b, _ = ipc_pair
+    count = (1 << 31) + 64
+    remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (count,)))
+    src = torch.arange(1, 9, dtype=torch.uint8, device="cuda:0")
+    a.register(src)
+    dids = [(1 << 31) + 5, 3, (1 << 31) + 63, (1 << 31) - 1, 1 << 30]
+    a.write_slices(p2p.pages(src, [0, 2, 4, 6, 7]), p2p.pages(remote, dids)).wait()
+    assert b.call(probe, "t", dids) == ([1, 3, 5, 7, 8], 5, True)
+    back = torch.zeros(8, dtype=torch.uint8, device="cuda:0")
+    a.register(back)
+    a.read_slices(p2p.pages(back, [7, 1, 5]), p2p.pages(remote, dids[:3])).wait()
+    assert back.tolist() == [0, 3, 0, 0, 0, 5, 0, 1]
+
+
 @cuda
 def test_ipc_calls_in_flight_together_each_land_whole(ipc_pair):
     # Many calls in flight at once, each its own page set: each lands whole and completes.

@@ -48,7 +48,10 @@ struct PackedPages {
 // critical path); a larger one is read by the kernel from `device` (mapped pinned memory).
 constexpr size_t kMaxPageLists = 65535;  // the grid's y dimension
 #if CUDART_VERSION >= 12010
-constexpr size_t kPackedParamBytes = 32704;  // launch parameters of up to 32764 bytes (Volta on)
+// Launch parameters of up to 32764 bytes (Volta on, driver R530 on: what a CUDA 12.1 runtime
+// asks for, though minor-version compatibility lets it start on an older one, where such a
+// launch fails and the IPC route reports the CUDA error).
+constexpr size_t kPackedParamBytes = 32704;
 #else
 constexpr size_t kPackedParamBytes = 4032;  // launch parameters of up to 4096 bytes
 #endif
