@@ -149,11 +149,15 @@ class CudaMemory final : public Memory {
     if (!queued_) return;
     // Only the last launch signals (the stream runs launches in order), and it comes after
     // every copy-engine copy of the batch, so its flag covers them.
-    launch_spans(lists_.empty());
-    launch_pages();
-    if (!pending_.signaled) {
-      pending_.event = static_cast<cudaEvent_t>(cuda::take_event(device_));
-      note(cudaEventRecord(pending_.event, stream_));
+    try {
+      launch_spans(lists_.empty());
+      launch_pages();
+      if (!pending_.signaled) {
+        pending_.event = static_cast<cudaEvent_t>(cuda::take_event(device_));
+        note(cudaEventRecord(pending_.event, stream_));
+      }
+    } catch (const Error& e) {  // no pinned memory for the descriptors, or no event
+      fail(e.what());
     }
     pending_.id = ++issued_;
     outstanding_.push_back(std::move(pending_));
@@ -192,7 +196,7 @@ class CudaMemory final : public Memory {
   struct Ticket {
     uint64_t id = 0;
     bool signaled = false;         // its last kernel writes flag_; else
-    cudaEvent_t event = nullptr;   // recorded after its copies
+    cudaEvent_t event = nullptr;   // recorded after its copies (neither: its launch failed)
     std::vector<size_t> blocks;  // indexes into blocks_, returned when the copy is done
   };
   struct Pinned {
@@ -290,15 +294,16 @@ class CudaMemory final : public Memory {
   }
 
   bool finished(const Ticket& t) {
-    if (!t.signaled) {
+    if (t.event) {
       const cudaError_t rc = cudaEventQuery(t.event);
       if (rc == cudaErrorNotReady) return false;
       note(rc);
       return true;
     }
-    if (__atomic_load_n(flag_, __ATOMIC_ACQUIRE) >= t.id) return true;
-    // A kernel that faults never writes the flag: the stream says so, asked now and then (a
-    // CUDA call per poll would contend with the threads that submit).
+    if (t.signaled && __atomic_load_n(flag_, __ATOMIC_ACQUIRE) >= t.id) return true;
+    // A kernel that faults never writes the flag, and a batch whose launch failed has neither
+    // flag nor event: the stream says when they are over, asked now and then (a CUDA call per
+    // poll would contend with the threads that submit).
     const auto now = std::chrono::steady_clock::now();
     if (now < next_stream_check_) return false;
     next_stream_check_ = now + std::chrono::milliseconds(1);
@@ -338,9 +343,14 @@ class CudaMemory final : public Memory {
   }
 
   void note(cudaError_t rc) {
-    if (rc == cudaSuccess || !error_.empty()) return;
+    if (rc == cudaSuccess) return;
     cudaGetLastError();
-    error_ = cudaGetErrorString(rc);
+    fail(cudaGetErrorString(rc));
+  }
+
+  void fail(const std::string& why) {
+    if (!error_.empty()) return;
+    error_ = why;
     P2P_LOG(Error, "CUDA error on the IPC stream: ", error_);
   }
 
