@@ -244,19 +244,22 @@ class CudaMemory final : public Memory {
       lists_.push_back(list);
       return true;
     }
-    constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-    int64_t most = 0, least = 0;
+    constexpr uint64_t kMax = std::numeric_limits<int32_t>::max();  // a negative id, cast, is larger
+    const size_t at = packed_.size();
+    if (p.n > kMax || at > std::numeric_limits<uint32_t>::max()) return false;
+    packed_.resize(at + p.n * sizeof(cuda::PagePair));
+    auto* pairs = reinterpret_cast<cuda::PagePair*>(packed_.data() + at);
     for (uint64_t k = 0; k < p.n; ++k) {
-      most = std::max({most, p.src_ids[k], p.dst_ids[k]});
-      least = std::min({least, p.src_ids[k], p.dst_ids[k]});
+      const auto src = static_cast<uint64_t>(p.src_ids[k]), dst = static_cast<uint64_t>(p.dst_ids[k]);
+      if (src > kMax || dst > kMax) {
+        packed_.resize(at);
+        return false;
+      }
+      pairs[k] = {static_cast<int32_t>(src), static_cast<int32_t>(dst)};
     }
-    if (p.n > kMax || most > kMax || least < 0 || packed_.size() > std::numeric_limits<uint32_t>::max()) return false;
     last_src_ids_ = p.src_ids;
     last_dst_ids_ = p.dst_ids;
-    list.pairs = static_cast<uint32_t>(packed_.size());
-    packed_.resize(packed_.size() + p.n * sizeof(cuda::PagePair));
-    auto* pairs = reinterpret_cast<cuda::PagePair*>(packed_.data() + list.pairs);
-    for (uint64_t k = 0; k < p.n; ++k) pairs[k] = {static_cast<int32_t>(p.src_ids[k]), static_cast<int32_t>(p.dst_ids[k])};
+    list.pairs = static_cast<uint32_t>(at);
     lists_.push_back(list);
     return true;
   }

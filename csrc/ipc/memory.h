@@ -33,8 +33,8 @@ class Memory {
                         void* after) = 0;
   virtual void flush() = 0;
   virtual bool done(uint64_t ticket) = 0;
-  // A cudaEvent_t (from cuda::take_event) recorded after every copy queued so far (flushed), or null if
-  // recording failed. Whoever takes it recycles it.
+  // A cudaEvent_t (from cuda::take_event) recorded after every copy queued so far (flushing
+  // them first), or null if recording failed. Whoever takes it recycles it.
   virtual void* mark() = 0;
   // The first CUDA error seen on the stream, empty if none.
   virtual std::string error() const = 0;
