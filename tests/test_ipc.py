@@ -230,8 +230,12 @@ def gpu_random(shape, dtype, seed):
     return helpers.random_tensor(shape, dtype, seed).to("cuda:0")
 
 
+def guards_whole(whole: torch.Tensor) -> bool:
+    return bool((whole[:4096] == helpers.POISON).all() and (whole[-4096:] == helpers.POISON).all())
+
+
 def check_guards(whole: torch.Tensor):
-    assert (whole[:4096] == helpers.POISON).all() and (whole[-4096:] == helpers.POISON).all(), "guard bytes hit"
+    assert guards_whole(whole), "guard bytes hit"
 
 
 @cuda
@@ -261,9 +265,8 @@ def test_ipc_paged_random_both_sides(ipc_pair):
 def probe(state, name: str, ids: list) -> tuple:
     """The bytes at `ids` of a uint8 target, how many of its bytes are not poison, and whether
     its guards are whole, without fetching it."""
-    t, whole = state[name], state[name + ".whole"]
-    guards = bool((whole[:4096] == helpers.POISON).all() and (whole[-4096:] == helpers.POISON).all())
-    return t[ids].cpu().tolist(), int((t != helpers.POISON).sum()), guards
+    t = state[name]
+    return t[ids].cpu().tolist(), int((t != helpers.POISON).sum()), guards_whole(state[name + ".whole"])
 
 
 @cuda

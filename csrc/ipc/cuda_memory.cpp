@@ -159,6 +159,8 @@ class CudaMemory final : public Memory {
     } catch (const Error& e) {  // no pinned memory for the descriptors, or no event
       fail(e.what());
     }
+    lists_.clear();  // launched or failed: the batch is over either way
+    packed_.clear();
     pending_.id = ++issued_;
     outstanding_.push_back(std::move(pending_));
     pending_ = {};
@@ -284,8 +286,6 @@ class CudaMemory final : public Memory {
       note(cuda::launch_packed_pages(packed_.data(), device, packed_.size(), lists + first * sizeof(cuda::PackedPages),
                                      n, most, stream_, signal_if(first + n == count)));
     }
-    lists_.clear();
-    packed_.clear();
   }
 
   cuda::CopyDone signal_if(bool last) {
