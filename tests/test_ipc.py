@@ -2,7 +2,9 @@
 (csrc/ipc). The GPU tests run one process per GPU where there are two (both on cuda:0
 otherwise), with whatever libfabric is installed: the IPC route needs none of its CUDA support."""
 import os
+import shutil
 import signal
+import subprocess
 import time
 
 import pytest
@@ -585,6 +587,71 @@ def test_ipc_peer_killed_mid_transfer():
         other = p2p.RemoteTensor.from_bytes(c.call(make_cuda_target, "t", (1 << 20,)))
         a.write_slices(src[: 1 << 20], [other]).wait()
         assert torch.equal(c.call(fetch_whole, "t")[4096:-4096], src[: 1 << 20].cpu())
+
+
+@pytest.fixture(scope="module")
+def fail_host_alloc(tmp_path_factory) -> str:
+    """fail_host_alloc.c built as a library to preload: cudaHostAlloc fails while
+    P2P_TEST_FAIL_HOST_ALLOC is set."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build fail_host_alloc.c")
+    so = tmp_path_factory.mktemp("preload") / "fail_host_alloc.so"
+    source = os.path.join(os.path.dirname(__file__), "fail_host_alloc.c")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(so), source, "-ldl"], check=True)
+    return str(so)
+
+
+def route_to(state, address: bytes) -> str:
+    return state["engine"].route(address)
+
+
+def write_with_and_without_pinned_memory(state, remote_bytes: bytes, pages: int):
+    """Runs in a peer with fail_host_alloc preloaded: a contiguous and a paged write of 4 KiB
+    pages while no pinned memory can be had (the first descriptor blocks are taken then), and
+    again after. Returns (name, failing, error or None, seconds) per write, and the source."""
+    e = state["engine"]
+    remote = p2p.RemoteTensor.from_bytes(remote_bytes)
+    src = gpu_random((pages, 4096), torch.uint8, 11)
+    state["src"] = src
+    e.register(src)
+    ids = torch.randperm(pages, generator=torch.Generator().manual_seed(3))
+    calls = {"contiguous": lambda: e.write_slices([src[:256]], [remote[:256]]),
+             "paged": lambda: e.write_slices(p2p.pages(src, ids), p2p.pages(remote, ids))}
+    out = []
+    for failing in (True, False):
+        os.environ["P2P_TEST_FAIL_HOST_ALLOC"] = "1" if failing else ""
+        for name, call in calls.items():
+            start = time.monotonic()
+            try:
+                p2p.wait(call(), 30)
+                error = None
+            except Exception as ex:  # noqa: BLE001 - reported to the test
+                error = f"{type(ex).__name__}: {ex}"
+            out.append((name, failing, error, time.monotonic() - start))
+    return out, src.cpu()
+
+
+@cuda
+def test_ipc_no_pinned_memory_fails_the_batch_at_once(fail_host_alloc):
+    """A copy whose descriptors find no pinned memory fails its future at once (not at the
+    transfer timeout), and the route works again once memory can be had."""
+    pages = 8192  # their packed ids (64 KiB) need a pinned block of their own
+    with Peer() as b, Peer(env={"LD_PRELOAD": fail_host_alloc}) as c:
+        address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
+        remote = b.call(make_cuda_target, "t", (pages, 4096))
+        c.call(helpers.start_engine, "tcp", device="cuda:0")
+        assert c.call(route_to, address) == "ipc"
+        outcomes, src = c.call(write_with_and_without_pinned_memory, remote, pages)
+        for name, failing, error, seconds in outcomes:
+            if failing:
+                assert error and "allocating pinned memory" in error, (name, error)
+                assert seconds < 10, f"{name}: failed after {seconds:.1f} s"
+            else:
+                assert error is None, (name, error)
+        whole = b.call(fetch_whole, "t")
+        check_guards(whole)
+        assert torch.equal(whole[4096:-4096].view(pages, 4096), src)
 
 
 def engine_cpu(state):

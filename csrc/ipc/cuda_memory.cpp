@@ -133,14 +133,18 @@ class CudaMemory final : public Memory {
     }
     big_pages_.clear();
     const size_t first = lists_.size();
-    for (const engine::CopyPages& p : pages) {
-      if (p.bytes <= kKernelSpan && queue_pages(p, first)) continue;
-      for (uint64_t k = 0; k < p.n; ++k)
-        big_pages_.push_back({static_cast<char*>(p.dst) + p.dst_ids[k] * p.dst_stride,
-                              static_cast<const char*>(p.src) + p.src_ids[k] * p.src_stride, p.bytes});
+    try {
+      for (const engine::CopyPages& p : pages) {
+        if (p.bytes <= kKernelSpan && queue_pages(p, first)) continue;
+        for (uint64_t k = 0; k < p.n; ++k)
+          big_pages_.push_back({static_cast<char*>(p.dst) + p.dst_ids[k] * p.dst_stride,
+                                static_cast<const char*>(p.src) + p.src_ids[k] * p.src_stride, p.bytes});
+      }
+      queue_spans(spans);
+      queue_spans(big_pages_);
+    } catch (const std::exception& e) {  // no pinned memory for a descriptor block
+      fail_batch(e.what());
     }
-    queue_spans(spans);
-    queue_spans(big_pages_);
     queued_ = true;
     return issued_ + 1;
   }
@@ -157,7 +161,7 @@ class CudaMemory final : public Memory {
         note(cudaEventRecord(pending_.event, stream_));
       }
     } catch (const Error& e) {  // no pinned memory for the descriptors, or no event
-      fail(e.what());
+      fail_batch(e.what());
     }
     lists_.clear();  // launched or failed: the batch is over either way
     packed_.clear();
@@ -172,6 +176,7 @@ class CudaMemory final : public Memory {
       Ticket& t = outstanding_.front();
       if (!finished(t)) break;
       completed_ = t.id;
+      if (!t.failed.empty()) failures_.emplace_back(t.id, std::move(t.failed));
       if (t.event) cuda::recycle_event(device_, t.event);
       for (size_t b : t.blocks) free_blocks_.push_back(b);
       outstanding_.pop_front();
@@ -192,13 +197,18 @@ class CudaMemory final : public Memory {
     return nullptr;
   }
 
-  std::string error() const override { return error_; }
+  std::string error(uint64_t ticket) override {
+    if (!error_.empty()) return error_;
+    while (!failures_.empty() && failures_.front().first < ticket) failures_.pop_front();
+    return !failures_.empty() && failures_.front().first == ticket ? failures_.front().second : std::string();
+  }
 
  private:
   struct Ticket {
     uint64_t id = 0;
     bool signaled = false;         // its last kernel writes flag_; else
     cudaEvent_t event = nullptr;   // recorded after its copies (neither: its launch failed)
+    std::string failed;            // why some of its copies did not go out
     std::vector<size_t> blocks;  // indexes into blocks_, returned when the copy is done
   };
   struct Pinned {
@@ -300,7 +310,7 @@ class CudaMemory final : public Memory {
     if (t.event) {
       const cudaError_t rc = cudaEventQuery(t.event);
       if (rc == cudaErrorNotReady) return false;
-      note(rc);
+      stick(rc);
       return true;
     }
     if (t.signaled && __atomic_load_n(flag_, __ATOMIC_ACQUIRE) >= t.id) return true;
@@ -312,7 +322,7 @@ class CudaMemory final : public Memory {
     next_stream_check_ = now + std::chrono::milliseconds(1);
     const cudaError_t rc = cudaStreamQuery(stream_);
     if (rc == cudaErrorNotReady) return false;
-    note(rc);
+    stick(rc);
     return true;
   }
 
@@ -345,15 +355,24 @@ class CudaMemory final : public Memory {
     return blocks_[pending_.blocks.back()];
   }
 
+  // A call that queues work refused it: the batch being queued fails.
   void note(cudaError_t rc) {
     if (rc == cudaSuccess) return;
     cudaGetLastError();
-    fail(cudaGetErrorString(rc));
+    fail_batch(cudaGetErrorString(rc));
   }
 
-  void fail(const std::string& why) {
-    if (!error_.empty()) return;
-    error_ = why;
+  void fail_batch(const std::string& why) {
+    if (!pending_.failed.empty()) return;
+    pending_.failed = why;
+    P2P_LOG(Error, "a batch of CUDA IPC copies failed: ", why);
+  }
+
+  // The stream reported an error of work that ran: the context is broken for good.
+  void stick(cudaError_t rc) {
+    if (rc == cudaSuccess || !error_.empty()) return;
+    cudaGetLastError();
+    error_ = cudaGetErrorString(rc);
     P2P_LOG(Error, "CUDA error on the IPC stream: ", error_);
   }
 
@@ -377,7 +396,8 @@ class CudaMemory final : public Memory {
   bool queued_ = false;
   std::vector<engine::CopySpan> big_pages_;  // reused by copy(): pages too long for the page kernel
   uint64_t issued_ = 0, completed_ = 0;
-  std::string error_;
+  std::string error_;                                   // stick()'s
+  std::deque<std::pair<uint64_t, std::string>> failures_;  // done tickets that failed, for error()
 };
 
 }  // namespace

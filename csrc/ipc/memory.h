@@ -36,8 +36,11 @@ class Memory {
   // A cudaEvent_t (from cuda::take_event) recorded after every copy queued so far (flushing
   // them first), or null if recording failed. Whoever takes it recycles it.
   virtual void* mark() = 0;
-  // The first CUDA error seen on the stream, empty if none.
-  virtual std::string error() const = 0;
+  // Why the copies of a done ticket failed, empty if they did not: the stream's first
+  // asynchronous CUDA error (it sticks, as it does in CUDA, and fails every ticket after it),
+  // or its batch's own (a launch or stream wait refused, no pinned memory for the batch's
+  // descriptors), which fails that batch only. Asked in ticket order.
+  virtual std::string error(uint64_t ticket) = 0;
 };
 
 // copy_engine_bytes: spans at least this long go to the copy engines (cudaMemcpyAsync), the

@@ -48,7 +48,7 @@ class Route {
   void flush() { memory_->flush(); }  // see Memory::flush
   bool done(uint64_t ticket) { return memory_->done(ticket); }
   void* mark() { return memory_->mark(); }  // see Memory::mark
-  std::string error() const { return memory_->error(); }
+  std::string error(uint64_t ticket) { return memory_->error(ticket); }  // see Memory::error
   // Drops a region's mapping (shared mappings go with their last region) once the copies
   // queued so far are done; forget() drops all of a peer's.
   void release(uint64_t peer, uint64_t region);

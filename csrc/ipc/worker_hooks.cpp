@@ -72,11 +72,12 @@ bool Worker::poll_ipc() {
   size_t n = 0;
   while (n < ipc_copies_.size() && ipc_->done(ipc_copies_[n].first)) ++n;
   if (n == 0) return false;
-  const std::string error = ipc_->error();
-  const Status status = error.empty() ? Status{} : Status::error(ErrorKind::Generic, cat("the CUDA IPC copy failed: ", error));
   for (size_t i = 0; i < n; ++i) {
+    const std::string error = ipc_->error(ipc_copies_[i].first);
     auto it = transfers_.find(ipc_copies_[i].second);
-    if (it != transfers_.end()) transfer_op_done(*it->second, status);
+    if (it != transfers_.end())
+      transfer_op_done(*it->second, error.empty() ? Status{}
+                                                  : Status::error(ErrorKind::Generic, cat("the CUDA IPC copy failed: ", error)));
   }
   ipc_copies_.erase(ipc_copies_.begin(), ipc_copies_.begin() + n);
   return true;
