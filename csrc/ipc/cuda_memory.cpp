@@ -158,7 +158,12 @@ class CudaMemory final : public Memory {
       launch_pages();
       if (!pending_.signaled) {
         pending_.event = static_cast<cudaEvent_t>(cuda::take_event(device_));
-        note(cudaEventRecord(pending_.event, stream_));
+        if (const cudaError_t rc = cudaEventRecord(pending_.event, stream_); rc != cudaSuccess) {
+          // An event never recorded reads as done: the stream says when the batch is over.
+          cuda::recycle_event(device_, pending_.event);
+          pending_.event = nullptr;
+          note(rc);
+        }
       }
     } catch (const Error& e) {  // no pinned memory for the descriptors, or no event
       fail_batch(e.what());
