@@ -157,13 +157,9 @@ class CudaMemory final : public Memory {
       launch_spans(lists_.empty());
       launch_pages();
       if (!pending_.signaled) {
-        pending_.event = static_cast<cudaEvent_t>(cuda::take_event(device_));
-        if (const cudaError_t rc = cudaEventRecord(pending_.event, stream_); rc != cudaSuccess) {
-          // An event never recorded reads as done: the stream says when the batch is over.
-          cuda::recycle_event(device_, pending_.event);
-          pending_.event = nullptr;
-          note(rc);
-        }
+        cudaError_t rc;
+        pending_.event = record(rc);  // none if not recorded: then the stream says when it is over
+        note(rc);
       }
     } catch (const Error& e) {  // no pinned memory for the descriptors, or no event
       fail_batch(e.what());
@@ -192,10 +188,8 @@ class CudaMemory final : public Memory {
   void* mark() override {
     flush();
     try {
-      auto event = static_cast<cudaEvent_t>(cuda::take_event(device_));
-      if (cudaEventRecord(event, stream_) == cudaSuccess) return event;
-      cudaGetLastError();
-      cuda::recycle_event(device_, event);
+      cudaError_t rc;
+      return record(rc);
     } catch (const Error& e) {
       P2P_LOG(Warn, "no event for a stream wait: ", e.what());
     }
@@ -301,6 +295,17 @@ class CudaMemory final : public Memory {
       note(cuda::launch_packed_pages(packed_.data(), device, packed_.size(), lists + first * sizeof(cuda::PackedPages),
                                      n, most, stream_, signal_if(first + n == count)));
     }
+  }
+
+  // An event recorded on the stream after the work queued so far, or null if the record failed
+  // (`rc` says why): an event never recorded would read as done. Throws if no event can be had.
+  cudaEvent_t record(cudaError_t& rc) {
+    auto event = static_cast<cudaEvent_t>(cuda::take_event(device_));
+    rc = cudaEventRecord(event, stream_);
+    if (rc == cudaSuccess) return event;
+    cudaGetLastError();
+    cuda::recycle_event(device_, event);
+    return nullptr;
   }
 
   cuda::CopyDone signal_if(bool last) {
