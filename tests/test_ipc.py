@@ -590,14 +590,15 @@ def test_ipc_peer_killed_mid_transfer():
 
 
 @pytest.fixture(scope="module")
-def fail_host_alloc(tmp_path_factory) -> str:
-    """fail_host_alloc.c built as a library to preload: cudaHostAlloc fails while
-    P2P_TEST_FAIL_HOST_ALLOC is set."""
+def cuda_faults(tmp_path_factory) -> str:
+    """cuda_faults.c built as a library to preload: cudaHostAlloc fails while
+    P2P_TEST_FAIL_HOST_ALLOC is set, cudaEventRecord off the default stream while
+    P2P_TEST_FAIL_EVENT_RECORD is."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        pytest.skip("no C compiler to build fail_host_alloc.c")
-    so = tmp_path_factory.mktemp("preload") / "fail_host_alloc.so"
-    source = os.path.join(os.path.dirname(__file__), "fail_host_alloc.c")
+        pytest.skip("no C compiler to build cuda_faults.c")
+    so = tmp_path_factory.mktemp("preload") / "cuda_faults.so"
+    source = os.path.join(os.path.dirname(__file__), "cuda_faults.c")
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(so), source, "-ldl"], check=True)
     return str(so)
 
@@ -607,7 +608,7 @@ def route_to(state, address: bytes) -> str:
 
 
 def write_with_and_without_pinned_memory(state, remote_bytes: bytes, pages: int):
-    """Runs in a peer with fail_host_alloc preloaded: a contiguous and a paged write of 4 KiB
+    """Runs in a peer with cuda_faults preloaded: a contiguous and a paged write of 4 KiB
     pages while no pinned memory can be had (the first descriptor blocks are taken then), and
     again after. Returns (name, failing, error or None, seconds) per write, and the source."""
     e = state["engine"]
@@ -633,11 +634,11 @@ def write_with_and_without_pinned_memory(state, remote_bytes: bytes, pages: int)
 
 
 @cuda
-def test_ipc_no_pinned_memory_fails_the_batch_at_once(fail_host_alloc):
+def test_ipc_no_pinned_memory_fails_the_batch_at_once(cuda_faults):
     """A copy whose descriptors find no pinned memory fails its future at once (not at the
     transfer timeout), and the route works again once memory can be had."""
     pages = 8192  # their packed ids (64 KiB) need a pinned block of their own
-    with Peer() as b, Peer(env={"LD_PRELOAD": fail_host_alloc}) as c:
+    with Peer() as b, Peer(env={"LD_PRELOAD": cuda_faults}) as c:
         address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
         remote = b.call(make_cuda_target, "t", (pages, 4096))
         c.call(helpers.start_engine, "tcp", device="cuda:0")
@@ -649,6 +650,54 @@ def test_ipc_no_pinned_memory_fails_the_batch_at_once(fail_host_alloc):
                 assert seconds < 10, f"{name}: failed after {seconds:.1f} s"
             else:
                 assert error is None, (name, error)
+        whole = b.call(fetch_whole, "t")
+        check_guards(whole)
+        assert torch.equal(whole[4096:-4096].view(pages, 4096), src)
+
+
+def write_behind_a_sleep_without_events(state, remote_bytes: bytes, pages: int):
+    """Runs in a peer with cuda_faults preloaded: a contiguous write large enough for the copy
+    engines (so its batch ends with an event, not the kernel's flag), queued behind a second of
+    sleep on the caller's stream while no event can be recorded on the IPC stream. Returns
+    (error or None, whether the sleep was over when the future completed, seconds), for it and
+    for the same write once events work, and the source."""
+    e = state["engine"]
+    remote = p2p.RemoteTensor.from_bytes(remote_bytes)
+    src = gpu_random((pages, 4096), torch.uint8, 12)
+    state["src"] = src
+    e.register(src)
+    out = []
+    for failing in (True, False):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock
+        slept = torch.cuda.Event()
+        slept.record()
+        os.environ["P2P_TEST_FAIL_EVENT_RECORD"] = "1" if failing else ""
+        start = time.monotonic()
+        try:
+            p2p.wait(e.write_slices([src], [remote]), 30)
+            error = None
+        except Exception as ex:  # noqa: BLE001 - reported to the test
+            error = f"{type(ex).__name__}: {ex}"
+        out.append((error, slept.query(), time.monotonic() - start))
+        os.environ["P2P_TEST_FAIL_EVENT_RECORD"] = ""
+    return out, src.cpu()
+
+
+@cuda
+def test_ipc_batch_without_its_event_completes_after_its_copy(cuda_faults):
+    """A batch whose closing event cannot be recorded completes when its copy has (the stream
+    says so), not at once: an event never recorded reads as done."""
+    pages = 8192  # 32 MiB, above the copy engines' threshold (16 MiB)
+    with Peer() as b, Peer(env={"LD_PRELOAD": cuda_faults}) as c:
+        address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
+        remote = b.call(make_cuda_target, "t", (pages, 4096))
+        c.call(helpers.start_engine, "tcp", device="cuda:0")
+        assert c.call(route_to, address) == "ipc"
+        outcomes, src = c.call(write_behind_a_sleep_without_events, remote, pages)
+        for failing, (error, after_sleep, seconds) in zip((True, False), outcomes):
+            assert after_sleep, f"completed after {seconds:.3f} s, before the copy it waited for ({failing=}, {error=})"
+            assert error is None, (failing, error)
         whole = b.call(fetch_whole, "t")
         check_guards(whole)
         assert torch.equal(whole[4096:-4096].view(pages, 4096), src)

@@ -8,6 +8,10 @@
 
 #include "common/error.h"
 
+#if CUDART_VERSION < 12000
+#error "torch_p2p's CUDA sources need CUDA 12.0 or newer (set WITH_CUDA=0 for a build without CUDA)"
+#endif
+
 namespace p2p::cuda {
 namespace {
 
@@ -16,17 +20,6 @@ namespace {
     const cudaError_t rc_ = (call);                                                           \
     if (rc_ != cudaSuccess) P2P_THROW(ErrorKind::Generic, __VA_ARGS__, ": ", cudaGetErrorString(rc_)); \
   } while (0)
-
-// Driver functions through the runtime, so that the extension does not link libcuda.
-template <typename Fn>
-Fn driver(const char* name) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found;
-  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess)
-    return nullptr;
-  return reinterpret_cast<Fn>(fn);
-}
 
 // Makes `device` current for a scope; no runtime call to switch when it already is (the
 // usual case: every transfer's stream event goes through here).
@@ -47,11 +40,26 @@ class DeviceScope {
 
 }  // namespace
 
+void* driver_function(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found;
+#if CUDART_VERSION >= 12050
+  const cudaError_t rc = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found);
+#else  // CUDA 12.0-12.4: the function's version is the toolkit's, 12.0 or later
+  const cudaError_t rc = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &found);
+#endif
+  if (rc != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return fn;
+}
+
 bool is_vmm_memory(const void* ptr) {
   using Retain = CUresult (*)(CUmemGenericAllocationHandle*, void*);
   using Release = CUresult (*)(CUmemGenericAllocationHandle);
-  static const auto retain = driver<Retain>("cuMemRetainAllocationHandle");
-  static const auto release = driver<Release>("cuMemRelease");
+  static const auto retain = reinterpret_cast<Retain>(driver_function("cuMemRetainAllocationHandle"));
+  static const auto release = reinterpret_cast<Release>(driver_function("cuMemRelease"));
   if (!retain || !release) return false;
   CUmemGenericAllocationHandle handle;
   if (retain(&handle, const_cast<void*>(ptr)) != CUDA_SUCCESS) return false;

@@ -6,6 +6,10 @@
 
 namespace p2p::cuda {
 
+// A driver API function (`name` as in cuda.h, e.g. "cuMemRelease") looked up through the
+// runtime, so that the extension does not link libcuda; null if the driver lacks it.
+void* driver_function(const char* name);
+
 // True when ptr lies in memory mapped through the CUDA VMM API (cuMemCreate/cuMemMap), as
 // PyTorch's expandable segments are: older providers cannot register it for RDMA.
 bool is_vmm_memory(const void* ptr);

@@ -32,14 +32,7 @@ namespace {
 // The allocation that holds ptr (driver call through the runtime: no libcuda link).
 bool address_range(uint64_t ptr, uint64_t& base, uint64_t& size) {
   using Range = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-  static const Range range = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess || found != cudaDriverEntryPointSuccess)
-      return static_cast<Range>(nullptr);
-    return reinterpret_cast<Range>(fn);
-  }();
+  static const auto range = reinterpret_cast<Range>(cuda::driver_function("cuMemGetAddressRange"));
   CUdeviceptr b = 0;
   size_t s = 0;
   if (!range || range(&b, &s, static_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS) return false;
@@ -157,11 +150,13 @@ class CudaMemory final : public Memory {
       launch_spans(lists_.empty());
       launch_pages();
       if (!pending_.signaled) {
-        cudaError_t rc;
-        pending_.event = record(rc);  // none if not recorded: then the stream says when it is over
-        note(rc);
+        // Not recorded: the copies went out all the same, and the stream query (finished())
+        // says when they are over and whether they failed.
+        std::string why;
+        if (!(pending_.event = record(why)))
+          P2P_LOG(Warn, "no event closes a batch of CUDA IPC copies (", why, "): its end is taken from the stream");
       }
-    } catch (const Error& e) {  // no pinned memory for the descriptors, or no event
+    } catch (const Error& e) {  // no pinned memory for the descriptors
       fail_batch(e.what());
     }
     lists_.clear();  // launched or failed: the batch is over either way
@@ -187,13 +182,10 @@ class CudaMemory final : public Memory {
 
   void* mark() override {
     flush();
-    try {
-      cudaError_t rc;
-      return record(rc);
-    } catch (const Error& e) {
-      P2P_LOG(Warn, "no event for a stream wait: ", e.what());
-    }
-    return nullptr;
+    std::string why;
+    void* event = record(why);
+    if (!event) P2P_LOG(Warn, "no event for a stream wait: ", why);
+    return event;
   }
 
   std::string error(uint64_t ticket) override {
@@ -297,14 +289,21 @@ class CudaMemory final : public Memory {
     }
   }
 
-  // An event recorded on the stream after the work queued so far, or null if the record failed
-  // (`rc` says why): an event never recorded would read as done. Throws if no event can be had.
-  cudaEvent_t record(cudaError_t& rc) {
-    auto event = static_cast<cudaEvent_t>(cuda::take_event(device_));
-    rc = cudaEventRecord(event, stream_);
+  // An event recorded on the stream after the work queued so far, or null (`why` says why) if
+  // none could be had or the record failed: an event never recorded would read as done.
+  cudaEvent_t record(std::string& why) {
+    cudaEvent_t event = nullptr;
+    try {
+      event = static_cast<cudaEvent_t>(cuda::take_event(device_));
+    } catch (const Error& e) {
+      why = e.what();
+      return nullptr;
+    }
+    const cudaError_t rc = cudaEventRecord(event, stream_);
     if (rc == cudaSuccess) return event;
     cudaGetLastError();
     cuda::recycle_event(device_, event);
+    why = cudaGetErrorString(rc);
     return nullptr;
   }
 
