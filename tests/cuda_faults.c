@@ -2,9 +2,9 @@
    chooses (test_ipc.py), and is CUDA's own otherwise:
    - cudaHostAlloc fails with cudaErrorMemoryAllocation while P2P_TEST_FAIL_HOST_ALLOC is set
      to a non-empty value;
-   - cudaEventRecord on any stream but the legacy default one (torch's default stream, which
-     the test's calls come from) fails with cudaErrorInvalidResourceHandle while
-     P2P_TEST_FAIL_EVENT_RECORD is set. */
+   - cudaEventRecord on any stream but the legacy default one (torch's default stream) fails
+     while P2P_TEST_FAIL_EVENT_RECORD is set: CUDA's own, handed no event, so that CUDA's last
+     error is set as by any failed call. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stddef.h>
@@ -30,8 +30,8 @@ int cudaHostAlloc(void** ptr, size_t size, unsigned int flags) {
 typedef int (*event_record_fn)(void*, void*);
 
 int cudaEventRecord(void* event, void* stream) {
-  if (stream && failing("P2P_TEST_FAIL_EVENT_RECORD")) return 400; /* cudaErrorInvalidResourceHandle */
   static event_record_fn real;
   if (!real) real = (event_record_fn)dlsym(RTLD_NEXT, "cudaEventRecord");
-  return real ? real(event, stream) : 400;
+  if (!real) return 400; /* cudaErrorInvalidResourceHandle */
+  return real(stream && failing("P2P_TEST_FAIL_EVENT_RECORD") ? NULL : event, stream);
 }

@@ -703,6 +703,52 @@ def test_ipc_batch_without_its_event_completes_after_its_copy(cuda_faults):
         assert torch.equal(whole[4096:-4096].view(pages, 4096), src)
 
 
+def write_from_a_busy_side_stream(state, remote_bytes: bytes):
+    """Runs in a peer with cuda_faults preloaded: a write from a busy side stream whose event
+    cannot be recorded, then a torch kernel on that stream, then the write again with events
+    working. Returns (the write's error, the kernel's error or None), and the source."""
+    e = state["engine"]
+    remote = p2p.RemoteTensor.from_bytes(remote_bytes)
+    src = gpu_random((256, 4096), torch.uint8, 13)
+    state["src"] = src
+    e.register(src)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # busy: the call must record an event on `side`
+        os.environ["P2P_TEST_FAIL_EVENT_RECORD"] = "1"
+        try:
+            e.write_slices([src], [remote])
+            error = None
+        except Exception as ex:  # noqa: BLE001 - reported to the test
+            error = f"{type(ex).__name__}: {ex}"
+        os.environ["P2P_TEST_FAIL_EVENT_RECORD"] = ""
+        try:
+            torch.cuda._sleep(1)  # torch's launch check reads CUDA's last error
+            torch.cuda.synchronize()
+            later = None
+        except Exception as ex:  # noqa: BLE001 - reported to the test
+            later = f"{type(ex).__name__}: {ex}"
+        p2p.wait(e.write_slices([src], [remote]), 30)
+    return error, later, src.cpu()
+
+
+@cuda
+def test_ipc_failed_stream_event_raises_and_leaves_no_cuda_error(cuda_faults):
+    """A call whose stream event cannot be recorded raises, and leaves CUDA's last error clear
+    (else the caller's next torch kernel would fail with it); the engine goes on working."""
+    with Peer() as b, Peer(env={"LD_PRELOAD": cuda_faults}) as c:
+        address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
+        remote = b.call(make_cuda_target, "t", (256, 4096))
+        c.call(helpers.start_engine, "tcp", device="cuda:0")
+        assert c.call(route_to, address) == "ipc"
+        error, later, src = c.call(write_from_a_busy_side_stream, remote)
+        assert error and "cudaEventRecord" in error, error
+        assert later is None, later
+        whole = b.call(fetch_whole, "t")
+        check_guards(whole)
+        assert torch.equal(whole[4096:-4096].view(256, 4096), src)
+
+
 def engine_cpu(state):
     return state["engine"].plan.cpu
 

@@ -14,13 +14,6 @@
 namespace p2p::engine {
 namespace {
 
-#define CUDA_CHECK(call, ...)                                                                   \
-  do {                                                                                          \
-    const cudaError_t cuda_rc_ = (call);                                                        \
-    if (cuda_rc_ != cudaSuccess)                                                                \
-      P2P_THROW(ErrorKind::Generic, __VA_ARGS__, ": ", cudaGetErrorString(cuda_rc_));          \
-  } while (0)
-
 // NOTE: few large spans go to the copy engines (cudaMemcpyAsync); many small ones to one
 // gather kernel, which beats a memcpy call per 4 KiB page by far.
 constexpr size_t kMemcpySpans = 8;
@@ -28,8 +21,8 @@ constexpr size_t kMemcpySpans = 8;
 class CudaCopier final : public Copier {
  public:
   explicit CudaCopier(int device) : device_(device) {
-    CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating the staging stream");
+    P2P_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
+    P2P_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating the staging stream");
   }
   ~CudaCopier() override {
     cudaStreamSynchronize(stream_);
@@ -83,14 +76,14 @@ class CudaCopier final : public Copier {
 
   void* alloc_pinned(size_t bytes) override {
     void* p = nullptr;
-    CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped),
-               "allocating ", bytes, " bytes of pinned staging memory");
+    P2P_CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped),
+                   "allocating ", bytes, " bytes of pinned staging memory");
     return p;
   }
   void free_pinned(void* ptr) override { cudaFreeHost(ptr); }
   void* alloc_device(size_t bytes) override {
     void* p = nullptr;
-    CUDA_CHECK(cudaMalloc(&p, bytes), "cudaMalloc(", bytes, ")");
+    P2P_CUDA_CHECK(cudaMalloc(&p, bytes), "cudaMalloc(", bytes, ")");
     return p;
   }
   void free_device(void* ptr) override { cudaFree(ptr); }

@@ -15,19 +15,13 @@
 namespace p2p::cuda {
 namespace {
 
-#define CUDA_OK(call, ...)                                                                    \
-  do {                                                                                        \
-    const cudaError_t rc_ = (call);                                                           \
-    if (rc_ != cudaSuccess) P2P_THROW(ErrorKind::Generic, __VA_ARGS__, ": ", cudaGetErrorString(rc_)); \
-  } while (0)
-
 // Makes `device` current for a scope; no runtime call to switch when it already is (the
 // usual case: every transfer's stream event goes through here).
 class DeviceScope {
  public:
   explicit DeviceScope(int device) {
     cudaGetDevice(&previous_);
-    if (previous_ != device) CUDA_OK(cudaSetDevice(device), "cudaSetDevice");
+    if (previous_ != device) P2P_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice");
     else previous_ = -1;
   }
   ~DeviceScope() {
@@ -85,7 +79,7 @@ void* take_event(int device) {
   }
   DeviceScope scope(device);
   cudaEvent_t ev = nullptr;
-  CUDA_OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+  P2P_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
   return ev;
 }
 
@@ -102,7 +96,7 @@ void* record_event(int device, void* stream) {
   const cudaError_t rc = cudaEventRecord(ev, static_cast<cudaStream_t>(stream));
   if (rc != cudaSuccess) {
     cudaEventDestroy(ev);
-    CUDA_OK(rc, "cudaEventRecord");
+    P2P_CUDA_CHECK(rc, "cudaEventRecord");
   }
   return ev;
 }
@@ -116,7 +110,7 @@ void recycle_event(int device, void* event) {
 void wait_event(int device, void* stream, void* event) {
   const cudaError_t rc = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0);
   recycle_event(device, event);
-  CUDA_OK(rc, "cudaStreamWaitEvent");
+  P2P_CUDA_CHECK(rc, "cudaStreamWaitEvent");
 }
 
 }  // namespace p2p::cuda

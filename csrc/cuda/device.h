@@ -4,6 +4,18 @@
 #include <cstddef>
 #include <cstdint>
 
+// Throws an Error naming the failed CUDA runtime call (with cuda_runtime.h and common/error.h
+// included), first clearing CUDA's last error: the exception reports it, and left behind it
+// would fail the caller's next torch launch check instead.
+#define P2P_CUDA_CHECK(call, ...)                                                         \
+  do {                                                                                    \
+    const cudaError_t p2p_cuda_rc_ = (call);                                              \
+    if (p2p_cuda_rc_ != cudaSuccess) {                                                    \
+      cudaGetLastError();                                                                 \
+      P2P_THROW(ErrorKind::Generic, __VA_ARGS__, ": ", cudaGetErrorString(p2p_cuda_rc_)); \
+    }                                                                                     \
+  } while (0)
+
 namespace p2p::cuda {
 
 // A driver API function (`name` as in cuda.h, e.g. "cuMemRelease") looked up through the

@@ -21,21 +21,20 @@ class TorchFutures {
 
   void add(uint64_t id, Future future) {
     std::lock_guard<std::mutex> lock(mu_);
+    ids_[future.get()] = id;
     futures_[id] = std::move(future);
   }
   void drop(uint64_t id) {
     std::lock_guard<std::mutex> lock(mu_);
-    futures_.erase(id);
+    erase(futures_.find(id));
   }
   // The id of the operation in flight that completes `future`; false if none does.
   bool find(const Future& future, uint64_t& id) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [i, f] : futures_)
-      if (f == future) {
-        id = i;
-        return true;
-      }
-    return false;
+    auto it = ids_.find(future.get());
+    if (it == ids_.end()) return false;
+    id = it->second;
+    return true;
   }
   // Completes the future of `c` if it is a success without a result (true); anything else is
   // for Python, which builds results and errors (false; the future is forgotten here).
@@ -45,8 +44,8 @@ class TorchFutures {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = futures_.find(c.id);
       if (it == futures_.end()) return false;
-      if (c.status.ok() && c.address.empty()) f = std::move(it->second);
-      futures_.erase(it);
+      if (c.status.ok() && c.address.empty()) f = it->second;
+      erase(it);
     }
     if (!f) return false;
     // Callbacks attached in Python run here; torch takes the GIL for them.
@@ -59,8 +58,15 @@ class TorchFutures {
   }
 
  private:
+  void erase(std::unordered_map<uint64_t, Future>::iterator it) {  // under mu_
+    if (it == futures_.end()) return;
+    ids_.erase(it->second.get());
+    futures_.erase(it);
+  }
+
   std::mutex mu_;
   std::unordered_map<uint64_t, Future> futures_;
+  std::unordered_map<const c10::ivalue::Future*, uint64_t> ids_;  // find()'s index
 };
 
 }  // namespace p2p::engine

@@ -20,15 +20,6 @@
 namespace p2p::ipc {
 namespace {
 
-#define IPC_CUDA_CHECK(call, ...)                                                             \
-  do {                                                                                         \
-    const cudaError_t rc_ = (call);                                                            \
-    if (rc_ != cudaSuccess) {                                                                  \
-      cudaGetLastError();                                                                      \
-      P2P_THROW(ErrorKind::Generic, __VA_ARGS__, ": ", cudaGetErrorString(rc_));              \
-    }                                                                                          \
-  } while (0)
-
 // The allocation that holds ptr (driver call through the runtime: no libcuda link).
 bool address_range(uint64_t ptr, uint64_t& base, uint64_t& size) {
   using Range = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
@@ -52,10 +43,10 @@ constexpr size_t kBlockSpans = 4096;  // spans per pinned descriptor block (one 
 class CudaMemory final : public Memory {
  public:
   CudaMemory(int device, uint64_t copy_engine_bytes) : device_(device), copy_engine_bytes_(copy_engine_bytes) {
-    IPC_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
-    IPC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating the IPC stream");
-    IPC_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&done_.arrivals), sizeof(unsigned)), "allocating a counter");
-    IPC_CUDA_CHECK(cudaMemset(done_.arrivals, 0, sizeof(unsigned)), "zeroing a counter");
+    P2P_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
+    P2P_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating the IPC stream");
+    P2P_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&done_.arrivals), sizeof(unsigned)), "allocating a counter");
+    P2P_CUDA_CHECK(cudaMemset(done_.arrivals, 0, sizeof(unsigned)), "zeroing a counter");
     flag_ = static_cast<uint64_t*>(mapped(sizeof(uint64_t), &done_.flag));
     *flag_ = 0;
   }
@@ -95,7 +86,7 @@ class CudaMemory final : public Memory {
     cudaIpcMemHandle_t handle;
     std::memcpy(&handle, bytes.data(), sizeof handle);
     void* base = nullptr;
-    IPC_CUDA_CHECK(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
+    P2P_CUDA_CHECK(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
                    "cudaIpcOpenMemHandle");
     uint64_t b = 0;
     if (!address_range(reinterpret_cast<uint64_t>(base), b, size)) {
@@ -339,9 +330,9 @@ class CudaMemory final : public Memory {
   template <typename T>
   void* mapped(size_t bytes, T** device) {
     void* host = nullptr;
-    IPC_CUDA_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocPortable | cudaHostAllocMapped), "allocating pinned memory");
+    P2P_CUDA_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocPortable | cudaHostAllocMapped), "allocating pinned memory");
     void* dev = nullptr;
-    IPC_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host, 0), "mapping pinned memory");
+    P2P_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host, 0), "mapping pinned memory");
     *device = static_cast<T*>(dev);
     return host;
   }
