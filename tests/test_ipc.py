@@ -367,6 +367,33 @@ def test_ipc_stream_wait_holds_later_work_until_the_copy_is_done(ipc_pair):
 
 
 @cuda
+def test_ipc_stream_wait_waits_on_the_gpu_not_the_host(ipc_pair):
+    """stream_wait on an IPC call whose copy waits behind a second-long kernel returns before
+    the call is done (its stream waits on the GPU for an event after the copy; a call it did
+    not find would be waited for on the host), and the work after it still follows the copy."""
+    a, b, _ = ipc_pair
+    n = 1 << 20
+    remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (n,)))
+    src = gpu_random((n,), torch.uint8, 9)
+    a.register(src)
+    want = src.cpu()
+    a.write_slices([src], [remote]).wait()  # the peer is known: nothing waits for its hello
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock
+        fut = a.write_slices([src], [remote])
+        a.stream_wait(fut, stream)
+        done_at_return = fut.done()
+        src.fill_(1)  # only after the copy has read src
+    p2p.wait(fut, 60)
+    stream.synchronize()
+    assert not done_at_return, "stream_wait waited on the host"
+    whole = b.call(fetch_whole, "t")
+    check_guards(whole)
+    assert torch.equal(whole[4096:-4096], want)
+
+
+@cuda
 def test_ipc_one_call_mixes_page_sizes_and_views(ipc_pair):
     """Page lists of different lengths, pages too long for the page kernel (they go as spans),
     and a plain view, in one write and one read: each launch of the call lands, and the last
