@@ -1,6 +1,7 @@
 """Pages (p2p.pages) on every provider, route choice, and the same-host CUDA IPC route
 (csrc/ipc). The GPU tests run one process per GPU where there are two (both on cuda:0
 otherwise), with whatever libfabric is installed: the IPC route needs none of its CUDA support."""
+import contextlib
 import os
 import shutil
 import signal
@@ -240,6 +241,14 @@ def check_guards(whole: torch.Tensor):
     assert guards_whole(whole), "guard bytes hit"
 
 
+def check_landed(b, want: torch.Tensor, name: str = "t"):
+    """Peer b's target `name` (make_cuda_target) holds exactly the bytes of `want` (uint8, in
+    its shape), its guard bytes untouched."""
+    whole = b.call(fetch_whole, name)
+    check_guards(whole)
+    assert torch.equal(whole[4096:-4096].view(want.shape), want)
+
+
 @cuda
 def test_ipc_paged_random_both_sides(ipc_pair):
     a, b, _ = ipc_pair
@@ -338,9 +347,7 @@ def test_ipc_a_call_after_a_stream_wait_for_an_earlier_one(ipc_pair):
             later = a.write_slices([src[1]], [remote[1]], timeout=10)
             p2p.wait(later, 20)
             p2p.wait(earlier, 20)
-    whole = b.call(fetch_whole, "t")
-    check_guards(whole)
-    assert torch.equal(whole[4096:-4096].view(2, n), src.cpu())
+    check_landed(b, src.cpu())
 
 
 @cuda
@@ -361,9 +368,7 @@ def test_ipc_stream_wait_holds_later_work_until_the_copy_is_done(ipc_pair):
         src.fill_(1)  # only after the copy has read src
     p2p.wait(fut, 60)
     stream.synchronize()
-    whole = b.call(fetch_whole, "t")
-    check_guards(whole)
-    assert torch.equal(whole[4096:-4096], want)
+    check_landed(b, want)
 
 
 @cuda
@@ -388,9 +393,7 @@ def test_ipc_stream_wait_waits_on_the_gpu_not_the_host(ipc_pair):
     p2p.wait(fut, 60)
     stream.synchronize()
     assert not done_at_return, "stream_wait waited on the host"
-    whole = b.call(fetch_whole, "t")
-    check_guards(whole)
-    assert torch.equal(whole[4096:-4096], want)
+    check_landed(b, want)
 
 
 @cuda
@@ -634,15 +637,42 @@ def route_to(state, address: bytes) -> str:
     return state["engine"].route(address)
 
 
-def write_with_and_without_pinned_memory(state, remote_bytes: bytes, pages: int):
-    """Runs in a peer with cuda_faults preloaded: a contiguous and a paged write of 4 KiB
-    pages while no pinned memory can be had (the first descriptor blocks are taken then), and
-    again after. Returns (name, failing, error or None, seconds) per write, and the source."""
+@contextlib.contextmanager
+def faulty_initiator(cuda_faults: str, pages: int):
+    """Peer b with a poisoned target "t" of `pages` 4 KiB pages, and peer c, with cuda_faults
+    preloaded, whose engine reaches it by IPC: yields (b, c, the target's handle)."""
+    with Peer() as b, Peer(env={"LD_PRELOAD": cuda_faults}) as c:
+        address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
+        remote = b.call(make_cuda_target, "t", (pages, 4096))
+        c.call(helpers.start_engine, "tcp", device="cuda:0")
+        assert c.call(route_to, address) == "ipc"
+        yield b, c, remote
+
+
+def registered_source(state, remote_bytes: bytes, pages: int, seed: int):
+    """In faulty_initiator's peer c: its engine, the target, and a registered random source of
+    `pages` 4 KiB pages (kept in the peer's state)."""
     e = state["engine"]
-    remote = p2p.RemoteTensor.from_bytes(remote_bytes)
-    src = gpu_random((pages, 4096), torch.uint8, 11)
+    src = gpu_random((pages, 4096), torch.uint8, seed)
     state["src"] = src
     e.register(src)
+    return e, p2p.RemoteTensor.from_bytes(remote_bytes), src
+
+
+def error_of(call) -> str | None:
+    """None if call() raises nothing, else the exception as "Type: message"."""
+    try:
+        call()
+    except Exception as ex:  # noqa: BLE001 - reported to the test
+        return f"{type(ex).__name__}: {ex}"
+    return None
+
+
+def write_with_and_without_pinned_memory(state, remote_bytes: bytes, pages: int):
+    """Runs in faulty_initiator's peer c: a contiguous and a paged write of 4 KiB pages while no
+    pinned memory can be had (the first descriptor blocks are taken then), and again after.
+    Returns (name, failing, error or None, seconds) per write, and the source."""
+    e, remote, src = registered_source(state, remote_bytes, pages, 11)
     ids = torch.randperm(pages, generator=torch.Generator().manual_seed(3))
     calls = {"contiguous": lambda: e.write_slices([src[:256]], [remote[:256]]),
              "paged": lambda: e.write_slices(p2p.pages(src, ids), p2p.pages(remote, ids))}
@@ -651,11 +681,7 @@ def write_with_and_without_pinned_memory(state, remote_bytes: bytes, pages: int)
         os.environ["P2P_TEST_FAIL_HOST_ALLOC"] = "1" if failing else ""
         for name, call in calls.items():
             start = time.monotonic()
-            try:
-                p2p.wait(call(), 30)
-                error = None
-            except Exception as ex:  # noqa: BLE001 - reported to the test
-                error = f"{type(ex).__name__}: {ex}"
+            error = error_of(lambda: p2p.wait(call(), 30))
             out.append((name, failing, error, time.monotonic() - start))
     return out, src.cpu()
 
@@ -665,11 +691,7 @@ def test_ipc_no_pinned_memory_fails_the_batch_at_once(cuda_faults):
     """A copy whose descriptors find no pinned memory fails its future at once (not at the
     transfer timeout), and the route works again once memory can be had."""
     pages = 8192  # their packed ids (64 KiB) need a pinned block of their own
-    with Peer() as b, Peer(env={"LD_PRELOAD": cuda_faults}) as c:
-        address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
-        remote = b.call(make_cuda_target, "t", (pages, 4096))
-        c.call(helpers.start_engine, "tcp", device="cuda:0")
-        assert c.call(route_to, address) == "ipc"
+    with faulty_initiator(cuda_faults, pages) as (b, c, remote):
         outcomes, src = c.call(write_with_and_without_pinned_memory, remote, pages)
         for name, failing, error, seconds in outcomes:
             if failing:
@@ -677,22 +699,16 @@ def test_ipc_no_pinned_memory_fails_the_batch_at_once(cuda_faults):
                 assert seconds < 10, f"{name}: failed after {seconds:.1f} s"
             else:
                 assert error is None, (name, error)
-        whole = b.call(fetch_whole, "t")
-        check_guards(whole)
-        assert torch.equal(whole[4096:-4096].view(pages, 4096), src)
+        check_landed(b, src)
 
 
 def write_behind_a_sleep_without_events(state, remote_bytes: bytes, pages: int):
-    """Runs in a peer with cuda_faults preloaded: a contiguous write large enough for the copy
-    engines (so its batch ends with an event, not the kernel's flag), queued behind a second of
-    sleep on the caller's stream while no event can be recorded on the IPC stream. Returns
-    (error or None, whether the sleep was over when the future completed, seconds), for it and
-    for the same write once events work, and the source."""
-    e = state["engine"]
-    remote = p2p.RemoteTensor.from_bytes(remote_bytes)
-    src = gpu_random((pages, 4096), torch.uint8, 12)
-    state["src"] = src
-    e.register(src)
+    """Runs in faulty_initiator's peer c: a contiguous write large enough for the copy engines
+    (so its batch ends with an event, not the kernel's flag), queued behind a second of sleep
+    on the caller's stream while no event can be recorded on the IPC stream. Returns (error or
+    None, whether the sleep was over when the future completed, seconds), for it and for the
+    same write once events work, and the source."""
+    e, remote, src = registered_source(state, remote_bytes, pages, 12)
     out = []
     for failing in (True, False):
         torch.cuda.synchronize()
@@ -701,11 +717,7 @@ def write_behind_a_sleep_without_events(state, remote_bytes: bytes, pages: int):
         slept.record()
         os.environ["P2P_TEST_FAIL_EVENT_RECORD"] = "1" if failing else ""
         start = time.monotonic()
-        try:
-            p2p.wait(e.write_slices([src], [remote]), 30)
-            error = None
-        except Exception as ex:  # noqa: BLE001 - reported to the test
-            error = f"{type(ex).__name__}: {ex}"
+        error = error_of(lambda: p2p.wait(e.write_slices([src], [remote]), 30))
         out.append((error, slept.query(), time.monotonic() - start))
         os.environ["P2P_TEST_FAIL_EVENT_RECORD"] = ""
     return out, src.cpu()
@@ -716,45 +728,31 @@ def test_ipc_batch_without_its_event_completes_after_its_copy(cuda_faults):
     """A batch whose closing event cannot be recorded completes when its copy has (the stream
     says so), not at once: an event never recorded reads as done."""
     pages = 8192  # 32 MiB, above the copy engines' threshold (16 MiB)
-    with Peer() as b, Peer(env={"LD_PRELOAD": cuda_faults}) as c:
-        address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
-        remote = b.call(make_cuda_target, "t", (pages, 4096))
-        c.call(helpers.start_engine, "tcp", device="cuda:0")
-        assert c.call(route_to, address) == "ipc"
+    with faulty_initiator(cuda_faults, pages) as (b, c, remote):
         outcomes, src = c.call(write_behind_a_sleep_without_events, remote, pages)
         for failing, (error, after_sleep, seconds) in zip((True, False), outcomes):
             assert after_sleep, f"completed after {seconds:.3f} s, before the copy it waited for ({failing=}, {error=})"
             assert error is None, (failing, error)
-        whole = b.call(fetch_whole, "t")
-        check_guards(whole)
-        assert torch.equal(whole[4096:-4096].view(pages, 4096), src)
+        check_landed(b, src)
 
 
-def write_from_a_busy_side_stream(state, remote_bytes: bytes):
-    """Runs in a peer with cuda_faults preloaded: a write from a busy side stream whose event
-    cannot be recorded, then a torch kernel on that stream, then the write again with events
-    working. Returns (the write's error, the kernel's error or None), and the source."""
-    e = state["engine"]
-    remote = p2p.RemoteTensor.from_bytes(remote_bytes)
-    src = gpu_random((256, 4096), torch.uint8, 13)
-    state["src"] = src
-    e.register(src)
+def write_from_a_busy_side_stream(state, remote_bytes: bytes, pages: int):
+    """Runs in faulty_initiator's peer c: a write from a busy side stream whose event cannot be
+    recorded, then a torch kernel on that stream, then the write again with events working.
+    Returns (the write's error, the kernel's error or None), and the source."""
+    e, remote, src = registered_source(state, remote_bytes, pages, 13)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)  # busy: the call must record an event on `side`
         os.environ["P2P_TEST_FAIL_EVENT_RECORD"] = "1"
-        try:
-            e.write_slices([src], [remote])
-            error = None
-        except Exception as ex:  # noqa: BLE001 - reported to the test
-            error = f"{type(ex).__name__}: {ex}"
+        error = error_of(lambda: e.write_slices([src], [remote]))
         os.environ["P2P_TEST_FAIL_EVENT_RECORD"] = ""
-        try:
+
+        def torch_kernel():
             torch.cuda._sleep(1)  # torch's launch check reads CUDA's last error
             torch.cuda.synchronize()
-            later = None
-        except Exception as ex:  # noqa: BLE001 - reported to the test
-            later = f"{type(ex).__name__}: {ex}"
+
+        later = error_of(torch_kernel)
         p2p.wait(e.write_slices([src], [remote]), 30)
     return error, later, src.cpu()
 
@@ -763,17 +761,11 @@ def write_from_a_busy_side_stream(state, remote_bytes: bytes):
 def test_ipc_failed_stream_event_raises_and_leaves_no_cuda_error(cuda_faults):
     """A call whose stream event cannot be recorded raises, and leaves CUDA's last error clear
     (else the caller's next torch kernel would fail with it); the engine goes on working."""
-    with Peer() as b, Peer(env={"LD_PRELOAD": cuda_faults}) as c:
-        address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
-        remote = b.call(make_cuda_target, "t", (256, 4096))
-        c.call(helpers.start_engine, "tcp", device="cuda:0")
-        assert c.call(route_to, address) == "ipc"
-        error, later, src = c.call(write_from_a_busy_side_stream, remote)
+    with faulty_initiator(cuda_faults, 256) as (b, c, remote):
+        error, later, src = c.call(write_from_a_busy_side_stream, remote, 256)
         assert error and "cudaEventRecord" in error, error
         assert later is None, later
-        whole = b.call(fetch_whole, "t")
-        check_guards(whole)
-        assert torch.equal(whole[4096:-4096].view(256, 4096), src)
+        check_landed(b, src)
 
 
 def engine_cpu(state):
