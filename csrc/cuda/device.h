@@ -28,8 +28,9 @@ bool is_vmm_memory(const void* ptr);
 
 // True when every operation queued on `stream` so far has completed.
 bool idle(void* stream);
-// Creates an event recorded on `stream` (a cudaStream_t of `device`): the point a transfer
-// must wait for. The worker hands it back with recycle_event once nothing waits on it.
+// An event of the pool recorded on `stream` (a cudaStream_t of `device`): the point a transfer
+// must wait for, or the end of a batch of IPC copies. Throws if it cannot be had or recorded.
+// Whoever takes it hands it back with recycle_event once nothing waits on it.
 void* record_event(int device, void* stream);
 // An event of `device` (DisableTiming) from the process's pool, to record on a stream of one's
 // own; every event of the engine goes back with recycle_event.

@@ -283,19 +283,12 @@ class CudaMemory final : public Memory {
   // An event recorded on the stream after the work queued so far, or null (`why` says why) if
   // none could be had or the record failed: an event never recorded would read as done.
   cudaEvent_t record(std::string& why) {
-    cudaEvent_t event = nullptr;
     try {
-      event = static_cast<cudaEvent_t>(cuda::take_event(device_));
+      return static_cast<cudaEvent_t>(cuda::record_event(device_, stream_));
     } catch (const Error& e) {
       why = e.what();
       return nullptr;
     }
-    const cudaError_t rc = cudaEventRecord(event, stream_);
-    if (rc == cudaSuccess) return event;
-    cudaGetLastError();
-    cuda::recycle_event(device_, event);
-    why = cudaGetErrorString(rc);
-    return nullptr;
   }
 
   cuda::CopyDone signal_if(bool last) {
