@@ -57,9 +57,8 @@ def claim_core(cpu: int, scope: str = "torch_p2p") -> socket.socket | None:
     """Claims `cpu` for one engine's busy-polling progress thread on this host; None if another
     engine holds it. A claim is an abstract Unix socket named after the core: the kernel frees the
     name when the socket closes or its process dies, so a crashed engine leaves nothing behind.
-    NOTE: two pinned workers on one core each get half of it, in slices of milliseconds: two
-    processes on one H100 took 49 us per one-page IPC call (61 for 256 pages) where claimed
-    cores took 19 (26; benchmarks/results/2026-11-24-h100-ipc/prof-{1,2}*.txt).
+    NOTE: two pinned workers on one core each get half of it, in slices of milliseconds, which
+    more than doubles the cost of a small call.
     Claims are seen within one network namespace: containers with their own do not see each
     other's (then set TORCH_P2P_CPUS). `scope` names a separate set of claims (tests). Raises
     OSError where no Unix socket can be made (plan() then pins without claiming)."""
@@ -125,10 +124,8 @@ def line_rate_bps(rails: list[Nic]) -> int | None:
 def default_tcp_rails(cores: int | None = None) -> int:
     """Rails for a tcp engine that is not told: one per 4 cores this process may use, 1 to 8.
     NOTE: tcp moves every byte through the kernel on the rail's own threads (the provider's
-    progress thread and the engine's posting thread), so rails scale with cores: on the GPU
-    machine (32 cores) 8 rails carried 239-252 Gbps host to host over loopback, 4 rails
-    123-142 and 1 rail 34-42 (benchmarks/results/2026-11-21-h200x2-b/rails-run*.json); on
-    2 cores one rail is all the cores can drive."""
+    progress thread and the engine's posting thread), so rails scale with cores (see
+    docs/performance.md); on 2 cores one rail is all the cores can drive."""
     cores = len(os.sched_getaffinity(0)) if cores is None else cores
     return max(1, min(8, cores // 4))
 
