@@ -269,6 +269,29 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("provider"), py::arg("want_hmem"),
      "Resolves a provider name and lists its NICs: (provider, hmem, [nic dicts]).");
 
+  m.def("provider_limits", [](const std::string& provider) {
+    Config c;
+    read_environment(c, {"provider"});
+    fabric::Offer offer = fabric::query(provider, true, c.query_options());
+    const fabric::Limits l = fabric::limits(*offer.list);
+    py::dict d;
+    d["provider"] = offer.provider;
+    d["fabric"] = std::string(offer.list->fabric_attr->name);
+    d["hmem"] = offer.hmem;
+    d["delivery_complete"] = offer.delivery_complete;
+    d["auto_progress"] = offer.auto_progress;
+    d["mr_mode"] = l.mr_mode;
+    d["iov_limit"] = l.iov_limit;
+    d["rma_iov_limit"] = l.rma_iov_limit;
+    d["inject_size"] = l.inject_size;
+    d["max_msg_size"] = l.max_msg_size;
+    d["cq_data_size"] = l.cq_data_size;
+    d["mr_key_size"] = l.mr_key_size;
+    d["dmabuf"] = l.dmabuf;
+    d["nics"] = nic_list(offer);
+    return d;
+  }, py::arg("provider"), "What a provider grants the engine's query: its limits, modes and NICs (a dict).");
+
   m.def("checked_ids", &checked_ids, py::arg("ids"), py::arg("count"), py::arg("unique"),
         "A list or tuple of ints in [0, count) (distinct with unique) as an int64 tensor; else None.");
 

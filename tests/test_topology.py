@@ -7,6 +7,7 @@ import pytest
 
 from torch_p2p import topology
 from torch_p2p.topology import Nic, gpu_pci_addresses, line_rate_bps, parse_cpulist, plan
+from topologies import FakeSysfs, aws_host, efa, p4d
 
 ENV = ("TORCH_P2P_DOMAINS", "TORCH_P2P_NUM_RAILS", "TORCH_P2P_CPUS")
 
@@ -15,71 +16,6 @@ ENV = ("TORCH_P2P_DOMAINS", "TORCH_P2P_NUM_RAILS", "TORCH_P2P_CPUS")
 def clean_env(monkeypatch):
     for var in ENV:
         monkeypatch.delenv(var, raising=False)
-
-
-class FakeSysfs:
-    """A /sys with real device directories and bus/pci/devices symlinks into them."""
-
-    def __init__(self, root):
-        self.root = str(root)
-        os.makedirs(f"{self.root}/bus/pci/devices")
-
-    def device(self, chain, numa):
-        """chain: root complex then BDFs down to the device; every PCI dir gets numa_node."""
-        path = f"{self.root}/devices"
-        for part in chain:
-            path = f"{path}/{part}"
-            os.makedirs(path, exist_ok=True)
-            if not part.startswith("pci"):
-                with open(f"{path}/numa_node", "w") as f:
-                    f.write(f"{numa}\n")
-                link = f"{self.root}/bus/pci/devices/{part}"
-                if not os.path.islink(link):
-                    os.symlink(os.path.relpath(path, os.path.dirname(link)), link)
-        return chain[-1]
-
-    def switch(self, root, port, bus, endpoints, numa):
-        """A PCIe switch below root port `port`; returns its endpoints' BDFs."""
-        upstream = f"0000:{bus:02x}:00.0"
-        return [
-            self.device([root, port, upstream, f"0000:{bus + 1:02x}:{i:02x}.0",
-                         f"0000:{bus + 2 + i:02x}:00.0"], numa)
-            for i in range(endpoints)
-        ]
-
-    def node(self, k, cpulist):
-        os.makedirs(f"{self.root}/devices/system/node/node{k}", exist_ok=True)
-        with open(f"{self.root}/devices/system/node/node{k}/cpulist", "w") as f:
-            f.write(cpulist + "\n")
-
-    def siblings(self, cpu, cpulist):
-        d = f"{self.root}/devices/system/cpu/cpu{cpu}/topology"
-        os.makedirs(d, exist_ok=True)
-        with open(f"{d}/thread_siblings_list", "w") as f:
-            f.write(cpulist + "\n")
-
-
-def efa(bdf):
-    bus, dev = int(bdf[5:7], 16), int(bdf[8:10], 16)
-    return Nic(f"rdmap{bus}s{dev}", pci=bdf, speed_bps=100_000_000_000)
-
-
-def aws_host(tmp_path, gpus, nics_per_gpu, cores_per_node=48):
-    """p5-like: each GPU with its NICs under its own switch; first half of GPUs on NUMA 0."""
-    fs = FakeSysfs(tmp_path)
-    gpu_pcis, nics, nics_of = [], [], []
-    for g in range(gpus):
-        numa = g * 2 // gpus
-        root = f"pci0000:{numa * 0x80:02x}"
-        port = f"0000:{numa * 0x80:02x}:{g + 1:02x}.0"
-        gpu, *mine = fs.switch(root, port, numa * 0x80 + 0x10 * (g % (gpus // 2)) + 1,
-                               1 + nics_per_gpu, numa)
-        gpu_pcis.append(gpu)
-        nics_of.append([efa(b) for b in mine])
-        nics += nics_of[-1]
-    for k in range(2):
-        fs.node(k, f"{k * cores_per_node}-{(k + 1) * cores_per_node - 1}")
-    return fs, gpu_pcis, nics, nics_of
 
 
 def test_p5_each_gpu_gets_its_four_nics_and_a_local_core(tmp_path):
@@ -387,3 +323,12 @@ def test_gpu_pci_addresses_formats_torch_properties(monkeypatch):
 def test_module_has_no_torch_import_at_top_level():
     # The engine must be able to plan before torch initialises CUDA.
     assert "torch" not in vars(topology)
+
+
+def test_p4d_two_gpus_share_their_switch_nic(tmp_path):
+    fs, gpu_pcis, nics, nics_of = p4d(tmp_path)
+    assert len(gpu_pcis) == 8 and len(nics) == 4
+    for g in range(8):
+        p = plan(nics, f"cuda:{g}", gpu_pcis=gpu_pcis, sysfs=fs.root, allowed_cpus=set(range(48)))
+        assert p.rails == nics_of[g], g
+        assert p.numa == g // 4 and p.cpu in range(24 * (g // 4), 24 * (g // 4 + 1)) and p.cpu != 0

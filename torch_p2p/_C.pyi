@@ -13,6 +13,9 @@ def libfabric_version() -> tuple[int, int]:
 def list_nics(provider: str, want_hmem: bool) -> tuple[str, bool, list[dict[str, Any]]]:
     """(resolved provider, FI_HMEM granted, [{domain, fabric, pci, speed_bps}])."""
 
+def provider_limits(provider: str) -> dict[str, Any]:
+    """What a provider grants the engine's query: its limits, modes and NICs (torch_p2p.doctor)."""
+
 def checked_ids(ids: Any, count: int, unique: bool) -> torch.Tensor | None:
     """A list or tuple of ints in [0, count) (distinct with unique) as an int64 tensor; else None."""
 

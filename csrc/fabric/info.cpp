@@ -100,6 +100,27 @@ const fi_info* Offer::domain(const std::string& name) const {
   return nullptr;
 }
 
+Limits limits(const fi_info& info) {
+  Limits l;
+  const uint64_t mode = info.domain_attr->mr_mode;
+  const std::pair<uint64_t, const char*> bits[] = {
+      {FI_MR_LOCAL, "FI_MR_LOCAL"},         {FI_MR_VIRT_ADDR, "FI_MR_VIRT_ADDR"}, {FI_MR_ALLOCATED, "FI_MR_ALLOCATED"},
+      {FI_MR_PROV_KEY, "FI_MR_PROV_KEY"},   {FI_MR_ENDPOINT, "FI_MR_ENDPOINT"},   {FI_MR_HMEM, "FI_MR_HMEM"},
+      {FI_MR_RAW, "FI_MR_RAW"},             {FI_MR_MMU_NOTIFY, "FI_MR_MMU_NOTIFY"}, {FI_MR_RMA_EVENT, "FI_MR_RMA_EVENT"}};
+  for (const auto& [bit, name] : bits)
+    if (mode & bit) l.mr_mode.push_back(name);
+  l.iov_limit = info.tx_attr->iov_limit;
+  l.rma_iov_limit = info.tx_attr->rma_iov_limit;
+  l.inject_size = info.tx_attr->inject_size;
+  l.max_msg_size = info.ep_attr->max_msg_size;
+  l.cq_data_size = info.domain_attr->cq_data_size;
+  l.mr_key_size = info.domain_attr->mr_key_size;
+#ifdef FI_MR_DMABUF
+  l.dmabuf = (info.caps & FI_HMEM) && fi_version() >= FI_VERSION(1, 20);
+#endif
+  return l;
+}
+
 Offer query(const std::string& provider, bool want_hmem, const QueryOptions& options) {
   const std::vector<std::string> candidates =
       provider.empty() ? std::vector<std::string>{"efa", "verbs", "tcp"} : std::vector{provider};

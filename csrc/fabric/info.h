@@ -46,6 +46,19 @@ struct Offer {
   const fi_info* domain(const std::string& name) const;  // nullptr when absent
 };
 
+// What a provider's answer grants, as the engine uses it (python -m torch_p2p.doctor reports it).
+struct Limits {
+  std::vector<std::string> mr_mode;  // the FI_MR_* bits granted, by name
+  size_t iov_limit = 0;              // tx_attr
+  size_t rma_iov_limit = 0;          // tx_attr
+  size_t inject_size = 0;            // tx_attr
+  size_t max_msg_size = 0;           // ep_attr: also the largest RMA the provider takes
+  size_t cq_data_size = 0;           // domain_attr
+  size_t mr_key_size = 0;            // domain_attr
+  bool dmabuf = false;               // FI_MR_DMABUF offered (libfabric >= 1.20)
+};
+Limits limits(const fi_info& info);
+
 // Resolves "efa", "verbs", "tcp", "shm", a full stack such as "tcp;ofi_rxm", or "" (the best
 // of efa, verbs, tcp) and queries it. Throws a ValueError-kind Error naming what this machine
 // offers when nothing matches.

@@ -1,0 +1,138 @@
+"""python -m torch_p2p.doctor: on this machine, on fixtures of AWS hosts, and each warning."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torch_p2p import doctor
+from topologies import FakeSysfs, efa, p4d, p5, p5en
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for var in ("TORCH_P2P_DOMAINS", "TORCH_P2P_NUM_RAILS", "TORCH_P2P_CPUS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def offer(provider, nics, hmem=True):
+    return {"provider": provider, "fabric": provider, "hmem": hmem, "delivery_complete": True,
+            "auto_progress": False, "mr_mode": ["FI_MR_LOCAL", "FI_MR_PROV_KEY"], "iov_limit": 1,
+            "rma_iov_limit": 1, "inject_size": 32, "max_msg_size": 1 << 30, "cq_data_size": 4,
+            "mr_key_size": 4, "dmabuf": hmem,
+            "nics": [{"domain": n.domain, "pci": n.pci, "speed_bps": n.speed_bps} for n in nics]}
+
+
+ABSENT = {"error": "not available"}
+
+
+def aws_report(host, *, hmem=True, version="1.22", env=None, provider="efa"):
+    fs, gpu_pcis, nics, nics_of = host
+    offers = {"efa": ABSENT, "verbs": ABSENT, "tcp": ABSENT, "shm": ABSENT}
+    offers[provider] = offer(provider, nics, hmem)
+    report = doctor.collect(env=env or {}, offers=offers, gpu_pcis=gpu_pcis, sysfs=fs.root,
+                            peer_access=lambda i, j: True, allowed_cpus=set(range(96)))
+    report["libfabric"] = version
+    return report, nics_of
+
+
+def problems(report):
+    return [w["problem"] for w in doctor.diagnose(report)]
+
+
+def test_runs_here_and_prints_json():
+    out = subprocess.run([sys.executable, "-m", "torch_p2p.doctor", "--json"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    tcp = report["providers"]["tcp"]
+    assert tcp["provider"].startswith("tcp") and tcp["nics"]
+    for key in ("mr_mode", "iov_limit", "rma_iov_limit", "max_msg_size", "inject_size", "cq_data_size", "hmem", "dmabuf"):
+        assert key in tcp
+    assert "error" in report["providers"]["efa"]
+    assert report["default_provider"] in ("tcp", os.environ.get("TORCH_P2P_PROVIDER"))
+    assert {"from": "cpu", "to": "cpu", "route": f"{tcp['provider']}, direct"} in report["routes"]
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_check_moves_data_beside_a_memcpy(monkeypatch, provider):
+    monkeypatch.setenv("TORCH_P2P_PROVIDER", provider)
+    report = doctor.collect(gpu_pcis=[])
+    (row,) = doctor.check(report, nbytes=1 << 20)
+    assert "error" not in row, row
+    assert row["route"] == "direct" and row["gbps"] > 0 and row["baseline_gbps"] > 0
+    assert "memcpy" in doctor.render({**report, "check": [row]}, [])
+
+
+def test_p5_plan_each_gpu_its_four_nics_and_no_warning(tmp_path):
+    report, nics_of = aws_report(p5(tmp_path), env={"FI_EFA_USE_DEVICE_RDMA": "1"})
+    for g, row in enumerate(report["gpus"]):
+        assert sorted(row["rails"]) == sorted(n.domain for n in nics_of[g])
+        assert row["numa"] == g // 4 and row["own_nic"] and row["line_rate_bps"] == 400e9
+    text = doctor.render(report, doctor.diagnose(report))
+    assert "cuda:3 -> 4 rails" in text and "cuda:7 -> 4 rails" in text
+    assert {"from": "cuda:0", "to": "cuda:1", "route": "ipc"} in report["routes"]
+    assert {"from": "cuda:0", "to": "another host", "route": "efa, direct"} in report["routes"]
+    assert problems(report) == []
+
+
+def test_p5en_and_p4d_plans(tmp_path):
+    report, nics_of = aws_report(p5en(tmp_path / "p5en"))
+    assert all(len(g["rails"]) == 2 and g["line_rate_bps"] == 400e9 for g in report["gpus"])
+    report, nics_of = aws_report(p4d(tmp_path / "p4d"))
+    assert [g["rails"] for g in report["gpus"]] == [[n.domain for n in nics] for nics in nics_of]
+
+
+def test_warns_efa_without_hmem(tmp_path):
+    report, _ = aws_report(p5(tmp_path), hmem=False)
+    (problem,) = [p for p in problems(report) if "FI_HMEM" in p]
+    assert "staged" in problem
+
+
+def test_warns_old_libfabric_on_efa(tmp_path):
+    report, _ = aws_report(p5(tmp_path), version="1.17")
+    assert any("emulates every EFA RMA write" in p for p in problems(report))
+    report, _ = aws_report(p5(tmp_path / "b"), version="1.17", env={"FI_EFA_USE_DEVICE_RDMA": "1"})
+    assert not any("emulates" in p for p in problems(report))
+
+
+def test_warns_no_dmabuf_below_1_20(tmp_path):
+    report, _ = aws_report(p5(tmp_path), version="1.19")
+    assert any("dma-buf" in p for p in problems(report))
+
+
+def test_warns_tcp_with_gpus(tmp_path):
+    report, _ = aws_report(p5(tmp_path), provider="tcp", hmem=False)
+    assert any("no RDMA provider" in p for p in problems(report))
+    assert {"from": "cuda:0", "to": "another host", "route": "tcp, staged"} in report["routes"]
+
+
+def test_warns_gpu_without_its_own_nic(tmp_path):
+    fs = FakeSysfs(tmp_path)
+    gpu0, nic = fs.switch("pci0000:00", "0000:00:01.0", 0x10, 2, 0)
+    (gpu1,) = fs.switch("pci0000:00", "0000:00:02.0", 0x20, 1, 0)
+    fs.node(0, "0-7")
+    report, _ = aws_report((fs, [gpu0, gpu1], [efa(nic)], None), env={"FI_EFA_USE_DEVICE_RDMA": "1"})
+    assert [p for p in problems(report) if "no NIC of its own" in p] and "cuda:1" in problems(report)[0]
+
+
+def test_warns_rails_fewer_than_nics(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_P2P_NUM_RAILS", "2")
+    report, _ = aws_report(p5(tmp_path), env={"FI_EFA_USE_DEVICE_RDMA": "1", "TORCH_P2P_NUM_RAILS": "2"})
+    idle = [p for p in problems(report) if "stay idle" in p]
+    assert len(idle) == 8 and "2 rail(s) on 4 NICs" in idle[0]
+
+
+def test_warns_shm_chosen_and_shm_fast(tmp_path):
+    report, _ = aws_report(p5(tmp_path), provider="shm", env={"TORCH_P2P_PROVIDER": "shm", "TORCH_P2P_SHM_FAST": "1"})
+    found = problems(report)
+    assert any("shm is chosen" in p for p in found) and any("SHM_FAST" in p for p in found)
+
+
+def test_no_provider_at_all():
+    report = doctor.collect(env={}, offers={p: ABSENT for p in doctor.PROVIDERS}, gpu_pcis=[])
+    assert report["default_provider"] is None
+    assert problems(report) == ["no libfabric provider with RDM endpoints and RMA was found"]
