@@ -72,6 +72,7 @@ import os
 import queue
 import re
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -482,6 +483,8 @@ class Driver:
         if skipped:
             limit = fmt_size(self.args.max_bytes)
             self.progress.say(f"skipping {', '.join(skipped)}: above --max-bytes {limit} per call")
+        if self.args.first_contact:
+            self.first_contact(self.args.first_contact)
         for rails in self.args.rails:
             peer = self.channel.ask("engine", provider=self.args.provider, rails=rails, loopback=self.loopback)
             engine = open_engine(self.device, self.args.provider, rails, self.loopback)
@@ -497,6 +500,36 @@ class Driver:
         if dist.is_available() and dist.is_initialized():  # the dist baseline's group
             dist.destroy_process_group()
         return self.rows
+
+    def first_contact(self, trials: int) -> None:
+        """The first 4 KiB write to a new peer (new engines on both sides), cold and after
+        engine.warm(), against the median of the writes after it; medians over `trials`."""
+        times: dict[str, list[float]] = {"cold": [], "warmed": [], "steady": []}
+        route = "?"
+
+        def timed(fn) -> float:
+            start = time.perf_counter()
+            fn().wait()
+            return (time.perf_counter() - start) * 1e6
+
+        for _ in range(trials):
+            for warm in (False, True):
+                self.channel.ask("engine", provider=self.args.provider, rails=None, loopback=self.loopback)
+                remote = p2p.RemoteTensor.from_bytes(self.channel.ask("buffer", pages=1, page_bytes=4096)["remote"])
+                with open_engine(self.device, self.args.provider, None, self.loopback) as engine:
+                    buf = torch.ones(1, 4096, dtype=torch.uint8, device=self.device)
+                    engine.register(buf)
+                    if warm:
+                        engine.warm(remote).wait()
+                    times["warmed" if warm else "cold"].append(timed(lambda: engine.write_slices([buf], [remote])))
+                    if warm:
+                        times["steady"].append(statistics.median(
+                            timed(lambda: engine.write_slices([buf], [remote])) for _ in range(20)))
+                    route = engine.route(remote)
+        us = {k: statistics.median(v) for k, v in times.items()}
+        self.progress.say(f"first 4 KiB write to a new peer (route {route}, median of {trials}): cold "
+                          f"{us['cold']:.0f} us, after engine.warm() {us['warmed']:.0f} us, steady "
+                          f"{us['steady']:.0f} us; warmed first / steady = {us['warmed'] / us['steady']:.2f}")
 
     def _describe(self, engine: p2p.Engine, peer_device: str, peer_address: bytes) -> None:
         line = p2p.topology.line_rate_bps(engine.plan.rails)
@@ -967,6 +1000,9 @@ def parse_args(argv=None):
     ap.add_argument("--prepared", action="store_true",
                     help="prepare each row's call once (engine.prepare_write / prepare_read) and run it "
                          "again and again, instead of one write_slices / read_slices per call")
+    ap.add_argument("--first-contact", type=int, default=3, metavar="N",
+                    help="before the sweep, time the first 4 KiB write to a new peer, cold and after "
+                         "engine.warm(), against the steady state; median of N trials (0: skip)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the paged layouts' page orders")
     ap.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     ap.add_argument("--plot", metavar="PATH", help="plot Gbps against page size (needs matplotlib)")

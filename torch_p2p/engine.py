@@ -202,6 +202,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._futures: dict[int, torch.futures.Future] = {}
         self._regions: dict[int, Region] = {}
+        self._warm_buffers: dict[torch.dtype, torch.Tensor] = {}  # warm()'s scratch, by dtype
         why = ("provider has FI_HMEM (GPUDirect RDMA)" if self._c.data_path == "direct"
                else "requested" if data_path == "staged" else "provider has no FI_HMEM")
         log.info("engine on %s: %s, data path %s (%s); %s", self.device, self._c.provider,
@@ -306,6 +307,31 @@ class Engine:
         using a RemoteTensor of an unknown owner connects implicitly. A peer whose engine
         closed is not contacted again: this fails at once with ``PeerError``."""
         return self._call(self._c.connect, _address(address))
+
+    def warm(self, peer, *, timeout: float | None = None) -> torch.futures.Future:
+        """Makes the first transfer to a peer cost what the next ones do, off the request path.
+        `peer` is an engine address or a RemoteTensor. With an address: connects (the peer's
+        introduction and keys). With a RemoteTensor of access "r" or "rw": also reads a few bytes
+        of its storage over every pair of rails, which opens the provider's connections and, on
+        the CUDA IPC route, maps the storage. The scratch memory it reads into (one small tensor
+        per dtype) stays registered until the engine closes."""
+        self._check_open()
+        if not isinstance(peer, RemoteTensor):
+            return self.connect(peer)
+        if "r" not in peer.access:
+            return self.connect(peer.owner)
+        elem = peer.element_size()
+        per_piece = max(1, 64 // elem)
+        total = peer._v.nbytes // elem
+        pieces = max(1, min(len(self.plan.rails) * peer._v.rails, total // per_piece))
+        spacing = total // pieces // per_piece * per_piece
+        remotes = [RemoteTensor(peer._v.view(k * spacing, [min(per_piece, total)], [1])) for k in range(pieces)]
+        scratch = self._warm_buffers.get(peer.dtype)
+        if scratch is None or scratch.numel() < pieces * per_piece:
+            scratch = torch.empty(pieces, per_piece, dtype=peer.dtype, device=self.device)
+            self.register(scratch)
+            self._warm_buffers[peer.dtype] = scratch  # the old one stays registered, unused
+        return self.read_slices([scratch[k, :remotes[k].numel()] for k in range(pieces)], remotes, timeout=timeout)
 
     def disconnect(self, address: bytes) -> torch.futures.Future:
         """Leaves a peer cleanly: operations in flight to it finish, then it is told goodbye."""
