@@ -31,6 +31,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -395,8 +396,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     gpu = torch.cuda.is_available()
-    ap.add_argument("--model", choices=sorted(PRESETS), default="llama3-8b", help="shapes (default llama3-8b)")
-    ap.add_argument("--layers", type=int, default=None, help="keep only this many decoder layers")
+    ap.add_argument("--model", choices=sorted(PRESETS), default="llama3-8b" if gpu else "qwen2.5-0.5b",
+                    help="shapes (default llama3-8b on GPUs, qwen2.5-0.5b on CPUs)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only this many decoder layers (default: all that fit in half the free memory)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="the destinations' dtype")
     ap.add_argument("--source-dtype", choices=sorted(DTYPES), default=None,
                     help="the source's dtype (default: --dtype; another one converts on the way)")
@@ -424,7 +427,39 @@ def parse_args(argv=None):
         ap.error("--plot needs matplotlib: pip install matplotlib")
     if args.baseline == "auto":
         args.baseline = "nccl" if torch.device(args.device).type == "cuda" else "gloo"
+    if args.layers is None:
+        fit_layers(args)
     return args
+
+
+def free_bytes(device: str) -> int:
+    """Memory free for new tensors on `device` ("cpu": MemAvailable)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+
+
+def fit_layers(args) -> None:
+    """Keeps as many decoder layers as let every copy of the model on one device fit in half of
+    its free memory: the source's (in its dtype), each destination's, and one for the
+    baseline's buffers. Exits with what to pass when not even one layer fits."""
+    devices = [device_of(args.device, i) for i in range(max(args.dests) + 1)]
+    src_elem = DTYPES[args.source_dtype or args.dtype].itemsize
+    dst_elem = DTYPES[args.dtype].itemsize
+    busiest = max(set(devices), key=devices.count)
+    copies = (devices.count(busiest) + 1) * max(src_elem, dst_elem)  # in elements' bytes
+    fixed = sum(math.prod(s) for s in shapes(args.model, 0).values())
+    per_layer = sum(math.prod(s) for s in shapes(args.model, 1).values()) - fixed
+    budget = free_bytes(busiest) // 2 // copies
+    fit = min(PRESETS[args.model][2], (budget - fixed) // per_layer)
+    if fit < 1:
+        sys.exit(f"weights.py: {args.model} needs {fmt_bytes((fixed + per_layer) * copies)} on {busiest} for one "
+                 f"layer and {fmt_bytes(free_bytes(busiest))} is free: pass a smaller --model (e.g. tiny) or fewer --dests")
+    if fit < PRESETS[args.model][2]:
+        args.layers = fit
+        live(f"# {args.model} cut to {fit} of {PRESETS[args.model][2]} layers to fit {devices.count(busiest) + 1} "
+             f"copies in half of {busiest}'s free memory ({fmt_bytes(free_bytes(busiest))}); --layers to choose")
 
 
 def main(argv=None) -> int:

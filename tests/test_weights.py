@@ -24,7 +24,9 @@ PEER_TIMEOUT = 2.0
 # A transformer layer in miniature: column-parallel (dim 0), row-parallel (dim 1) and replicated
 # tensors, a 0-d one, odd sizes so that shards are uneven.
 SHAPES = {"embed": (97, 64), "layers.0.qkv": (48, 64), "layers.0.o": (64, 48), "layers.0.norm": (64,), "step": ()}
-TP_DIMS = {"embed": 0, "layers.0.qkv": 0, "layers.0.o": 1}
+TP_DIMS = {"embed": 0, "layers.0.qkv": 0, "layers.0.o": 1, "row": 0}
+# What real models bring too: an empty tensor, and a tensor TP 2 leaves rank 1 no part of.
+EMPTY_SHAPES = {**SHAPES, "empty": (0, 64), "row": (1, 8)}
 
 
 def model(seed: int, dtype=torch.float32, shapes=SHAPES) -> dict:
@@ -224,6 +226,20 @@ class Setup:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@pytest.mark.timeout(120)
+def test_empty_tensors_and_empty_shards_move_nothing_and_complete(peers):
+    a, b, _ = peers
+    with Setup("tcp", shapes=EMPTY_SHAPES) as s:
+        assert pw.split(s.full["row"], 0, 1, 2).tensor.numel() == 0
+        s.add(a, "e0")
+        s.add(b, "e1", "tp1")
+        result = p2p.wait(s.source.push(), 60)
+        assert sorted(result.received) == ["e0", "e1"] and result.dropped == {}
+        for peer, key, kind in ((a, "e0", "whole"), (b, "e1", "tp1")):
+            assert peer.call(dest_wait, key, 1) == 1
+            s.check(peer, key, kind)
 
 
 @pytest.mark.timeout(120)

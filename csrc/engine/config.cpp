@@ -1,5 +1,6 @@
 #include "engine/config.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -89,6 +90,8 @@ void validate(const Config& c) {
   for (size_t v : {c.slot_bytes, c.max_chunk, c.min_chunk, c.piece_bytes, c.batch})
     P2P_CHECK(v != 0, ErrorKind::Value, "sizes and batch must be positive");
   P2P_CHECK(c.timeout_s > 0 && c.peer_timeout_s > 0, ErrorKind::Value, "timeouts must be positive");
+  P2P_CHECK(c.profile.empty() || c.profile == "efa", ErrorKind::Value, "TORCH_P2P_PROFILE must be \"efa\" or unset, not \"",
+            c.profile, "\"");
 }
 
 fabric::QueryOptions Config::query_options() const {
@@ -98,6 +101,7 @@ fabric::QueryOptions Config::query_options() const {
   o.manual_progress = progress == "manual";
   o.shm_fast = shm_fast;
   o.hmem_device_only = hmem_device_only;
+  o.efa_shaped = profile == "efa";
   return o;
 }
 
@@ -115,6 +119,12 @@ Setup::Setup(Config resolved) : config(std::move(resolved)) {
   offer = std::make_shared<const fabric::Offer>(
       fabric::query(config.provider, config.cuda() && config.data_path != DataPath::Staged, config.query_options()));
   apply_provider_defaults(config, offer->provider);
+  // No op may carry more than the provider's largest RMA (efa-direct: about 1 GiB). A limit
+  // of a few KiB describes sends (an MTU), not RMA, and is not taken for one.
+  if (offer->max_rma() >= (size_t{64} << 10)) {
+    config.max_chunk = std::min<size_t>(config.max_chunk, offer->max_rma());
+    config.min_chunk = std::min(config.min_chunk, config.max_chunk);
+  }
   validate(config);
 }
 

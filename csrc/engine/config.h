@@ -41,7 +41,8 @@ enum class DataPath : uint8_t { Auto, Direct, Staged };
   X(fi_version, fi_version, std::string, "", "TORCH_P2P_FI_VERSION") /* "1.18": the API version asked */ \
   X(progress, progress, std::string, "auto", "TORCH_P2P_PROGRESS")   /* "manual": no provider threads */ \
   X(shm_fast, shm_fast, bool, false, "TORCH_P2P_SHM_FAST")     /* shm's unchecked fast RMA */            \
-  X(hmem_device_only, hmem_device_only, bool, true, "TORCH_P2P_HMEM_DEVICE_ONLY") /* shm CUDA IPC */
+  X(hmem_device_only, hmem_device_only, bool, true, "TORCH_P2P_HMEM_DEVICE_ONLY") /* shm CUDA IPC */    \
+  X(profile, profile, std::string, "", "TORCH_P2P_PROFILE")    /* "efa": EFA's limits on any provider */
 
 struct Config {
 #define P2P_SETTING_FIELD(key, field, type, value, env) type field = value;

@@ -100,6 +100,10 @@ const fi_info* Offer::domain(const std::string& name) const {
   return nullptr;
 }
 
+size_t Offer::max_rma() const {
+  return options.efa_shaped ? EfaShape::kMaxRma : list->ep_attr->max_msg_size;
+}
+
 Limits limits(const fi_info& info) {
   Limits l;
   const uint64_t mode = info.domain_attr->mr_mode;

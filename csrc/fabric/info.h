@@ -30,6 +30,19 @@ struct QueryOptions {
   bool manual_progress = false;  // never ask for provider progress threads (measurements)
   bool shm_fast = false;         // shm may take its unchecked "fast RMA" path (see hints())
   bool hmem_device_only = true;  // shm moves CUDA memory by CUDA IPC (see Rail)
+  bool efa_shaped = false;       // EFA's limits on any provider (EfaShape), for tests
+};
+
+// The EFA-shaped test profile (TORCH_P2P_PROFILE=efa): EFA's published limits, which an engine
+// keeps on whatever provider it runs on, so that the paths EFA takes run where EFA is absent.
+// The advertised limits shape what the engine posts; Rail enforces them as EFA would (an op
+// that breaks one fails), so a path that ignores a limit fails its tests. docs/providers.md
+// lists what the profile covers and what it cannot.
+struct EfaShape {
+  static constexpr size_t kRmaIov = 1;           // efa: rma_iov_limit 1
+  static constexpr size_t kKeyBytes = 4;         // efa: mr_key_size 4
+  static constexpr size_t kMaxRma = 256 << 10;   // efa-direct's max_rdma_size (about 1 GiB), scaled
+                                                 // down so that tests of a few MiB split at it
 };
 
 // What one provider offers for RDM endpoints with RMA.
@@ -43,6 +56,7 @@ struct Offer {
   QueryOptions options;            // what it was asked with
 
   std::vector<Nic> nics() const;   // one per distinct domain name, in libfabric's order
+  size_t max_rma() const;          // the largest RMA one op may move
   const fi_info* domain(const std::string& name) const;  // nullptr when absent
 };
 

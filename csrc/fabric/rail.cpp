@@ -128,6 +128,8 @@ Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port, const QueryOption
   // Several segments per op cut the per-op cost of small pages (tcp allows 4). Not on the shm
   // fast path: it takes one remote segment only.
   max_iov_ = shm_fast ? 1 : std::max<size_t>(1, std::min(info_->tx_attr->iov_limit, info_->tx_attr->rma_iov_limit));
+  efa_shaped_ = options.efa_shaped;
+  if (efa_shaped_) max_iov_ = EfaShape::kRmaIov;
 }
 
 Rail::~Rail() {
@@ -180,7 +182,7 @@ MrHandle Rail::register_memory(void* ptr, size_t len, uint64_t access, int cuda_
   // Without FI_MR_PROV_KEY the key is ours and must be unique in the domain (tcp refuses a
   // duplicate with -FI_ENOKEY): draw another on collision.
   for (int attempt = 0; attempt < 8; ++attempt) {
-    attr.requested_key = random_key(info_->domain_attr->mr_key_size);
+    attr.requested_key = random_key(efa_shaped_ ? EfaShape::kKeyBytes : info_->domain_attr->mr_key_size);
     rc = fi_mr_regattr(domain_, &attr, cuda_device >= 0 && cuda_ipc_ ? FI_HMEM_DEVICE_ONLY : 0, &h.mr);
     if (rc != -FI_ENOKEY) break;
   }
@@ -215,14 +217,29 @@ fi_msg_rma rma_message(const iovec* iov, void** desc, size_t n, fi_addr_t dest, 
 
 }  // namespace
 
+// What EFA would refuse (EfaShape): more than one iov, more than its largest RMA, no local
+// descriptor (FI_MR_LOCAL), a key wider than 4 bytes, or remote CQ data.
+ssize_t Rail::efa_refuses(const iovec* iov, void** desc, size_t n, const fi_rma_iov* rma, uint64_t flags) const {
+  if (n > EfaShape::kRmaIov || (flags & FI_REMOTE_CQ_DATA)) return -FI_EINVAL;
+  for (size_t i = 0; i < n; ++i) {
+    if (iov[i].iov_len > EfaShape::kMaxRma) return -FI_EMSGSIZE;
+    if (!desc || !desc[i] || rma[i].key >> (8 * EfaShape::kKeyBytes)) return -FI_EINVAL;
+  }
+  return 0;
+}
+
 ssize_t Rail::write(const iovec* iov, void** desc, size_t n, fi_addr_t dest, const fi_rma_iov* rma,
                     void* context, uint64_t flags, bool device) {
+  if (efa_shaped_)
+    if (const ssize_t rc = efa_refuses(iov, desc, n, rma, flags)) return rc;
   const fi_msg_rma msg = rma_message(iov, desc, n, dest, rma, context);
   return fi_writemsg(ep_, &msg, flags | (device ? completion_flags_ : host_completion_flags_));
 }
 
 ssize_t Rail::read(const iovec* iov, void** desc, size_t n, fi_addr_t dest, const fi_rma_iov* rma,
                    void* context, uint64_t flags) {
+  if (efa_shaped_)
+    if (const ssize_t rc = efa_refuses(iov, desc, n, rma, flags)) return rc;
   const fi_msg_rma msg = rma_message(iov, desc, n, dest, rma, context);
   return fi_readmsg(ep_, &msg, flags);
 }

@@ -101,6 +101,8 @@ class Rail {
   uint64_t completion_flags_ = 0;       // for writes from GPU memory
   uint64_t host_completion_flags_ = 0;  // for writes from host memory
   size_t max_iov_ = 1;
+  bool efa_shaped_ = false;  // QueryOptions::efa_shaped: EFA's limits enforced (EfaShape)
+  ssize_t efa_refuses(const iovec* iov, void** desc, size_t n, const fi_rma_iov* rma, uint64_t flags) const;
   bool peers_must_release_ = false;
   bool cuda_ipc_ = false;
   std::string address_;

@@ -22,6 +22,8 @@ def register_sources(engine, tensors) -> list:
     """Registers each storage holding a source tensor once (local views need no handle)."""
     regions, seen = [], set()
     for t in tensors:
+        if t.numel() == 0:
+            continue  # nothing of it moves (an empty tensor, or an empty TP shard)
         if (key := _storage_key(t)) not in seen:
             seen.add(key)
             regions.append(engine.register(_whole_storage(t, torch.uint8), access="r"))
@@ -38,7 +40,8 @@ def register_targets(engine, tensors: dict[str, torch.Tensor]) -> tuple[list, di
     (1, ..., 1), from which any view with positive strides is a slice with steps."""
     groups: dict[tuple, dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
-        groups.setdefault(_storage_key(t), {})[name] = t
+        if t.numel() > 0:  # nothing lands in an empty tensor or shard
+            groups.setdefault(_storage_key(t), {})[name] = t
     regions, remotes = [], {}
     for group in groups.values():
         views = {(t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) for t in group.values()}
