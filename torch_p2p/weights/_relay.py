@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import collections
 
-from . import _weights_wire as wire
-from ._weights_actor import error_of
-from ._weights_memory import remote_views
-from .errors import P2PError
+from . import _wire as wire
+from ._actor import error_of
+from ._memory import remote_views
+from ..errors import P2PError
 
 
 def children(position: int, size: int, fanout: int) -> list[int]:

@@ -28,9 +28,9 @@ from typing import Callable, Mapping
 
 import torch
 
-from ._weights_dest import Receiver
-from ._weights_plan import Layout, Plan, PlanError, TensorSpec, make_plan
-from ._weights_source import Follower, Leader, PushResult
+from ._dest import Receiver
+from ._plan import Layout, Plan, PlanError, TensorSpec, make_plan
+from ._source import Follower, Leader, PushResult
 
 __all__ = ["Shard", "whole", "split", "plan", "Plan", "PlanError", "WeightSource", "WeightDestination",
            "PushResult", "CHUNK_BYTES", "WINDOW", "FANOUT", "STAGING_SLOTS"]
@@ -258,7 +258,7 @@ class WeightDestination:
 
     def close(self, timeout: float = 10.0) -> None:
         """Leaves (waiting up to `timeout`), stops the thread and deregisters the memory."""
-        from . import wait
+        from .. import wait
 
         try:
             wait(self.leave(), timeout)

@@ -17,13 +17,13 @@ import time
 
 import torch
 
-from . import _weights_wire as wire
-from ._weights_actor import Actor
-from ._weights_memory import SourceViews, Staging, register_sources
-from ._weights_plan import Layout, PlanError, make_plan
-from ._weights_relay import Fanout
-from .errors import P2PError, PeerError
-from .remote import RemoteTensor
+from . import _wire as wire
+from ._actor import Actor
+from ._memory import SourceViews, Staging, register_sources
+from ._plan import Layout, PlanError, make_plan
+from ._relay import Fanout
+from ..errors import P2PError, PeerError
+from ..remote import RemoteTensor
 
 PING_S = 1.0  # how often the leader checks that the engines of a push's members are alive
 

@@ -11,8 +11,8 @@ import queue
 import threading
 import time
 
-from . import _weights_wire as wire
-from .errors import P2PError
+from . import _wire as wire
+from ..errors import P2PError
 
 log = logging.getLogger("torch_p2p.weights")
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from . import _weights_wire as wire
-from ._weights_actor import Actor, error_of, log
-from ._weights_memory import TargetViews, register_targets
-from ._weights_plan import Layout, PlanError, make_plan
-from ._weights_relay import Fanout
-from ._weights_source import Member
+from . import _wire as wire
+from ._actor import Actor, error_of, log
+from ._memory import TargetViews, register_targets
+from ._plan import Layout, PlanError, make_plan
+from ._relay import Fanout
+from ._source import Member
 
 # How long a destination absorbs a second arrival of a chunk it asked an adopting parent for
 # (the dropped parent's write may still land, with the same bytes).

@@ -6,8 +6,8 @@ import contextlib
 
 import torch
 
-from ._weights_plan import ALIGN, Chunk
-from .remote import RemoteTensor
+from ._plan import ALIGN, Chunk
+from ..remote import RemoteTensor
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
