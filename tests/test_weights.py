@@ -24,7 +24,7 @@ PEER_TIMEOUT = 2.0
 # A transformer layer in miniature: column-parallel (dim 0), row-parallel (dim 1) and replicated
 # tensors, a 0-d one, odd sizes so that shards are uneven.
 SHAPES = {"embed": (97, 64), "layers.0.qkv": (48, 64), "layers.0.o": (64, 48), "layers.0.norm": (64,), "step": ()}
-TP_DIMS = {"embed": 0, "layers.0.qkv": 0, "layers.0.o": 1}
+TP_DIMS = {"embed": 0, "layers.0.qkv": 0, "layers.0.o": 1, "layers.0.bias": 0}
 
 
 def model(seed: int, dtype=torch.float32, shapes=SHAPES) -> dict:
@@ -247,6 +247,22 @@ def test_push_to_three_processes(peers, provider):
         whole = sum(t.numel() * 4 for t in s.full.values())
         tp = sum(t.numel() * 4 for t in expected("tp1", s.full, torch.float32).values())
         assert result.bytes_sent == whole + tp
+
+
+@pytest.mark.timeout(120)
+def test_empty_tensors_and_empty_shards_move_nothing_and_complete(peers):
+    """An empty tensor in the state dict, and a 1-row tensor split over TP 2 (rank 1's shard
+    is empty) are valid: they move nothing and the push completes."""
+    a, b, _ = peers
+    shapes = {**SHAPES, "layers.0.empty": (0, 64), "layers.0.bias": (1,)}
+    with Setup("tcp", shapes=shapes, chunk_bytes=2048) as s:
+        s.add(a, "w0")
+        s.add(b, "tp1", "tp1")
+        s.load(1)
+        result = p2p.wait(s.source.push(), 60)
+        assert sorted(result.received) == ["tp1", "w0"] and result.dropped == {}
+        s.check(a, "w0")
+        s.check(b, "tp1", "tp1")
 
 
 @pytest.mark.timeout(120)

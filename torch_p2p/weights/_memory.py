@@ -18,11 +18,17 @@ def _whole_storage(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=t.device).set_(t.untyped_storage())
 
 
+def _empty(t: torch.Tensor) -> bool:
+    """An empty tensor (or an empty TP shard) has nothing to move: its storage, possibly of no
+    bytes at all, is never registered, and no chunk refers to it."""
+    return t.numel() == 0
+
+
 def register_sources(engine, tensors) -> list:
     """Registers each storage holding a source tensor once (local views need no handle)."""
     regions, seen = [], set()
     for t in tensors:
-        if (key := _storage_key(t)) not in seen:
+        if not _empty(t) and (key := _storage_key(t)) not in seen:
             seen.add(key)
             regions.append(engine.register(_whole_storage(t, torch.uint8), access="r"))
     return regions
@@ -38,7 +44,8 @@ def register_targets(engine, tensors: dict[str, torch.Tensor]) -> tuple[list, di
     (1, ..., 1), from which any view with positive strides is a slice with steps."""
     groups: dict[tuple, dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
-        groups.setdefault(_storage_key(t), {})[name] = t
+        if not _empty(t):
+            groups.setdefault(_storage_key(t), {})[name] = t
     regions, remotes = [], {}
     for group in groups.values():
         views = {(t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) for t in group.values()}

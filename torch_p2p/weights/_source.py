@@ -208,7 +208,7 @@ class Leader(SourceBase):
         layout = Layout.from_json(msg["layout"])
         try:
             self.plan(layout)
-            if set(msg["remotes"]) != set(layout.specs):
+            if set(msg["remotes"]) != {n for n, spec in layout.specs.items() if spec.nbytes}:
                 raise PlanError(["the destination's handles do not name its tensors"])
         except PlanError as e:
             self.send(sender, "refused", problems=e.problems)
