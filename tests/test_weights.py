@@ -135,11 +135,12 @@ def test_plan_reports_every_unmatched_name_and_shape():
 # -- destinations in child processes -----------------------------------------------------------------
 
 def dest_start(state, key, provider, leader, kind, dtype=torch.float32, name=None, shapes=SHAPES, device="cpu",
-               ipc=None, **options):
+               ipc=None, dtypes=None, **options):
     """Starts a destination under `key` (engine, zeroed shards of `kind`, WeightDestination) and
     joins; returns its chunk count."""
     engine = p2p.Engine(device, **engine_kwargs(provider, peer_timeout=PEER_TIMEOUT, ipc=ipc))
-    shards = shards_of(kind, {n: torch.zeros(s, dtype=dtype, device=device) for n, s in shapes.items()})
+    dtypes = dtypes or {}
+    shards = shards_of(kind, {n: torch.zeros(s, dtype=dtypes.get(n, dtype), device=device) for n, s in shapes.items()})
     dest = pw.WeightDestination(engine, shards, leader, name=name or key, **options)
     seen = []
     dest.on_version(seen.append)
@@ -263,6 +264,41 @@ def test_empty_tensors_and_empty_shards_move_nothing_and_complete(peers):
         assert sorted(result.received) == ["tp1", "w0"] and result.dropped == {}
         s.check(a, "w0")
         s.check(b, "tp1", "tp1")
+
+
+@pytest.mark.timeout(120)
+def test_shared_storages_non_contiguous_and_unusual_dtypes(peers):
+    """Tied weights (one tensor under two names), views into one flat buffer, transposed trainer
+    tensors and dtypes beyond floats (bool, complex, float8, int8) all move bitwise."""
+    a, _, _ = peers
+    flat = torch.randn(40)
+    tied = torch.randn(4, 6)
+    sources = {"tied.a": tied, "tied.b": tied, "flat.a": flat[:16].view(4, 4), "flat.b": flat[16:],
+               "transposed": torch.randn(6, 4).t(), "mask": torch.rand(5) > 0.5,
+               "complex": torch.randn(3, dtype=torch.complex64), "fp8": torch.randn(8).to(torch.float8_e4m3fn),
+               "int8": torch.randint(-100, 100, (7,), dtype=torch.int8)}
+    engine = p2p.Engine("cpu", **engine_kwargs("tcp", peer_timeout=PEER_TIMEOUT))
+    source = pw.WeightSource(engine, pw.whole(sources))
+    try:
+        shapes = {n: tuple(t.shape) for n, t in sources.items()}
+        a.call(dest_start, "odd", "tcp", source.address, "whole", shapes=shapes, dtypes={n: t.dtype for n, t in sources.items()})
+        version = p2p.wait(source.push(), 60).version
+        assert a.call(dest_wait, "odd", version) == version
+        got = a.call(dest_fetch, "odd")
+        for n, t in sources.items():
+            assert got[n].dtype == t.dtype and torch.equal(got[n].view(torch.uint8), t.contiguous().view(torch.uint8)), n
+    finally:
+        a.call(dest_close, "odd")
+        source.close()
+        engine.close()
+
+
+def test_tensors_the_wire_cannot_carry_are_refused():
+    quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with pytest.raises(TypeError, match="not a quantized tensor"):
+        pw.Shard(quantized)
+    with pytest.raises(TypeError, match="not a sparse_coo tensor"):
+        pw.whole({"w": torch.eye(3).to_sparse()})
 
 
 @pytest.mark.timeout(120)
