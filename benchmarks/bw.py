@@ -25,7 +25,8 @@ IPC, no fabric), else "direct" or "staged" over the provider; the table's title 
 Columns:
   Gbps   payload, 10^9 bits per second of time.perf_counter() around the timed calls
   %line  Gbps / sum of the rails' link speeds, where the provider reports them (EFA, verbs);
-         "-" elsewhere (tcp, shm: loopback and shared memory have no line rate)
+  Mops   million views per second (views: pages on paged rows, calls on contiguous ones; the
+         progress line's views= counts the same)
   Mops   million views per second: pages/s for paged rows, calls/s for contiguous ones
   <baseline> Gbps  the baseline's Gbps for the same bytes per call (the column is named after
          --baseline, e.g. "tcp Gbps"); ratio = Gbps / baseline Gbps
