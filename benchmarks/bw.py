@@ -25,9 +25,9 @@ IPC, no fabric), else "direct" or "staged" over the provider; the table's title 
 Columns:
   Gbps   payload, 10^9 bits per second of time.perf_counter() around the timed calls
   %line  Gbps / sum of the rails' link speeds, where the provider reports them (EFA, verbs);
+         "-" elsewhere (tcp, shm: loopback and shared memory have no line rate)
   Mops   million views per second (views: pages on paged rows, calls on contiguous ones; the
          progress line's views= counts the same)
-  Mops   million views per second: pages/s for paged rows, calls/s for contiguous ones
   <baseline> Gbps  the baseline's Gbps for the same bytes per call (the column is named after
          --baseline, e.g. "tcp Gbps"); ratio = Gbps / baseline Gbps
 
@@ -376,7 +376,7 @@ def _serve_listener(listener: socket.socket, device: str) -> None:
 # -- progress -------------------------------------------------------------------------------------
 class Progress:
     """The live line on stderr, after the seed program's:
-        [12.345s] WRITE paged 64KiB x256, 1 rail: 63%, ops=..., bytes=..., bw=...Gbps(..%), ...Mops
+        [12.345s] WRITE paged 64KiB x256, tcp direct, 1 rail: 63%, views=..., bytes=..., bw=...Gbps(..%), ...Mops
     On a terminal it is redrawn about 5 times a second; elsewhere (CI logs) only each row's
     final line is written. The driver thread updates the counters; a daemon thread draws."""
 
@@ -425,7 +425,7 @@ class Progress:
     def _numbers(self, dt: float, pct: int) -> str:
         dt = max(dt, 1e-9)
         gbps = self.nbytes * 8 / dt / 1e9
-        line = f"{pct}%, ops={self.views}, bytes={fmt_bytes(self.nbytes)}, bw={gbps:.3f}Gbps"
+        line = f"{pct}%, views={self.views}, bytes={fmt_bytes(self.nbytes)}, bw={gbps:.3f}Gbps"
         if self.line_bps:
             line += f"({100 * gbps * 1e9 / self.line_bps:.1f}%)"
         return line + f", {self.views / dt / 1e6:.3f}Mops"
