@@ -453,6 +453,9 @@ def parse_args(argv=None):
         args.model = next((m for m in DEFAULT_MODELS if fit_layers(args, m) != 0), None)
         if args.model is None:
             ap.error(f"not even --model tiny fits in half the free memory of {args.device}")
+        if args.model != DEFAULT_MODELS[0]:
+            live(f"# {args.model}: the largest default model that fits in half the free memory of {args.device} "
+                 f"(pass --model to choose)")
     if args.layers is None and (fit := fit_layers(args, args.model)) is not None:
         if fit == 0:
             ap.error(f"{args.model} does not fit in half the free memory of {args.device} even with one layer: "
