@@ -24,9 +24,12 @@ IPC, no fabric), else "direct" or "staged" over the provider; the table's title 
 
 Columns:
   Gbps   payload, 10^9 bits per second of time.perf_counter() around the timed calls
-  %line  Gbps / sum of the rails' link speeds, where the provider reports them (EFA, verbs)
-  Mops   million views per second: pages/s for paged rows, calls/s for contiguous ones
-  base   the baseline's Gbps for the same bytes per call; ratio = Gbps / base
+  %line  Gbps / sum of the rails' link speeds, where the provider reports them (EFA, verbs);
+         "-" elsewhere (tcp, shm: loopback and shared memory have no line rate)
+  Mops   million views per second (views: pages on paged rows, calls on contiguous ones; the
+         progress line's views= counts the same)
+  <baseline> Gbps  the baseline's Gbps for the same bytes per call (the column is named after
+         --baseline, e.g. "tcp Gbps"); ratio = Gbps / baseline Gbps
 
 Baselines (--baseline; by default memcpy on the ipc route, else tcp where the line rate is
 unknown: loopback, shm):
@@ -78,8 +81,12 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 
-import torch
+# torch warns at import (in every process) when NumPy is missing; nothing here uses NumPy, and
+# the quick start does not install it.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+import torch  # noqa: E402
 
 try:
     import torch_p2p as p2p
@@ -370,7 +377,7 @@ def _serve_listener(listener: socket.socket, device: str) -> None:
 # -- progress -------------------------------------------------------------------------------------
 class Progress:
     """The live line on stderr, after the seed program's:
-        [12.345s] WRITE paged 64KiB x256, 1 rail: 63%, ops=..., bytes=..., bw=...Gbps(..%), ...Mops
+        [12.345s] WRITE paged 64KiB x256, tcp direct, 1 rail: 63%, views=..., bytes=..., bw=...Gbps(..%), ...Mops
     On a terminal it is redrawn about 5 times a second; elsewhere (CI logs) only each row's
     final line is written. The driver thread updates the counters; a daemon thread draws."""
 
@@ -419,7 +426,7 @@ class Progress:
     def _numbers(self, dt: float, pct: int) -> str:
         dt = max(dt, 1e-9)
         gbps = self.nbytes * 8 / dt / 1e9
-        line = f"{pct}%, ops={self.views}, bytes={fmt_bytes(self.nbytes)}, bw={gbps:.3f}Gbps"
+        line = f"{pct}%, views={self.views}, bytes={fmt_bytes(self.nbytes)}, bw={gbps:.3f}Gbps"
         if self.line_bps:
             line += f"({100 * gbps * 1e9 / self.line_bps:.1f}%)"
         return line + f", {self.views / dt / 1e6:.3f}Mops"
@@ -551,6 +558,10 @@ class Driver:
         self.engine_facts = dict(provider=engine.provider, domains=domains, device=str(self.device),
                                  peer_device=peer_device, rails=len(engine.plan.rails), line_rate_bps=line,
                                  data_path=engine.data_path, route=route)
+        # Said before the first row runs: what is measured, and why %line may stay empty.
+        self.progress.say(f"# {engine.provider} [{domains}], route {route}, data path {engine.data_path}, "
+                          f"{self.device} -> peer {peer_device}; %line is "
+                          + (f"of {line / 1e9:g} Gbps" if line else "'-': the provider reports no link speed"))
 
     def _buffer(self, engine: p2p.Engine, page_bytes: int, pages: int) -> None:
         reply = self.channel.ask("buffer", pages=pages, page_bytes=page_bytes)
@@ -569,7 +580,8 @@ class Driver:
                    prepared=self.args.prepared,
                    gpus=1, gbps=None, mops=None, seconds=None, bytes=None, calls=None, views=None,
                    baseline=None, baseline_gbps=None, ratio=None, ok=False, error=None)
-        label = f"{op.upper()} {layout} {fmt_size(page_bytes)} x{pages}, {rails} rail{'s' * (rails > 1)}"
+        label = (f"{op.upper()} {layout} {fmt_size(page_bytes)} x{pages}, {facts['provider'].split(';')[0]} "
+                 f"{facts['route']}, {rails} rail{'s' * (rails > 1)}")
         call_bytes = pages * page_bytes
         split = pages if layout == "paged" and self.baseline in ("nccl", "gloo") else 1
         if self.baseline != "none" and (base := self._baseline_gbps(op, call_bytes, rails, label, split)):

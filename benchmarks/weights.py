@@ -60,6 +60,7 @@ PRESETS = {
     "qwen2.5-0.5b": (151936, 896, 24, 14, 2, 64, 4864, True, True),
     "tiny": (1024, 256, 2, 4, 2, 64, 512, False, False),
 }
+DEFAULT_MODELS = ("llama3-8b", "llama3.2-1b", "qwen2.5-0.5b", "tiny")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -82,6 +83,28 @@ def shapes(model: str, layers: int | None) -> dict[str, tuple]:
     if not tied:
         out["lm_head.weight"] = (vocab, hidden)
     return out
+
+
+def free_bytes(device: str) -> int:
+    """Memory this run may fill: the device's free memory, or the host's available memory."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def fit_layers(args, model: str) -> int | None:
+    """The most decoder layers of `model` whose copies fill at most half of the free memory: None
+    when the whole model fits, 0 when not even one layer does. Each process (the source, each
+    destination) peaks near 4 copies: its tensors, the baseline's buckets and the checksum's
+    conversions."""
+    elem = max(DTYPES[args.dtype].itemsize, DTYPES[args.source_dtype or args.dtype].itemsize)
+    budget = free_bytes(args.device) // 2 // (4 * (1 + max(args.dests)) * elem)
+    full = PRESETS[model][2]
+    if sum(math.prod(s) for s in shapes(model, full).values()) <= budget:
+        return None
+    return max([n for n in range(1, full) if sum(math.prod(s) for s in shapes(model, n).values()) <= budget],
+               default=0)
 
 
 def state_dict(spec: dict, dtype, device, fill: bool) -> dict[str, torch.Tensor]:
@@ -396,10 +419,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     gpu = torch.cuda.is_available()
-    ap.add_argument("--model", choices=sorted(PRESETS), default="llama3-8b" if gpu else "qwen2.5-0.5b",
-                    help="shapes (default llama3-8b on GPUs, qwen2.5-0.5b on CPUs)")
-    ap.add_argument("--layers", type=int, default=None,
-                    help="keep only this many decoder layers (default: all that fit in half the free memory)")
+    ap.add_argument("--model", choices=sorted(PRESETS), default=None,
+                    help=f"shapes (default: the first of {', '.join(DEFAULT_MODELS)} that fits the free memory)")
+    ap.add_argument("--layers", type=int, default=None, help="keep only this many decoder layers (default: as many as fit in half the free memory)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="the destinations' dtype")
     ap.add_argument("--source-dtype", choices=sorted(DTYPES), default=None,
                     help="the source's dtype (default: --dtype; another one converts on the way)")
@@ -427,39 +449,21 @@ def parse_args(argv=None):
         ap.error("--plot needs matplotlib: pip install matplotlib")
     if args.baseline == "auto":
         args.baseline = "nccl" if torch.device(args.device).type == "cuda" else "gloo"
-    if args.layers is None:
-        fit_layers(args)
-    return args
-
-
-def free_bytes(device: str) -> int:
-    """Memory free for new tensors on `device` ("cpu": MemAvailable)."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(torch.device(device))[0]
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
-
-
-def fit_layers(args) -> None:
-    """Keeps as many decoder layers as let every copy of the model on one device fit in half of
-    its free memory: the source's (in its dtype), each destination's, and one for the
-    baseline's buffers. Exits with what to pass when not even one layer fits."""
-    devices = [device_of(args.device, i) for i in range(max(args.dests) + 1)]
-    src_elem = DTYPES[args.source_dtype or args.dtype].itemsize
-    dst_elem = DTYPES[args.dtype].itemsize
-    busiest = max(set(devices), key=devices.count)
-    copies = (devices.count(busiest) + 1) * max(src_elem, dst_elem)  # in elements' bytes
-    fixed = sum(math.prod(s) for s in shapes(args.model, 0).values())
-    per_layer = sum(math.prod(s) for s in shapes(args.model, 1).values()) - fixed
-    budget = free_bytes(busiest) // 2 // copies
-    fit = min(PRESETS[args.model][2], (budget - fixed) // per_layer)
-    if fit < 1:
-        sys.exit(f"weights.py: {args.model} needs {fmt_bytes((fixed + per_layer) * copies)} on {busiest} for one "
-                 f"layer and {fmt_bytes(free_bytes(busiest))} is free: pass a smaller --model (e.g. tiny) or fewer --dests")
-    if fit < PRESETS[args.model][2]:
+    if args.model is None:  # the largest default that fits, cut to the layers that fit
+        args.model = next((m for m in DEFAULT_MODELS if fit_layers(args, m) != 0), None)
+        if args.model is None:
+            ap.error(f"not even --model tiny fits in half the free memory of {args.device}")
+        if args.model != DEFAULT_MODELS[0]:
+            live(f"# {args.model}: the largest default model that fits in half the free memory of {args.device} "
+                 f"(pass --model to choose)")
+    if args.layers is None and (fit := fit_layers(args, args.model)) is not None:
+        if fit == 0:
+            ap.error(f"{args.model} does not fit in half the free memory of {args.device} even with one layer: "
+                     f"pass a smaller --model or fewer --dests")
         args.layers = fit
-        live(f"# {args.model} cut to {fit} of {PRESETS[args.model][2]} layers to fit {devices.count(busiest) + 1} "
-             f"copies in half of {busiest}'s free memory ({fmt_bytes(free_bytes(busiest))}); --layers to choose")
+        live(f"# {args.model} cut to {fit} of its {PRESETS[args.model][2]} layers to fit in half the free memory "
+             f"of {args.device} (pass --model and --layers to choose)")
+    return args
 
 
 def main(argv=None) -> int:

@@ -177,8 +177,10 @@ def decode_process(conn, provider: str, device: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--provider", default="tcp")
-    parser.add_argument("--device", default="cpu", help="the prefill process's device")
-    parser.add_argument("--peer-device", default="cpu", help="the decode process's device")
+    gpus = torch.cuda.device_count()  # a GPU when there is one; the second one for the peer
+    parser.add_argument("--device", default="cuda:0" if gpus else "cpu", help="the prefill process's device")
+    parser.add_argument("--peer-device", default=f"cuda:{min(1, gpus - 1)}" if gpus else "cpu",
+                        help="the decode process's device")
     args = parser.parse_args()
 
     ctx = mp.get_context("spawn")

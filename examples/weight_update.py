@@ -107,7 +107,8 @@ def inference(name: str, conn, args, device: str, rank_pipe=None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (GPUs round robin from cuda:0)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda (GPUs round robin from cuda:0; the default when there is one)")
     parser.add_argument("--provider", default="tcp", help="libfabric provider (default tcp, on loopback)")
     args = parser.parse_args()
     gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0

@@ -24,9 +24,7 @@ PEER_TIMEOUT = 2.0
 # A transformer layer in miniature: column-parallel (dim 0), row-parallel (dim 1) and replicated
 # tensors, a 0-d one, odd sizes so that shards are uneven.
 SHAPES = {"embed": (97, 64), "layers.0.qkv": (48, 64), "layers.0.o": (64, 48), "layers.0.norm": (64,), "step": ()}
-TP_DIMS = {"embed": 0, "layers.0.qkv": 0, "layers.0.o": 1, "row": 0}
-# What real models bring too: an empty tensor, and a tensor TP 2 leaves rank 1 no part of.
-EMPTY_SHAPES = {**SHAPES, "empty": (0, 64), "row": (1, 8)}
+TP_DIMS = {"embed": 0, "layers.0.qkv": 0, "layers.0.o": 1, "layers.0.bias": 0}
 
 
 def model(seed: int, dtype=torch.float32, shapes=SHAPES) -> dict:
@@ -137,11 +135,12 @@ def test_plan_reports_every_unmatched_name_and_shape():
 # -- destinations in child processes -----------------------------------------------------------------
 
 def dest_start(state, key, provider, leader, kind, dtype=torch.float32, name=None, shapes=SHAPES, device="cpu",
-               ipc=None, **options):
+               ipc=None, dtypes=None, **options):
     """Starts a destination under `key` (engine, zeroed shards of `kind`, WeightDestination) and
     joins; returns its chunk count."""
     engine = p2p.Engine(device, **engine_kwargs(provider, peer_timeout=PEER_TIMEOUT, ipc=ipc))
-    shards = shards_of(kind, {n: torch.zeros(s, dtype=dtype, device=device) for n, s in shapes.items()})
+    dtypes = dtypes or {}
+    shards = shards_of(kind, {n: torch.zeros(s, dtype=dtypes.get(n, dtype), device=device) for n, s in shapes.items()})
     dest = pw.WeightDestination(engine, shards, leader, name=name or key, **options)
     seen = []
     dest.on_version(seen.append)
@@ -229,20 +228,6 @@ class Setup:
 
 
 @pytest.mark.timeout(120)
-def test_empty_tensors_and_empty_shards_move_nothing_and_complete(peers):
-    a, b, _ = peers
-    with Setup("tcp", shapes=EMPTY_SHAPES) as s:
-        assert pw.split(s.full["row"], 0, 1, 2).tensor.numel() == 0
-        s.add(a, "e0")
-        s.add(b, "e1", "tp1")
-        result = p2p.wait(s.source.push(), 60)
-        assert sorted(result.received) == ["e0", "e1"] and result.dropped == {}
-        for peer, key, kind in ((a, "e0", "whole"), (b, "e1", "tp1")):
-            assert peer.call(dest_wait, key, 1) == 1
-            s.check(peer, key, kind)
-
-
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
 def test_push_to_three_processes(peers, provider):
     """Two whole-tensor destinations (one relay chain) and a TP shard; two versions, bitwise."""
@@ -263,6 +248,57 @@ def test_push_to_three_processes(peers, provider):
         whole = sum(t.numel() * 4 for t in s.full.values())
         tp = sum(t.numel() * 4 for t in expected("tp1", s.full, torch.float32).values())
         assert result.bytes_sent == whole + tp
+
+
+@pytest.mark.timeout(120)
+def test_empty_tensors_and_empty_shards_move_nothing_and_complete(peers):
+    """An empty tensor in the state dict, and a 1-row tensor split over TP 2 (rank 1's shard
+    is empty) are valid: they move nothing and the push completes."""
+    a, b, _ = peers
+    shapes = {**SHAPES, "layers.0.empty": (0, 64), "layers.0.bias": (1,)}
+    with Setup("tcp", shapes=shapes, chunk_bytes=2048) as s:
+        s.add(a, "w0")
+        s.add(b, "tp1", "tp1")
+        s.load(1)
+        result = p2p.wait(s.source.push(), 60)
+        assert sorted(result.received) == ["tp1", "w0"] and result.dropped == {}
+        s.check(a, "w0")
+        s.check(b, "tp1", "tp1")
+
+
+@pytest.mark.timeout(120)
+def test_shared_storages_non_contiguous_and_unusual_dtypes(peers):
+    """Tied weights (one tensor under two names), views into one flat buffer, transposed trainer
+    tensors and dtypes beyond floats (bool, complex, float8, int8) all move bitwise."""
+    a, _, _ = peers
+    flat = torch.randn(40)
+    tied = torch.randn(4, 6)
+    sources = {"tied.a": tied, "tied.b": tied, "flat.a": flat[:16].view(4, 4), "flat.b": flat[16:],
+               "transposed": torch.randn(6, 4).t(), "mask": torch.rand(5) > 0.5,
+               "complex": torch.randn(3, dtype=torch.complex64), "fp8": torch.randn(8).to(torch.float8_e4m3fn),
+               "int8": torch.randint(-100, 100, (7,), dtype=torch.int8)}
+    engine = p2p.Engine("cpu", **engine_kwargs("tcp", peer_timeout=PEER_TIMEOUT))
+    source = pw.WeightSource(engine, pw.whole(sources))
+    try:
+        shapes = {n: tuple(t.shape) for n, t in sources.items()}
+        a.call(dest_start, "odd", "tcp", source.address, "whole", shapes=shapes, dtypes={n: t.dtype for n, t in sources.items()})
+        version = p2p.wait(source.push(), 60).version
+        assert a.call(dest_wait, "odd", version) == version
+        got = a.call(dest_fetch, "odd")
+        for n, t in sources.items():
+            assert got[n].dtype == t.dtype and torch.equal(got[n].view(torch.uint8), t.contiguous().view(torch.uint8)), n
+    finally:
+        a.call(dest_close, "odd")
+        source.close()
+        engine.close()
+
+
+def test_tensors_the_wire_cannot_carry_are_refused():
+    quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with pytest.raises(TypeError, match="not a quantized tensor"):
+        pw.Shard(quantized)
+    with pytest.raises(TypeError, match="not a sparse_coo tensor"):
+        pw.whole({"w": torch.eye(3).to_sparse()})
 
 
 @pytest.mark.timeout(120)

@@ -28,9 +28,9 @@ from typing import Callable, Mapping
 
 import torch
 
-from .dest import Receiver
-from .plan import Layout, Plan, PlanError, TensorSpec, make_plan
-from .source import Follower, Leader, PushResult
+from ._dest import Receiver
+from ._plan import Layout, Plan, PlanError, TensorSpec, make_plan
+from ._source import Follower, Leader, PushResult
 
 __all__ = ["Shard", "whole", "split", "plan", "Plan", "PlanError", "WeightSource", "WeightDestination",
            "PushResult", "CHUNK_BYTES", "WINDOW", "FANOUT", "STAGING_SLOTS"]
@@ -51,6 +51,12 @@ class Shard:
     def __init__(self, tensor: torch.Tensor, shape=None, offset=None):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"a Shard holds a tensor, not {type(tensor).__name__}")
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            # The wire carries a strided tensor's bytes: not a sparse tensor's indices, nor a
+            # quantized tensor's scale and zero point.
+            kind = "quantized" if tensor.is_quantized else str(tensor.layout).removeprefix("torch.")
+            raise TypeError(f"the weights layer moves dense tensors, not a {kind} tensor: convert it "
+                            f"(.dequantize(), .to_dense()) or send its parts as tensors of their own")
         self.tensor = tensor
         self.shape = tuple(int(s) for s in (tensor.shape if shape is None else shape))
         self.offset = tuple(int(o) for o in (offset if offset is not None else [0] * len(self.shape)))

@@ -17,11 +17,19 @@ import time
 
 import torch
 
+<<<<<<<< HEAD:torch_p2p/weights/source.py
 from . import wire
 from .actor import Actor
 from .memory import SourceViews, Staging, register_sources
 from .plan import Layout, PlanError, make_plan
 from .relay import Fanout
+========
+from . import _wire as wire
+from ._actor import Actor
+from ._memory import SourceViews, Staging, register_sources
+from ._plan import Layout, PlanError, make_plan
+from ._relay import Fanout
+>>>>>>>> peers:torch_p2p/weights/_source.py
 from ..errors import P2PError, PeerError
 from ..remote import RemoteTensor
 
@@ -208,7 +216,7 @@ class Leader(SourceBase):
         layout = Layout.from_json(msg["layout"])
         try:
             self.plan(layout)
-            if set(msg["remotes"]) != set(layout.specs):
+            if set(msg["remotes"]) != {n for n, spec in layout.specs.items() if spec.nbytes}:
                 raise PlanError(["the destination's handles do not name its tensors"])
         except PlanError as e:
             self.send(sender, "refused", problems=e.problems)

@@ -6,7 +6,11 @@ import contextlib
 
 import torch
 
+<<<<<<<< HEAD:torch_p2p/weights/memory.py
 from .plan import ALIGN, Chunk
+========
+from ._plan import ALIGN, Chunk
+>>>>>>>> peers:torch_p2p/weights/_memory.py
 from ..remote import RemoteTensor
 
 
@@ -18,13 +22,23 @@ def _whole_storage(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=t.device).set_(t.untyped_storage())
 
 
+def _empty(t: torch.Tensor) -> bool:
+    """An empty tensor (or an empty TP shard) has nothing to move: its storage, possibly of no
+    bytes at all, is never registered, and no chunk refers to it."""
+    return t.numel() == 0
+
+
 def register_sources(engine, tensors) -> list:
     """Registers each storage holding a source tensor once (local views need no handle)."""
     regions, seen = [], set()
     for t in tensors:
+<<<<<<<< HEAD:torch_p2p/weights/memory.py
         if t.numel() == 0:
             continue  # nothing of it moves (an empty tensor, or an empty TP shard)
         if (key := _storage_key(t)) not in seen:
+========
+        if not _empty(t) and (key := _storage_key(t)) not in seen:
+>>>>>>>> peers:torch_p2p/weights/_memory.py
             seen.add(key)
             regions.append(engine.register(_whole_storage(t, torch.uint8), access="r"))
     return regions
@@ -40,7 +54,11 @@ def register_targets(engine, tensors: dict[str, torch.Tensor]) -> tuple[list, di
     (1, ..., 1), from which any view with positive strides is a slice with steps."""
     groups: dict[tuple, dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
+<<<<<<<< HEAD:torch_p2p/weights/memory.py
         if t.numel() > 0:  # nothing lands in an empty tensor or shard
+========
+        if not _empty(t):
+>>>>>>>> peers:torch_p2p/weights/_memory.py
             groups.setdefault(_storage_key(t), {})[name] = t
     regions, remotes = [], {}
     for group in groups.values():
