@@ -11,11 +11,7 @@ import queue
 import threading
 import time
 
-<<<<<<<< HEAD:torch_p2p/weights/actor.py
-from . import wire
-========
 from . import _wire as wire
->>>>>>>> peers:torch_p2p/weights/_actor.py
 from ..errors import P2PError
 
 log = logging.getLogger("torch_p2p.weights")

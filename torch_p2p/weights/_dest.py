@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import torch
 
-<<<<<<<< HEAD:torch_p2p/weights/dest.py
-from . import wire
-from .actor import Actor, error_of, log
-from .memory import TargetViews, register_targets
-from .plan import Layout, PlanError, make_plan
-from .relay import Fanout
-from .source import Member
-========
 from . import _wire as wire
 from ._actor import Actor, error_of, log
 from ._memory import TargetViews, register_targets
 from ._plan import Layout, PlanError, make_plan
 from ._relay import Fanout
 from ._source import Member
->>>>>>>> peers:torch_p2p/weights/_dest.py
 
 # How long a destination absorbs a second arrival of a chunk it asked an adopting parent for
 # (the dropped parent's write may still land, with the same bytes).

@@ -6,11 +6,7 @@ import contextlib
 
 import torch
 
-<<<<<<<< HEAD:torch_p2p/weights/memory.py
-from .plan import ALIGN, Chunk
-========
 from ._plan import ALIGN, Chunk
->>>>>>>> peers:torch_p2p/weights/_memory.py
 from ..remote import RemoteTensor
 
 
@@ -32,13 +28,7 @@ def register_sources(engine, tensors) -> list:
     """Registers each storage holding a source tensor once (local views need no handle)."""
     regions, seen = [], set()
     for t in tensors:
-<<<<<<<< HEAD:torch_p2p/weights/memory.py
-        if t.numel() == 0:
-            continue  # nothing of it moves (an empty tensor, or an empty TP shard)
-        if (key := _storage_key(t)) not in seen:
-========
         if not _empty(t) and (key := _storage_key(t)) not in seen:
->>>>>>>> peers:torch_p2p/weights/_memory.py
             seen.add(key)
             regions.append(engine.register(_whole_storage(t, torch.uint8), access="r"))
     return regions
@@ -54,11 +44,7 @@ def register_targets(engine, tensors: dict[str, torch.Tensor]) -> tuple[list, di
     (1, ..., 1), from which any view with positive strides is a slice with steps."""
     groups: dict[tuple, dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
-<<<<<<<< HEAD:torch_p2p/weights/memory.py
-        if t.numel() > 0:  # nothing lands in an empty tensor or shard
-========
         if not _empty(t):
->>>>>>>> peers:torch_p2p/weights/_memory.py
             groups.setdefault(_storage_key(t), {})[name] = t
     regions, remotes = [], {}
     for group in groups.values():

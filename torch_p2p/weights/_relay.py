@@ -14,15 +14,9 @@ from __future__ import annotations
 
 import collections
 
-<<<<<<<< HEAD:torch_p2p/weights/relay.py
-from . import wire
-from .actor import error_of
-from .memory import remote_views
-========
 from . import _wire as wire
 from ._actor import error_of
 from ._memory import remote_views
->>>>>>>> peers:torch_p2p/weights/_relay.py
 from ..errors import P2PError
 
 

@@ -17,19 +17,11 @@ import time
 
 import torch
 
-<<<<<<<< HEAD:torch_p2p/weights/source.py
-from . import wire
-from .actor import Actor
-from .memory import SourceViews, Staging, register_sources
-from .plan import Layout, PlanError, make_plan
-from .relay import Fanout
-========
 from . import _wire as wire
 from ._actor import Actor
 from ._memory import SourceViews, Staging, register_sources
 from ._plan import Layout, PlanError, make_plan
 from ._relay import Fanout
->>>>>>>> peers:torch_p2p/weights/_source.py
 from ..errors import P2PError, PeerError
 from ..remote import RemoteTensor
 
