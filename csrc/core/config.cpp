@@ -1,4 +1,4 @@
-#include "engine/config.h"
+#include "core/config.h"
 
 #include <cerrno>
 #include <cstdio>
