@@ -6,10 +6,10 @@
 #include "bindings_internal.h"
 #include "common/error.h"
 #include "common/wire.h"
-#include "engine/config.h"
+#include "core/config.h"
+#include "core/runs.h"
+#include "core/striper.h"
 #include "engine/engine.h"
-#include "engine/runs.h"
-#include "engine/striper.h"
 #include "fabric/info.h"
 
 namespace py = pybind11;
@@ -299,7 +299,7 @@ PYBIND11_MODULE(_C, m) {
     py::list rows;
     for (const SettingInfo& r : setting_table()) rows.append(py::make_tuple(r.key, r.variable, r.default_text));
     return rows;
-  }, "The settings table (csrc/engine/config.h): [(key, TORCH_P2P_* variable or '', default as text)].");
+  }, "The settings table (csrc/core/config.h): [(key, TORCH_P2P_* variable or '', default as text)].");
 
   py::class_<Setup>(m, "Setup")
       .def(py::init([](const py::dict& args) {

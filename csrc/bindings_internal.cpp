@@ -4,14 +4,14 @@
 
 #include "common/error.h"
 #include "common/wire.h"
-#include "engine/address.h"
-#include "engine/liveness.h"
-#include "engine/messages.h"
-#include "engine/region_table.h"
+#include "core/address.h"
+#include "core/liveness.h"
+#include "core/messages.h"
+#include "core/region_table.h"
+#include "core/runs.h"
+#include "core/striper.h"
+#include "core/transfer.h"
 #include "engine/remote_view.h"
-#include "engine/runs.h"
-#include "engine/striper.h"
-#include "engine/transfer.h"
 
 namespace py = pybind11;
 using namespace p2p::engine;
@@ -153,7 +153,7 @@ class RegionTableHarness {
   std::unordered_map<uint64_t, std::vector<std::future<void>>> answers_;
 };
 
-// A control message's fields as the worker reads them (csrc/engine/messages.h), for
+// A control message's fields as the worker reads them (csrc/core/messages.h), for
 // tests/test_messages.py.
 void add_live(py::dict& f, const LiveRegions& live) {
   f["upto"] = live.upto;
@@ -219,12 +219,12 @@ void bind_parts(py::module_& m) {
   m.def("_stripe", &stripe);
   m.def("_stripe_slots", &stripe_slots);
   m.def("_slot_size", &slot_size);
-  // The transfer state machine (csrc/engine/transfer.h; tests/test_transfer_state.py).
+  // The transfer state machine (csrc/core/transfer.h; tests/test_transfer_state.py).
   m.def("_transfer_next_step", &transfer_next_step, py::arg("state"), py::arg("message"), py::arg("ok"),
         py::arg("held"), py::arg("acked"), py::arg("pending"), py::arg("needs_fence"));
   m.def("_transfer_may_enter", &transfer_may_enter);
 
-  // One peer's liveness schedule (csrc/engine/liveness.h) on a clock the caller
+  // One peer's liveness schedule (csrc/core/liveness.h) on a clock the caller
   // passes, for tests/test_liveness.py.
   py::class_<RegionTableHarness>(m, "_RegionTable")
       .def(py::init<>())
@@ -268,7 +268,7 @@ void bind_parts(py::module_& m) {
       }, py::arg("now"), py::arg("busy"));
 }
 
-// The wire records (csrc/engine/address.h, remote_view.h) as dicts, for tests and tools that
+// The wire records (csrc/core/address.h, engine/remote_view.h) as dicts, for tests and tools that
 // forge handles: decode validates as the engine does; encode writes any field values, valid
 // or not (it checks nothing), with every CRC right.
 namespace {

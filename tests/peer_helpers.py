@@ -25,7 +25,7 @@ from torch_p2p import _C
 
 # -- forged handles ----------------------------------------------------------------------------
 
-READ, WRITE = 1, 2  # access bits (csrc/engine/address.h)
+READ, WRITE = 1, 2  # access bits (csrc/core/address.h)
 
 
 def tampered(remote: p2p.RemoteTensor, **changes) -> p2p.RemoteTensor:

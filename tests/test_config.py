@@ -1,4 +1,4 @@
-"""The settings table (csrc/engine/config.h): arguments, then TORCH_P2P_* variables, then the
+"""The settings table (csrc/core/config.h): arguments, then TORCH_P2P_* variables, then the
 provider's defaults, then the table's. No engine is started: _C.Setup only resolves settings
 and queries the provider."""
 import pytest

@@ -380,7 +380,7 @@ def test_view_with_a_huge_stride_on_a_size_one_dimension(seeds):
 def test_from_bytes_rejects_a_key_table_that_does_not_cover_the_region(seeds):
     """nbytes near 2**64: (nbytes + piece_bytes - 1) / piece_bytes overflowed to 0 pieces, so a
     handle with an empty key table was accepted and the first write with it made the worker
-    read base[0] of an empty vector (SIGSEGV). Fixed in csrc/engine/address.h."""
+    read base[0] of an empty vector (SIGSEGV). Fixed in csrc/core/address.h."""
     t = _C._decode_remote(seeds[0])
     t["region"].update(nbytes=2 ** 64 - 1, piece_bytes=2, entries=[], staged=False)
     with pytest.raises(ValueError):

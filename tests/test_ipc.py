@@ -1,5 +1,5 @@
 """Pages (p2p.pages) on every provider, route choice, and the same-host CUDA IPC route
-(csrc/ipc). The GPU tests run one process per GPU where there are two (both on cuda:0
+(csrc/routes/cuda_ipc). The GPU tests run one process per GPU where there are two (both on cuda:0
 otherwise), with whatever libfabric is installed: the IPC route needs none of its CUDA support."""
 import contextlib
 import os

@@ -1,4 +1,4 @@
-"""One peer's liveness schedule alone (csrc/engine/liveness.h), on a fake clock through the
+"""One peer's liveness schedule alone (csrc/core/liveness.h), on a fake clock through the
 private _C._Liveness binding: when a HELLO goes out, when a check begins, when the peer is
 given up. No engine, no process."""
 import pytest

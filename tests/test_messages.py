@@ -1,4 +1,4 @@
-"""The control messages' wire format (csrc/engine/messages.h) without an engine: each body laid
+"""The control messages' wire format (csrc/core/messages.h) without an engine: each body laid
 out here by hand, field by field, read by the engine's decoder and written back by its encoder."""
 import struct
 

@@ -1,4 +1,4 @@
-"""When a deregistered region goes (csrc/engine/region_table.h): once no local operation holds
+"""When a deregistered region goes (csrc/core/region_table.h): once no local operation holds
 it and every peer that had to release it did, or its deadline passed. No engine, no peers."""
 from torch_p2p import _C
 

@@ -1,4 +1,4 @@
-"""The striper alone (csrc/engine/striper.h), through the private _C._stripe bindings: how a
+"""The striper alone (csrc/core/striper.h), through the private _C._stripe bindings: how a
 call's runs become RMA segments over rail pairs, and staged calls slot jobs. No engine, no
 process."""
 import pytest

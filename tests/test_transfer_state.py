@@ -1,4 +1,4 @@
-"""The transfer state machine alone (csrc/engine/transfer.h), through private bindings: what a
+"""The transfer state machine alone (csrc/core/transfer.h), through private bindings: what a
 transfer does next given its state and facts, and which moves between states are allowed. No
 engine, no process."""
 import pytest

@@ -7,9 +7,9 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "core/copier.h"
 #include "cuda/copy_kernels.h"
 #include "cuda/device.h"
-#include "engine/copier.h"
 
 namespace p2p::engine {
 namespace {

@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "engine/copier.h"
+#include "core/copier.h"
 
 namespace p2p::cuda {
 

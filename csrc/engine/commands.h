@@ -10,7 +10,7 @@
 #include <string>
 #include <variant>
 
-#include "engine/transfer.h"
+#include "core/transfer.h"
 
 namespace p2p::engine {
 

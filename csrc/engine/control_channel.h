@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/messages.h"
-#include "engine/ops.h"
-#include "engine/peer.h"
+#include "core/messages.h"
+#include "core/ops.h"
+#include "core/peer.h"
 #include "fabric/rail.h"
 
 namespace p2p::engine {

@@ -7,8 +7,8 @@
 #include <cerrno>
 
 #include "common/log.h"
-#include "engine/staging.h"
 #include "engine/worker.h"
+#include "routes/staged/staging.h"
 
 namespace p2p::engine {
 namespace {

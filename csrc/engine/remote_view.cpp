@@ -1,7 +1,7 @@
 #include "engine/remote_view.h"
 
 #include "common/wire.h"
-#include "engine/runs.h"
+#include "core/runs.h"
 
 namespace p2p::engine {
 namespace {

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include "engine/address.h"
+#include "core/address.h"
 
 namespace p2p::engine {
 

@@ -7,7 +7,7 @@
 #include <chrono>
 
 #include "common/log.h"
-#include "engine/staging.h"
+#include "routes/staged/staging.h"
 
 namespace p2p::engine {
 

@@ -23,24 +23,24 @@
 #include <unordered_set>
 #include <vector>
 
-#include "engine/address.h"
+#include "core/address.h"
+#include "core/config.h"
+#include "core/copier.h"
+#include "core/messages.h"
+#include "core/ops.h"
+#include "core/peer.h"
+#include "core/rail_driver.h"
+#include "core/region.h"
+#include "core/region_table.h"
+#include "core/runs.h"
+#include "core/striper.h"
+#include "core/transfer.h"
 #include "engine/commands.h"
 #include "engine/completions.h"
-#include "engine/config.h"
 #include "engine/control_channel.h"
-#include "engine/copier.h"
-#include "engine/messages.h"
-#include "engine/ops.h"
-#include "engine/peer.h"
-#include "engine/rail_driver.h"
-#include "engine/region.h"
-#include "engine/region_table.h"
-#include "engine/runs.h"
-#include "engine/striper.h"
-#include "engine/transfer.h"
 #include "fabric/info.h"
 #include "fabric/rail.h"
-#include "ipc/route.h"
+#include "routes/cuda_ipc/route.h"
 
 namespace p2p::engine {
 
@@ -173,7 +173,7 @@ class Worker {
   void post_receive(Op* op);
   Op* new_op(OpKind kind, uint16_t rail, OpOwner* owner, Peer* peer);
 
-  // ipc/worker_hooks.cpp: the same-host CUDA IPC route's hooks (csrc/ipc does the work).
+  // routes/cuda_ipc/worker_hooks.cpp: the same-host CUDA IPC route's hooks.
   void open_ipc();
   bool ipc_reaches(const EngineAddress& a) const;
   bool start_ipc(Transfer& t);
@@ -316,7 +316,7 @@ class Worker {
   double next_tick_ = 0;
   double idle_since_ = 0;
 
-  // The IPC route (ipc/worker_hooks.cpp), null where it is off or impossible.
+  // The IPC route (routes/cuda_ipc/worker_hooks.cpp), null where it is off or impossible.
   std::unique_ptr<ipc::Route> ipc_;
   std::string host_;
   std::vector<std::pair<uint64_t, uint64_t>> ipc_copies_;  // (ticket, transfer id), in order

@@ -1,4 +1,4 @@
-#include "engine/striper.h"
+#include "core/striper.h"
 
 #include <algorithm>
 

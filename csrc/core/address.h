@@ -18,7 +18,7 @@ struct EngineAddress {
   uint64_t incarnation = 0;
   std::vector<std::string> rails;  // raw libfabric endpoint names, one per rail
   // Where the process runs: peers with the same host (boot id and pid namespace) may move
-  // CUDA memory by IPC (csrc/ipc) and watch the process by pid.
+  // CUDA memory by IPC (csrc/routes/cuda_ipc) and watch the process by pid.
   std::string host;
   uint32_t pid = 0;
   bool cuda_ipc = false;  // a CUDA engine that maps its peers' exported storages

@@ -1,4 +1,4 @@
-#include "engine/runs.h"
+#include "core/runs.h"
 
 #include <algorithm>
 #include <numeric>

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "common/wire.h"
-#include "engine/runs.h"
+#include "core/runs.h"
 
 namespace p2p::engine {
 

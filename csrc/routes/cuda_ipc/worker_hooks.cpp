@@ -1,5 +1,5 @@
 // The worker's side of the IPC route: deciding which transfers take it, completing them, and
-// watching the processes of the peers it maps (csrc/ipc/route.h says how the route works).
+// watching the processes of the peers it maps (csrc/routes/cuda_ipc/route.h says how the route works).
 #include <poll.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -8,12 +8,13 @@
 #include <cstring>
 
 #include "common/log.h"
+#include "core/host.h"
 #include "engine/worker.h"
 
 namespace p2p::engine {
 
 void Worker::open_ipc() {
-  host_ = ipc::host_identity();
+  host_ = host_identity();
   if (config_.cuda_device < 0 || !config_.ipc) return;
   if (host_.empty()) {
     P2P_LOG(Warn, "CUDA IPC is off: this host's identity (/proc/sys/kernel/random/boot_id) is unknown");

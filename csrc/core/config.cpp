@@ -1,4 +1,4 @@
-#include "engine/config.h"
+#include "core/config.h"
 
 #include <algorithm>
 #include <cerrno>

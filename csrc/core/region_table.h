@@ -14,8 +14,8 @@
 #include <unordered_set>
 #include <vector>
 
-#include "engine/messages.h"
-#include "engine/region.h"
+#include "core/messages.h"
+#include "core/region.h"
 
 namespace p2p::engine {
 

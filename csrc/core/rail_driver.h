@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/ops.h"
+#include "core/ops.h"
 #include "fabric/rail.h"
 
 namespace p2p::engine {

@@ -17,11 +17,11 @@
 #include <vector>
 
 #include "common/wire.h"
-#include "engine/copier.h"
-#include "engine/messages.h"
-#include "engine/ops.h"
-#include "engine/runs.h"
-#include "engine/striper.h"
+#include "core/copier.h"
+#include "core/messages.h"
+#include "core/ops.h"
+#include "core/runs.h"
+#include "core/striper.h"
 #include "fabric/rail.h"
 
 namespace p2p::engine {

@@ -1,4 +1,4 @@
-#include "engine/rail_driver.h"
+#include "core/rail_driver.h"
 
 #include <poll.h>
 #include <pthread.h>

@@ -1,28 +1,9 @@
-#include "ipc/route.h"
-
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cstdio>
+#include "routes/cuda_ipc/route.h"
 
 #include "common/error.h"
 #include "common/log.h"
 
 namespace p2p::ipc {
-
-std::string host_identity() {
-  char boot[64] = {0};
-  FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r");
-  if (!f) return {};
-  const size_t n = std::fread(boot, 1, sizeof boot - 1, f);
-  std::fclose(f);
-  std::string id(boot, n);
-  while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
-  struct stat ns {};
-  if (id.empty() || stat("/proc/self/ns/pid", &ns) != 0) return {};
-  return cat(id, "/", static_cast<uint64_t>(ns.st_ino));
-}
 
 Route::Route(std::unique_ptr<Memory> memory) : memory_(std::move(memory)) {}
 
@@ -131,5 +112,10 @@ bool Route::poll() {
   deferred_.resize(kept);
   return kept > 0;
 }
+
+#ifndef WITH_CUDA
+// A build without CUDA has no memory to share: the worker leaves the route off.
+std::unique_ptr<Memory> make_memory(int, uint64_t) { return nullptr; }
+#endif
 
 }  // namespace p2p::ipc

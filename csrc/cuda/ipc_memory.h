@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/address.h"
-#include "engine/copier.h"
+#include "core/address.h"
+#include "core/copier.h"
 
 namespace p2p::ipc {
 
@@ -46,9 +46,5 @@ class Memory {
 // copy_engine_bytes: spans at least this long go to the copy engines (cudaMemcpyAsync), the
 // rest to one gather kernel per call.
 std::unique_ptr<Memory> make_memory(int cuda_device, uint64_t copy_engine_bytes);
-
-// "boot id/pid namespace": processes that share it can map each other's CUDA memory by IPC
-// and watch each other by pid. Empty if unknown.
-std::string host_identity();
 
 }  // namespace p2p::ipc

@@ -1,4 +1,4 @@
-#include "engine/copier.h"
+#include "core/copier.h"
 
 #include <cstdlib>
 #include <cstring>

@@ -5,8 +5,8 @@
 #include <algorithm>
 
 #include "common/log.h"
-#include "engine/staging.h"
 #include "engine/worker.h"
+#include "routes/staged/staging.h"
 
 namespace p2p::engine {
 namespace {

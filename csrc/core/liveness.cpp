@@ -1,4 +1,4 @@
-#include "engine/liveness.h"
+#include "core/liveness.h"
 
 #include <algorithm>
 

@@ -19,11 +19,11 @@
 #include <vector>
 
 #include "common/error.h"
-#include "engine/address.h"
-#include "engine/ops.h"
-#include "engine/region.h"
-#include "engine/runs.h"
-#include "engine/striper.h"
+#include "core/address.h"
+#include "core/ops.h"
+#include "core/region.h"
+#include "core/runs.h"
+#include "core/striper.h"
 
 namespace p2p::engine {
 
@@ -35,7 +35,7 @@ enum class TransferKind : uint8_t { Write, Read, Message };
 enum class TransferRoute : uint8_t {
   Direct,  // RMA between registered memory
   Staged,  // through pinned slots (staging.cpp): one side's memory is not registered
-  Ipc,     // one CUDA IPC copy (csrc/ipc), no ops
+  Ipc,     // one CUDA IPC copy (csrc/routes/cuda_ipc), no ops
 };
 
 enum class TransferState : uint8_t {

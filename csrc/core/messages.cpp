@@ -1,4 +1,4 @@
-#include "engine/messages.h"
+#include "core/messages.h"
 
 namespace p2p::engine {
 

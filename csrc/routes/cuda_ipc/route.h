@@ -21,9 +21,9 @@
 #include <utility>
 #include <vector>
 
-#include "engine/address.h"
-#include "engine/runs.h"
-#include "ipc/memory.h"
+#include "core/address.h"
+#include "core/runs.h"
+#include "cuda/ipc_memory.h"
 
 namespace p2p::ipc {
 

@@ -1,8 +1,8 @@
 // The serving side of the staged path (staging.h): a peer's StageReq is checked as the
 // provider would check direct RMA, then served by a slot job from the serve half of the pool.
 #include "common/log.h"
-#include "engine/staging.h"
 #include "engine/worker.h"
+#include "routes/staged/staging.h"
 
 namespace p2p::engine {
 

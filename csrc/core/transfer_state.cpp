@@ -1,5 +1,5 @@
 // Transfer's state machine, apart from the worker: what may follow what, and what comes next.
-#include "engine/transfer.h"
+#include "core/transfer.h"
 
 namespace p2p::engine {
 

@@ -1,9 +1,8 @@
 // The CUDA side of the IPC route (legacy cudaIpc* handles on the caching allocator's blocks).
-#include "ipc/memory.h"
+#include "cuda/ipc_memory.h"
 
 #include "common/error.h"
 
-#ifdef WITH_CUDA
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -400,11 +399,3 @@ std::unique_ptr<Memory> make_memory(int cuda_device, uint64_t copy_engine_bytes)
 }
 
 }  // namespace p2p::ipc
-
-#else
-
-namespace p2p::ipc {
-std::unique_ptr<Memory> make_memory(int, uint64_t) { return nullptr; }
-}  // namespace p2p::ipc
-
-#endif

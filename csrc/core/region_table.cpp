@@ -1,4 +1,4 @@
-#include "engine/region_table.h"
+#include "core/region_table.h"
 
 #include <algorithm>
 

@@ -12,7 +12,7 @@
 #include <limits>
 #include <vector>
 
-#include "engine/runs.h"
+#include "core/runs.h"
 
 namespace p2p::engine {
 

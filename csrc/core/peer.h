@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "common/error.h"
-#include "engine/address.h"
-#include "engine/liveness.h"
+#include "core/address.h"
+#include "core/liveness.h"
 
 namespace p2p::engine {
 

@@ -1,4 +1,4 @@
-#include "engine/address.h"
+#include "core/address.h"
 
 #include "common/wire.h"
 

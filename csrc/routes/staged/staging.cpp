@@ -1,4 +1,4 @@
-#include "engine/staging.h"
+#include "routes/staged/staging.h"
 
 #include <algorithm>
 #include <cstring>
