@@ -21,7 +21,7 @@ def checked_ids(ids: Any, count: int, unique: bool) -> torch.Tensor | None:
 
 def _set_classes(pages: type, remote_tensor: type, sequence: type) -> None: ...
 def settings() -> list[tuple[str, str, str]]:
-    """The settings table (csrc/engine/config.h): (key, TORCH_P2P_* variable or "", default)."""
+    """The settings table (csrc/core/config.h): (key, TORCH_P2P_* variable or "", default)."""
 
 class Setup:
     """Settings resolved once (arguments, then environment, then provider defaults, then the
@@ -33,18 +33,18 @@ class Setup:
     def setting(self, key: str) -> Any: ...
     def place(self, domains: list[str], cpu: int, node_cpus: list[int]) -> None: ...
 
-# Private, for tests: the striper (csrc/engine/striper.h).
+# Private, for tests: the striper (csrc/core/striper.h).
 _Run = tuple[int, int, int, int, int]  # (local address, remote offset, len, lreg, rreg)
 def _stripe(runs: list[_Run], local: list[tuple[int, int]], remote: list[int], local_rails: int,
             remote_rails: int, min_chunk: int, max_chunk: int,
             max_iov: int) -> tuple[int, list[tuple[int, int, list[tuple[int, int, int, int, int, int]]]]]: ...
 def _stripe_slots(runs: list[_Run], max_runs: int, slot_bytes: int) -> list[tuple[int, list[_Run]]]: ...
 def _slot_size(configured: int) -> int: ...
-# Private, for tests: the transfer state machine (csrc/engine/transfer.h).
+# Private, for tests: the transfer state machine (csrc/core/transfer.h).
 def _transfer_next_step(state: str, message: bool, ok: bool, held: bool, acked: bool, pending: int,
                         needs_fence: bool) -> str: ...
 def _transfer_may_enter(source: str, target: str) -> bool: ...
-# Private, for tests: one peer's liveness schedule (csrc/engine/liveness.h), on a given clock.
+# Private, for tests: one peer's liveness schedule (csrc/core/liveness.h), on a given clock.
 class _RegionTable:
     """A RegionTable of regions without memory, for tests of when a closing region goes."""
     def __init__(self) -> None: ...
@@ -73,7 +73,7 @@ class _Liveness:
     def watch_from(self, now: float) -> None: ...
     def hello_failed(self, now: float, transient: bool) -> tuple[str, float]: ...
     def tick(self, now: float, busy: bool) -> tuple[bool, str]: ...
-# Private, for tests and tools: the wire records (csrc/engine/address.h, remote_view.h) as dicts.
+# Private, for tests and tools: the wire records (csrc/core/address.h, csrc/engine/remote_view.h) as dicts.
 # Decoding validates as the engine does; encoding checks nothing, so that tests can forge handles.
 # Address: {provider: bytes, incarnation, rails: [bytes], host: bytes, pid, cuda_ipc: bool}.
 # Remote: {dtype (c10 code), shape, strides, offset, region: {owner: bytes, id, nbytes, access,

@@ -20,7 +20,7 @@ from .remote import RemoteTensor
 
 log = logging.getLogger("torch_p2p")
 
-# The settings table's defaults (csrc/engine/config.h), for the signature below.
+# The settings table's defaults (csrc/core/config.h), for the signature below.
 _DEFAULTS = {key: default for key, _, default in _C.settings()}
 
 _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -142,7 +142,7 @@ class Engine:
 
     An argument left as None takes its ``TORCH_P2P_*`` variable, else the provider's default,
     else the table's: ``_C.settings()`` lists every setting, its variable and its default
-    (csrc/engine/config.h). Tuning settings without an argument (max_chunk_bytes, tx_depth,
+    (csrc/core/config.h). Tuning settings without an argument (max_chunk_bytes, tx_depth,
     spin_us, ...) come from their variables only.
         num_rails: NICs (libfabric domains) to stripe over; by default every NIC that belongs
             to the device (PCIe proximity), and on tcp ``topology.default_tcp_rails()`` (one

@@ -1,6 +1,6 @@
 // Log lines go to stderr as "[torch_p2p] ..." when their level is at or below the process's
 // level (warn until set_log_level; the module sets it from TORCH_P2P_LOG when it loads, see
-// engine/config.h). Any thread may log.
+// core/config.h). Any thread may log.
 #pragma once
 
 #include "common/error.h"

@@ -24,7 +24,7 @@ struct Nic {
   uint64_t speed_bps = 0;   // 0 when unknown
 };
 
-// The settings (engine/config.h) that shape the query and the rails opened from its answer.
+// The settings (core/config.h) that shape the query and the rails opened from its answer.
 struct QueryOptions {
   uint32_t api_version = 0;      // 0: the runtime's own, capped at one we know
   bool manual_progress = false;  // never ask for provider progress threads (measurements)
