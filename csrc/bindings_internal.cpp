@@ -198,6 +198,10 @@ void add_fields(py::dict& f, const StatusMessage<T, Id>& m) {
 }
 template <MsgType T>
 void add_fields(py::dict& f, const IdMessage<T>& m) { f["id"] = m.id; }
+void add_fields(py::dict& f, const RouteMessage& m) {
+  f["route"] = m.route;
+  f["body"] = bytes_of(m.body);
+}
 
 // (type, from, to, fields, the bytes the message encodes back to).
 py::tuple decode_message_fields(const py::bytes& data) {
@@ -283,6 +287,7 @@ py::dict address_fields(const EngineAddress& a) {
   d["host"] = py::bytes(a.host);
   d["pid"] = a.pid;
   d["cuda_ipc"] = a.cuda_ipc;
+  d["routes"] = a.routes;
   return d;
 }
 
@@ -300,6 +305,7 @@ py::bytes encode_address(const py::dict& d) {
   a.host = field<std::string>(d, "host");
   a.pid = field<uint32_t>(d, "pid");
   a.cuda_ipc = field<bool>(d, "cuda_ipc");
+  if (d.contains("routes")) a.routes = field<uint8_t>(d, "routes");
   return py::bytes(a.encode());
 }
 

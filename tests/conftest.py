@@ -5,10 +5,13 @@ import torch
 
 import torch_p2p as p2p
 
-# Only loopback traffic in tests: tcp runs on the "lo" domain.
+# Only loopback traffic in tests: tcp runs on the "lo" domain. "tcp" and "shm" move host memory
+# over the provider (cma=False); "cma" is the default on one host: the cma route for host
+# memory, with tcp for control messages and for what the route does not take.
 PROVIDERS = {
-    "tcp": dict(provider="tcp", domains=["lo"]),
-    "shm": dict(provider="shm"),
+    "tcp": dict(provider="tcp", domains=["lo"], cma=False),
+    "shm": dict(provider="shm", cma=False),
+    "cma": dict(provider="tcp", domains=["lo"]),
 }
 
 

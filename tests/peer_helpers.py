@@ -415,6 +415,10 @@ def write_read_back(state, src: str, out: str, remote_bytes: bytes, timeout: flo
     return bool(torch.equal(state[out], state[src]))
 
 
+def route_to(state, remote_bytes: bytes) -> str:
+    return state["engine"].route(p2p.RemoteTensor.from_bytes(remote_bytes))
+
+
 def issue(state, ops: list) -> float:
     """Starts operations without waiting for them: ("write" | "read", local name, remote
     bytes), ("send", address, payload) or ("connect", address). Their futures join those that

@@ -58,7 +58,7 @@ def _host(provider, **kwargs):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("provider", [
-    "tcp", pytest.param("shm", marks=pytest.mark.xfail(SHM_1, strict=False, reason=SHM_SPIN))])
+    "tcp", "cma", pytest.param("shm", marks=pytest.mark.xfail(SHM_1, strict=False, reason=SHM_SPIN))])
 def test_dead_peer_fails_every_future_within_bound(provider):
     """b dies (kill -9) in the middle of a stream of writes from a. Every future involving b
     fails with PeerError within peer_timeout + margin (tcp: the dropped connection, at once;
@@ -88,6 +88,39 @@ def test_dead_peer_fails_every_future_within_bound(provider):
         assert latest <= budget, f"the last future failed {latest:.1f} s after the kill"
         loop = c.result(timeout=60)
         assert loop["mismatch"] is None and loop["rounds"] > 0, loop
+
+
+@pytest.mark.timeout(180)
+def test_cma_peer_killed_with_32_large_pushes_in_flight():
+    """The default same-host route for host memory (cma): b is killed (kill -9) with 32 pushes
+    of 32 MiB to it in flight, the kernel copying into its memory. Each push either finished
+    before the kill or fails with PeerError within peer_timeout; a push to the live peer c in
+    the same engine completes with its bytes right; close() returns. The route shares no lock
+    with a peer (the owner only answers which memory a handle names), so a peer killed at any
+    point of a copy leaves nothing held."""
+    budget = PEER_TIMEOUT + MARGIN
+    with _host("cma") as a, Peer() as b, Peer() as c:
+        b.call(ph.start_engine, "cma", peer_timeout=PEER_TIMEOUT)
+        c.call(ph.start_engine, "cma", peer_timeout=PEER_TIMEOUT)
+        rb = b.call(ph.target, "t", 32 << 20)
+        rc = c.call(ph.target, "t", 1 << 20)
+        a.call(ph.local, "big", 32 << 20, 1)
+        a.call(ph.local, "small", 1 << 20, 2)
+        assert a.call(ph.route_to, rb) == "cma"
+        with _scenario(a):
+            a.call(ph.issue, [("write", "big", rb)] * 32)
+            os.kill(b.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            r = a.call(ph.settle, budget + 5, timeout=budget + 35)
+            a.call(ph.write, "small", rc, 10)
+            assert c.call(ph.checksum, "t") == a.call(ph.checksum, "small")
+            start = time.monotonic()
+            a.call(ph.close_engine, timeout=30)
+            closed = time.monotonic() - start
+        failures = [x for x in r["errors"] if x]
+        assert failures and set(failures) == {"PeerError"}, (_errors_by_type(r["errors"]), r["messages"])
+        assert r["ended"] - killed <= budget, f"the last push failed {r['ended'] - killed:.1f} s after the kill"
+        assert closed < 10, f"close() took {closed:.1f} s"
 
 
 @pytest.mark.timeout(180)
@@ -128,7 +161,9 @@ def test_dead_shm_peer_holding_its_lock():
     "tcp", pytest.param("shm", marks=pytest.mark.xfail(SHM_1, strict=True, reason=SHM_WEDGE + "; or " + SHM_SPIN))])
 def test_engine_usable_after_peer_died_mid_transfer(provider):
     """b dies with writes from a in flight (stopped first, so they surely are). Afterwards a
-    still writes to and reads from c (verified), and sends to a new peer d."""
+    still writes to and reads from c (verified), and sends to a new peer d. (On the cma route a
+    stopped peer holds nothing up, the kernel copies into its memory: see
+    test_cma_peer_killed_with_32_large_pushes_in_flight.)"""
     budget = 2 * PEER_TIMEOUT + MARGIN
     with _host(provider) as a, Peer() as b, Peer() as c, Peer() as d:
         b.call(ph.start_engine, provider, peer_timeout=PEER_TIMEOUT)

@@ -153,6 +153,9 @@ class Engine:
             GPU's NUMA node, and no pinning for host engines.
         ipc: same-host peers move CUDA memory by CUDA IPC, without the fabric (CUDA engines;
             default on; ``TORCH_P2P_IPC=0`` turns it off). See ``route()``.
+        cma: same-host peers move host memory with cross-memory attach (process_vm_writev /
+            readv), without the fabric (default on; ``TORCH_P2P_CMA=0`` turns it off). See
+            ``route()`` and docs/design.md, "The cma route".
         data_path: None (auto), "direct" (GPUDirect RDMA; error if the provider has no FI_HMEM)
             or "staged" (through pinned host slots, also for host memory).
         timeout: default deadline of one operation, seconds.
@@ -170,7 +173,7 @@ class Engine:
                  data_path: str | None = None, timeout: float = float(_DEFAULTS["timeout"]),
                  peer_timeout: float = float(_DEFAULTS["peer_timeout"]), staging_bytes: int | None = None,
                  staging_slot_bytes: int | None = None, port: int | None = None,
-                 ipc: bool | None = None):
+                 ipc: bool | None = None, cma: bool | None = None):
         if data_path not in (None, "direct", "staged"):
             raise ValueError(f"data_path must be None, 'direct' or 'staged', not {data_path!r}")
         self.device = _parse_device(device)
@@ -185,6 +188,7 @@ class Engine:
             staging_bytes=staging_bytes,
             staging_slot_bytes=staging_slot_bytes,
             ipc=ipc,
+            cma=cma,
         ))
         nics = [topology.Nic(n["domain"], n["pci"], n["speed_bps"]) for n in setup.nics]
         self.plan = topology.plan(nics, str(self.device), num_rails, domains=domains, cpus=cpus,
@@ -239,9 +243,10 @@ class Engine:
 
     def route(self, peer) -> str:
         """How this engine's transfers of its device's memory reach `peer` (an engine address or
-        a RemoteTensor): "ipc" (same host, CUDA IPC: one copy over NVLink or PCIe), "direct"
-        (the NIC reads and writes the memory) or "staged" (pinned host slots). For a
-        RemoteTensor the IPC route is tried (its storage mapped) before the answer."""
+        a RemoteTensor): "ipc" (same host, CUDA IPC: one copy over NVLink or PCIe), "cma" (same
+        host, host memory: the kernel copies between the processes), "direct" (the NIC reads and
+        writes the memory) or "staged" (pinned host slots). For a RemoteTensor the IPC route is
+        tried (its storage mapped) before the answer."""
         self._check_open()
         if isinstance(peer, RemoteTensor):
             return self._c.route(peer.owner, peer._v)

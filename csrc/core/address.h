@@ -22,6 +22,7 @@ struct EngineAddress {
   std::string host;
   uint32_t pid = 0;
   bool cuda_ipc = false;  // a CUDA engine that maps its peers' exported storages
+  uint8_t routes = 0;     // bit i: route i of the registry is on (core/route.h)
 
   std::string encode() const;
   static EngineAddress decode(std::string_view bytes);

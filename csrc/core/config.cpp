@@ -90,6 +90,8 @@ void validate(const Config& c) {
   for (size_t v : {c.slot_bytes, c.max_chunk, c.min_chunk, c.piece_bytes, c.batch})
     P2P_CHECK(v != 0, ErrorKind::Value, "sizes and batch must be positive");
   P2P_CHECK(c.timeout_s > 0 && c.peer_timeout_s > 0, ErrorKind::Value, "timeouts must be positive");
+  P2P_CHECK(c.cma_threads >= -1 && c.cma_threads <= 64, ErrorKind::Value, "cma_threads must be -1 (auto) to 64, not ",
+            c.cma_threads);
   P2P_CHECK(c.profile.empty() || c.profile == "efa", ErrorKind::Value, "TORCH_P2P_PROFILE must be \"efa\" or unset, not \"",
             c.profile, "\"");
 }

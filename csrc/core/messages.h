@@ -32,6 +32,7 @@ enum class MsgType : uint8_t {
                   // queued for the sender's RMA have finished (shm CUDA IPC, see fence())
   FenceAck = 13,  // body: transfer id
   UserAck = 14,   // body: message id. The receiver has the whole User message (on_user)
+  Route = 15,     // body: route id, bytes. For that route of the receiver (core/route.h)
 };
 
 // Every message starts with the sender's incarnation and the incarnation it is meant for, so a
@@ -181,8 +182,19 @@ using FenceAck = IdMessage<MsgType::FenceAck>;              // transfer id
 using RegionClosed = IdMessage<MsgType::RegionClosed>;      // region id
 using RegionReleased = IdMessage<MsgType::RegionReleased>;  // region id
 
+struct RouteMessage {  // a route's own message, for the same route of the receiver
+  static constexpr MsgType kType = MsgType::Route;
+  uint8_t route = 0;
+  std::string_view body;
+  void write(ByteWriter& w) const {
+    w.put(route);
+    w.put_bytes(body);
+  }
+  static RouteMessage read(ByteReader& r) { return {r.get<uint8_t>(), r.get_bytes(kMessageBytes)}; }
+};
+
 using Message = std::variant<Hello, HelloAck, Bye, UserFragment, UserAck, Notify, StageRequest, StageAck, Fence,
-                             FenceAck, RegionClosed, RegionReleased>;
+                             FenceAck, RegionClosed, RegionReleased, RouteMessage>;
 
 template <typename M>
 ByteWriter encode_message(const M& m, uint64_t from, uint64_t to) {

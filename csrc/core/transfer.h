@@ -36,6 +36,7 @@ enum class TransferRoute : uint8_t {
   Direct,  // RMA between registered memory
   Staged,  // through pinned slots (staging.cpp): one side's memory is not registered
   Ipc,     // one CUDA IPC copy (csrc/routes/cuda_ipc), no ops
+  Routed,  // a route of the registry (core/route.h) moves it, no ops
 };
 
 enum class TransferState : uint8_t {

@@ -12,6 +12,8 @@ void Worker::send_control(Peer& p, ByteWriter&& w, OpOwner* owner, bool farewell
   control_.queue(p, std::move(w), owner, farewell);
 }
 
+void Worker::send(Peer& p, uint8_t route, std::string body) { send_control(p, message(RouteMessage{route, body}, p)); }
+
 bool Worker::flush_outbox() {
   return control_.flush([this](Peer* p, OpOwner* owner) { return new_op(OpKind::Send, 0, owner, p); },
                         rails_[0].pending);
@@ -46,6 +48,9 @@ void Worker::on_message(const char* data, size_t len) {
       void operator()(const FenceAck& m) { w.acknowledged(p, m.id); }
       void operator()(const RegionClosed& m) { w.on_region_closed(p, m.id); }
       void operator()(const RegionReleased& m) { w.regions_.released(m.id, p.incarnation); }
+      void operator()(const RouteMessage& m) {
+        if (m.route < w.routes_.size()) w.routes_[m.route]->on_message(p, m.body);
+      }
       void operator()(const Hello&) {}  // taken above
       void operator()(const HelloAck&) {}
       void operator()(const Bye&) {}

@@ -270,6 +270,7 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   for (auto& d : drivers_) forgets_.push_back({d.get(), &p});  // at the rail threads' next turn
   regions_.forget_peer(p.incarnation);
   if (ipc_) ipc_->forget(p.incarnation);  // once the copies queued for it are done
+  for (auto& r : routes_) r->peer_failed(p);
   p.forget();
   end_disconnect_of(f);
 }

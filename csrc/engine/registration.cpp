@@ -79,7 +79,9 @@ void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> 
   for (auto& [inc, p] : peers_) {
     if (p->state() != PeerState::Ready) continue;
     send_control(*p, message(RegionClosed{id}, *p));
-    if (wait || (exported && ipc_reaches(p->address))) regions_.must_release(id, inc);
+    bool routed = false;
+    for (auto& r : routes_) routed |= r->must_release(id, inc);
+    if (wait || routed || (exported && ipc_reaches(p->address))) regions_.must_release(id, inc);
   }
 }
 
@@ -115,6 +117,7 @@ void Worker::release_regions(Peer& p) {
       continue;
     }
     if (ipc_) ipc_->release(p.incarnation, region);
+    for (auto& r : routes_) r->release(p.incarnation, region);
     send_control(p, message(RegionReleased{region}, p));
     it = p.to_release.erase(it);
   }

@@ -58,7 +58,13 @@ Status Worker::check_remote(const Transfer& t) const {
 
 void Worker::ready_to_generate(Transfer& t) {
   if (start_ipc(t)) return;
-  // The fabric routes move runs.
+  for (auto& r : routes_)
+    if (r->take(t)) return answer_orders(t);
+  fall_back(t);
+}
+
+// The fabric routes move runs.
+void Worker::fall_back(Transfer& t) {
   for (const PageRuns& p : t.pages) append_page_runs(p, t.page_ids.data(), t.runs);
   t.pages = {};
   t.page_ids = {};
@@ -163,6 +169,11 @@ Gen Worker::generate_message(Transfer& t) {
   t.payload.clear();
   t.payload.shrink_to_fit();
   return Gen::Done;
+}
+
+void Worker::done(Transfer& t, const Status& status) {
+  if (!status.ok() && t.status.ok()) t.status = status;  // final: no check of the peer
+  transfer_op_done(t, {});
 }
 
 void Worker::transfer_op_done(Transfer& t, const Status& status) {

@@ -35,6 +35,10 @@ void Worker::post(Command command) {
     P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
     commands_.push_back(std::move(command));
   }
+  wake();
+}
+
+void Worker::wake() {
   if (sleeping_.load(std::memory_order_acquire)) {
     const uint64_t one = 1;
     (void)!write(wake_fd_, &one, sizeof one);
@@ -88,6 +92,7 @@ void Worker::run(std::promise<void>& ready) {
     if (ipc_) ipc_->flush();  // the IPC copies of the calls started above, in one launch
     poll_copies();
     busy |= poll_ipc();
+    for (auto& r : routes_) busy |= r->poll();
     poll_fences();
     busy |= generate();
     busy |= flush_outbox();
@@ -155,6 +160,7 @@ void Worker::idle_wait() {
   }
   bool can_sleep = !pending && !stopping_.load();
   for (auto& d : drivers_) can_sleep = can_sleep && !d->has_events();
+  for (auto& r : routes_) can_sleep = can_sleep && r->idle();
   // Nothing wakes us when a CUDA copy or the caller's stream event completes: keep polling.
   can_sleep = can_sleep && copying_.empty() && fences_.empty() && ipc_copies_.empty() &&
               (gen_queue_.empty() || !gen_queue_.front()->cuda_event);
@@ -275,6 +281,7 @@ void Worker::close_rails() {
 // What outlives the rails: CUDA events (transfers' stream events, peers' unanswered fences),
 // IPC mappings, process fds, staging memory.
 void Worker::release_held_resources() {
+  for (auto& r : routes_) r->stop();  // before the transfers' memory may go
   for (auto& [id, t] : transfers_)
     if (t->cuda_event) copier_->release_event(t->cuda_event);
   transfers_.clear();

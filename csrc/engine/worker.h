@@ -32,6 +32,7 @@
 #include "core/rail_driver.h"
 #include "core/region.h"
 #include "core/region_table.h"
+#include "core/route.h"
 #include "core/runs.h"
 #include "core/striper.h"
 #include "core/transfer.h"
@@ -55,11 +56,11 @@ struct SlotJob;
 struct StageRequest;
 struct Slot;
 
-class Worker {
+class Worker final : public RouteHost {
  public:
   // Finished transfers go back to `transfers` (the engine's).
   Worker(Setup setup, CompletionQueue* completions, TransferPool* transfers);
-  ~Worker();
+  ~Worker() override;
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
@@ -120,6 +121,15 @@ class Worker {
   // one wake of the dispatcher for all that completed in a turn.
   void report(uint64_t id, Status status, std::string payload = {}, std::string address = {});
 
+  // RouteHost (core/route.h): what the routes of the registry reach back for.
+  void send(Peer& p, uint8_t route, std::string body) override;
+  void done(Transfer& t, const Status& status) override;
+  void fall_back(Transfer& t) override;
+  void fail_peer(Peer& p, Status why) override { fail_peer(p, std::move(why), PeerState::Dead); }
+  std::shared_ptr<Region> region(uint64_t id) const override { return regions_.find(id); }
+  void watch_process(Peer& p) override;
+  void wake() override;
+
  private:
   struct RailState {
     std::unique_ptr<fabric::Rail> rail;
@@ -178,7 +188,6 @@ class Worker {
   bool ipc_reaches(const EngineAddress& a) const;
   bool start_ipc(Transfer& t);
   bool poll_ipc();
-  void watch_process(Peer& p);
   void check_processes();
 
   // transfers.cpp: turning transfers into ops, finishing them.
@@ -209,7 +218,7 @@ class Worker {
   ByteWriter bye(const Peer& to, bool closing) const;
   void on_bye(Peer& p, bool closing);
   void finish_disconnect(Peer& p);
-  void fail_peer(Peer& p, Status why, PeerState state = PeerState::Dead);
+  void fail_peer(Peer& p, Status why, PeerState state);
   void fail_waiters_of(const PeerFailure& f);
   void fail_transfers_of(const PeerFailure& f);
   void orphan_ops_of(const PeerFailure& f);
@@ -316,6 +325,8 @@ class Worker {
   double next_tick_ = 0;
   double idle_since_ = 0;
 
+  // The routes of the registry (routes/registry.h), offered each transfer before the fabric.
+  std::vector<std::unique_ptr<Route>> routes_;
   // The IPC route (routes/cuda_ipc/worker_hooks.cpp), null where it is off or impossible.
   std::unique_ptr<ipc::Route> ipc_;
   std::string host_;

@@ -129,6 +129,9 @@ std::string Worker::route(const std::string& address, const RemoteRegion* region
       }
     }
   }
+  if (!cuda)
+    for (auto& r : routes_)
+      if (r->reaches(a, region)) return r->name();
   return region_staged(cuda) || (region && region->staged) ? "staged" : "direct";
 }
 

@@ -1,0 +1,121 @@
+#include "routes/host_cma/copies.h"
+
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+
+namespace p2p::cma {
+
+int copy_spans(pid_t pid, const Span* spans, size_t n, bool write) {
+  constexpr size_t kBatch = IOV_MAX;  // the most iovecs one call takes (1024 on Linux)
+  iovec local[kBatch], remote[kBatch];
+  for (size_t first = 0; first < n; first += kBatch) {
+    const size_t m = std::min(kBatch, n - first);
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < m; ++i) {
+      const Span& s = spans[first + i];
+      local[i] = {s.local, s.len};
+      remote[i] = {reinterpret_cast<void*>(s.remote), s.len};
+      bytes += s.len;
+    }
+    const ssize_t moved = write ? process_vm_writev(pid, local, m, remote, m, 0)
+                                : process_vm_readv(pid, local, m, remote, m, 0);
+    if (moved < 0) return errno;
+    // The kernel stops at the first run it cannot reach and never splits a run.
+    if (static_cast<uint64_t>(moved) != bytes) return EFAULT;
+  }
+  return 0;
+}
+
+Copies::Copies(size_t threads, std::function<void()> wake) : wake_(std::move(wake)) {
+  for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
+}
+
+Copies::~Copies() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  work_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+uint64_t Copies::submit(pid_t pid, std::vector<Span> spans, bool write) {
+  uint64_t total = 0;
+  for (const Span& s : spans) total += s.len;
+  const uint64_t ticket = ++last_ticket_;
+  if (threads_.empty() || total <= kInlineBytes) {
+    const int error = copy_spans(pid, spans.data(), spans.size(), write);
+    std::lock_guard<std::mutex> lock(mu_);
+    ended_.push_back({ticket, error});
+    return ticket;
+  }
+  // Shards of about equal bytes, one per thread at most, none below kShardBytes: a run that
+  // crosses a shard's end is cut there.
+  const uint64_t shards = std::clamp<uint64_t>(total / kShardBytes, 1, threads_.size());
+  const uint64_t per_shard = (total + shards - 1) / shards;
+  auto copy = std::make_unique<Copy>(Copy{ticket, pid, write, {}, 0});
+  std::vector<std::pair<size_t, size_t>> ranges;
+  uint64_t filled = 0;
+  size_t first = 0;
+  for (Span s : spans) {
+    while (s.len > 0) {
+      const uint64_t take = std::min(s.len, per_shard - filled);
+      copy->spans.push_back({s.local, s.remote, take});
+      s.local += take;
+      s.remote += take;
+      s.len -= take;
+      filled += take;
+      if (filled == per_shard) {
+        ranges.push_back({first, copy->spans.size() - first});
+        first = copy->spans.size();
+        filled = 0;
+      }
+    }
+  }
+  if (first < copy->spans.size()) ranges.push_back({first, copy->spans.size() - first});
+  copy->shards_left = ranges.size();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto [f, n] : ranges) shards_.push_back({copy.get(), f, n});
+    copies_.push_back(std::move(copy));
+  }
+  work_.notify_all();
+  return ticket;
+}
+
+void Copies::run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    work_.wait(lock, [this] { return stopping_ || !shards_.empty(); });
+    if (shards_.empty()) return;  // stopping, and nothing left
+    const Shard s = shards_.front();
+    shards_.pop_front();
+    lock.unlock();
+    const int error = copy_spans(s.copy->pid, s.copy->spans.data() + s.first, s.n, s.copy->write);
+    lock.lock();
+    if (error && !s.copy->error) s.copy->error = error;
+    if (--s.copy->shards_left == 0) finish(*s.copy);
+  }
+}
+
+void Copies::finish(Copy& c) {
+  ended_.push_back({c.ticket, c.error});
+  copies_.erase(std::find_if(copies_.begin(), copies_.end(), [&](auto& p) { return p.get() == &c; }));
+  wake_();
+}
+
+void Copies::poll(std::vector<Outcome>& out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  out.swap(ended_);
+  ended_.clear();
+}
+
+bool Copies::ended() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !ended_.empty();
+}
+
+}  // namespace p2p::cma

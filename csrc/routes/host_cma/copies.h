@@ -1,0 +1,85 @@
+// Copies: moves byte runs between this process and another one on the same host with
+// cross-memory attach (process_vm_readv / process_vm_writev): the kernel copies, one system
+// call per 1024 runs, with no buffer in between. Small copies run at once on the caller's
+// thread; larger ones are cut into shards that a few threads copy side by side.
+//
+// Thread model: submit() and poll() on the worker thread; the threads only run shards and
+// put finished tickets where poll() finds them, waking the worker through `wake`.
+#pragma once
+
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace p2p::cma {
+
+// One contiguous run: `local` in this process, `remote` in the other.
+struct Span {
+  uint8_t* local;
+  uint64_t remote;
+  uint64_t len;
+};
+
+// How a copy ended: errno 0 when every byte moved.
+struct Outcome {
+  uint64_t ticket = 0;
+  int error = 0;
+};
+
+// Copies spans[0, n) between this process and `pid`; write: from local to remote. Returns
+// errno, 0 on success; a short copy (the other side's memory ended) is EFAULT.
+int copy_spans(pid_t pid, const Span* spans, size_t n, bool write);
+
+class Copies {
+ public:
+  // threads: how many copy threads (0: every copy runs on the caller's thread).
+  Copies(size_t threads, std::function<void()> wake);
+  ~Copies();  // waits for the shards in flight
+  Copies(const Copies&) = delete;
+  Copies& operator=(const Copies&) = delete;
+
+  // Starts copying `spans`; the ticket's Outcome comes from poll(). Copies up to inline_bytes
+  // (or all of them without threads) are done before submit() returns.
+  uint64_t submit(pid_t pid, std::vector<Span> spans, bool write);
+  // The copies that ended since the last call, in any order.
+  void poll(std::vector<Outcome>& out);
+  bool ended() const;  // some copy's Outcome waits for poll()
+
+  static constexpr uint64_t kInlineBytes = 256 << 10;
+  static constexpr uint64_t kShardBytes = 1 << 20;  // no shard is smaller, but the last
+
+ private:
+  struct Copy {
+    uint64_t ticket;
+    pid_t pid;
+    bool write;
+    std::vector<Span> spans;
+    size_t shards_left;
+    int error = 0;
+  };
+  struct Shard {
+    Copy* copy;
+    size_t first, n;  // spans[first, first + n)
+  };
+  void run();
+  void finish(Copy& c);  // under mu_
+
+  std::function<void()> wake_;
+  mutable std::mutex mu_;
+  std::condition_variable work_;
+  std::deque<Shard> shards_;
+  std::vector<std::unique_ptr<Copy>> copies_;  // in flight
+  std::vector<Outcome> ended_;
+  bool stopping_ = false;
+  uint64_t last_ticket_ = 0;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace p2p::cma

@@ -1,0 +1,96 @@
+// Route: the same-host host-memory route. A transfer between host memory of two engines on one
+// host (same boot id and pid namespace, both with the route on) skips the fabric: the initiator
+// moves the whole call with process_vm_writev / process_vm_readv (copies.h), the kernel copying
+// straight between the two processes, one system call per 1024 runs, large calls split over a
+// few threads.
+//
+// The owner decides what a peer may reach. Before its first transfer to a region, the
+// initiator asks the owner for it with the region's key from its handle; the owner answers
+// with the region's address, size and access from its own registration (a handle that lies
+// gets nothing more than the truth), or refuses. The answer is cached per (peer, region, key)
+// until the owner closes the region: then the owner waits for our release, as on the fabric.
+//
+// The OS decides whether one process may copy another's memory (ptrace access mode: same user,
+// and Yama's ptrace_scope 0, or 1 with the owner's consent, which the route gives with
+// PR_SET_PTRACER). The first answer of each peer is tried with a one-byte read: a peer the OS
+// keeps us from is logged once and its transfers take the fabric.
+//
+// A dead peer: its copies fail at once (ESRCH) and the worker fails the peer; nothing of the
+// route waits on another process, so no lock or copy of a dead peer holds anything up.
+#pragma once
+
+#include <sys/types.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "core/config.h"
+#include "core/route.h"
+#include "routes/host_cma/copies.h"
+
+namespace p2p::cma {
+
+class Route final : public engine::Route {
+ public:
+  // id: the route's index in the registry (its messages carry it); host_id: host_identity().
+  Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, std::string host_id);
+  ~Route() override;
+
+  const char* name() const override { return "cma"; }
+  bool advertised() const override { return on_; }
+  bool reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) const override;
+  bool take(engine::Transfer& t) override;
+  bool poll() override;
+  bool idle() const override { return !copies_ || !copies_->ended(); }
+  void on_message(engine::Peer& p, std::string_view body) override;
+  void peer_failed(engine::Peer& p) override;
+  void release(uint64_t peer, uint64_t region) override;
+  bool must_release(uint64_t region, uint64_t peer) override;
+  void stop() override { copies_.reset(); }
+
+ private:
+  // What the owner answered for one region: its address, size and access, or why not.
+  struct Grant {
+    bool asked = false;
+    bool answered = false;
+    uint64_t ptr = 0;
+    uint64_t nbytes = 0;
+    uint8_t access = 0;
+    uint32_t digest = 0;  // of the owner's registration (route.cpp, digest())
+    Status refused;
+  };
+  using GrantKey = std::tuple<uint64_t, uint64_t, uint64_t>;  // peer, region, key
+  static GrantKey key_of(uint64_t peer, const engine::RemoteRegion& r) {
+    return {peer, r.id, r.key.empty() ? 0 : r.key[0]};
+  }
+
+  bool owner_allows(const engine::Peer& p) const;
+  void answer(engine::Peer& p, uint64_t region, uint64_t key);
+  void on_grant(engine::Peer& p, uint64_t region, uint64_t key, Grant grant);
+  // Starts t's copy once every region it touches is answered; false if one is not.
+  bool try_start(engine::Transfer& t);
+  Status spans_of(const engine::Transfer& t, std::vector<Span>& spans) const;
+  void resume(engine::Peer& p);
+
+  engine::RouteHost& host_;
+  const uint8_t id_;
+  const std::string host_id_;
+  bool on_ = false;
+  std::unique_ptr<Copies> copies_;
+  // Initiator side.
+  std::map<GrantKey, Grant> grants_;
+  std::unordered_map<uint64_t, std::vector<engine::Transfer*>> waiting_;  // by peer
+  std::unordered_map<uint64_t, std::string> denied_;  // peers the OS keeps us from: why
+  std::unordered_set<uint64_t> tried_;                // peers whose access was tried
+  std::unordered_map<uint64_t, engine::Transfer*> copying_;  // by ticket
+  std::vector<Outcome> ended_;                               // poll()'s, kept for its buffer
+  // Owner side: the peers that were answered for each region of ours.
+  std::unordered_map<uint64_t, std::unordered_set<uint64_t>> granted_;
+};
+
+}  // namespace p2p::cma

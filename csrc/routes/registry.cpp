@@ -1,0 +1,14 @@
+#include "routes/registry.h"
+
+#include "routes/host_cma/route.h"
+
+namespace p2p::routes {
+
+std::vector<std::unique_ptr<engine::Route>> make_routes(engine::RouteHost& host, const engine::Config& config,
+                                                        const std::string& host_id) {
+  std::vector<std::unique_ptr<engine::Route>> routes;
+  routes.push_back(std::make_unique<cma::Route>(host, 0, config, host_id));
+  return routes;
+}
+
+}  // namespace p2p::routes

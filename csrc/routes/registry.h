@@ -1,0 +1,21 @@
+// The route registry: every route of csrc/routes/ that implements core/route.h, in the order the
+// worker offers transfers to them (before the fabric). A route's index here is its id on the
+// wire (its messages, its bit in the engine address), so the order only grows at the end.
+//
+// A new route: its own folder under csrc/routes/ implementing Route, its settings in
+// core/config.h, and one line in make_routes().
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/route.h"
+
+namespace p2p::routes {
+
+std::vector<std::unique_ptr<engine::Route>> make_routes(engine::RouteHost& host, const engine::Config& config,
+                                                        const std::string& host_id);
+
+}  // namespace p2p::routes
