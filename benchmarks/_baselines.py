@@ -12,15 +12,27 @@ dist: torch.distributed send/recv of one tensor of the call's bytes between the 
 memcpy: cudaMemcpyPeerAsync (torch's cross-device copy) of the call's bytes as one block
       between this process's GPU and the peer's, in the driver process alone: the copy
       engines' ceiling for the same-host IPC route.
+nixl, nixl-libfabric, mooncake: the peer libraries users compare this one with, through their
+      Python APIs, moving the same pages between the same buffers: one descriptor per page
+      (source and destination pages in the row's orders), one request (a NIXL transfer, a
+      Mooncake batch) per call. NIXL: an agent with the UCX backend and num_threads=4, as
+      vLLM's NixlConnector makes it, or its LIBFABRIC backend (libfabric 1.21 or newer);
+      DRAM or VRAM descriptors after the tensors' device. Mooncake Transfer Engine:
+      P2PHANDSHAKE, the tcp transport for host memory, nvlink_intra for GPU memory, per-peer
+      TCP queues raised to their maximum so that a batch of thousands of pages is not
+      refused. A library that is missing or cannot run here is skipped with its reason.
 
 Each baseline has two halves: the peer's (serve_*) runs in bw.py's peer process, the
 driver's (measure_*) in the process that drives the engine and returns (bytes, seconds).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime
 import os
 import socket
+import statistics
 import struct
 import threading
 import time
@@ -265,3 +277,277 @@ def measure_memcpy(nbytes: int, send: bool, device: torch.device, peer: torch.de
         return time.perf_counter() - t
 
     return _timed(batch, seconds, nbytes)
+
+
+# -- peer libraries: NIXL and Mooncake Transfer Engine ----------------------------------------------
+PEER_LIBRARIES = ("nixl", "nixl-libfabric", "mooncake")
+NIXL_LIBFABRIC_MIN = (1, 21)  # NIXL's src/plugins/libfabric/README.md
+# Mooncake's tcp transport refuses a batch beyond 1024 queued slices per peer by default
+# (a 4096-page call fails with "TCP lane queue-full"); 65535 is the most it accepts.
+MOONCAKE_ENV = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+    "MC_LOG_LEVEL": "ERROR",
+}
+NIXL_ENV = {"NIXL_LOG_LEVEL": "WARN"}  # no INFO line per agent and backend
+
+
+class PeerLibraryError(RuntimeError):
+    """A peer library refused or failed a step; the message is one line, fit for a skip notice."""
+
+
+def peer_library_unavailable(name: str, device: torch.device) -> str | None:
+    """Why the peer library `name` cannot run on `device` in this process, or None."""
+    package, extra = ("mooncake-transfer-engine", "mooncake") if name == "mooncake" else ("nixl", "nixl")
+    for key, value in (MOONCAKE_ENV if name == "mooncake" else NIXL_ENV).items():
+        os.environ.setdefault(key, value)  # before the first import: read when the library loads
+    try:
+        if name == "mooncake":
+            import mooncake.engine as module
+        else:
+            import nixl._api as module  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or a wheel built for another CUDA
+        first = (str(e).splitlines() or [""])[0]
+        return f"{package} cannot be imported ({type(e).__name__}: {first}); pip install 'torch_p2p[{extra}]'"
+    if name == "nixl-libfabric":
+        from torch_p2p import _C
+
+        version = _C.libfabric_version()
+        if version < NIXL_LIBFABRIC_MIN:
+            return (f"libfabric {version[0]}.{version[1]} is installed; NIXL's LIBFABRIC backend needs "
+                    f"{NIXL_LIBFABRIC_MIN[0]}.{NIXL_LIBFABRIC_MIN[1]} or newer")
+    if name == "mooncake" and device.type == "cuda" and not getattr(module, "SUPPORT_INTRA_NVLINK", False):
+        return "this Mooncake wheel has no nvlink_intra transport for GPU memory (install a CUDA wheel)"
+    return None
+
+
+def open_peer_library(name: str, device: torch.device, host: str) -> "PeerLibrary":
+    """This process's side of `name`, reachable at `host`; raises PeerLibraryError."""
+    if why := peer_library_unavailable(name, device):
+        raise PeerLibraryError(why)
+    with library_errors():
+        return (Mooncake if name == "mooncake" else Nixl)(name, device, host)
+
+
+@contextlib.contextmanager
+def library_errors():
+    """Turns what a peer library raises (each has its own types) into a one-line PeerLibraryError."""
+    try:
+        yield
+    except PeerLibraryError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise PeerLibraryError(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
+
+
+def local_address(peer_host: str) -> str:
+    """The address of this host that `peer_host` reaches it on (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(peer_host), 9))
+        return s.getsockname()[0]
+
+
+def page_descs(address: int, page_bytes: int, order: list[int]) -> list[tuple[int, int]]:
+    """(address, bytes) of pages `order` of a buffer of pages at `address`, in that order."""
+    return [(address + i * page_bytes, page_bytes) for i in order]
+
+
+class PeerLibrary:
+    """One process's side of a peer library: registered tensors, the peer it talks to, and
+    requests that move lists of (address, bytes) descriptors between them. Used from one thread."""
+
+    def __init__(self, name: str, device: torch.device, host: str):
+        self.name, self.device, self.host = name, device, host
+        self.what = name  # the backend or transport, for the progress line
+
+    def register(self, tensors: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def address(self) -> dict:
+        """What the other side's connect() needs; JSON values and bytes."""
+        raise NotImplementedError
+
+    def connect(self, peer: dict) -> None:
+        raise NotImplementedError
+
+    def request(self, read: bool, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> "Request":
+        """A request that moves remote[i] into local[i] (read) or local[i] into remote[i]."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Deregisters everything registered and forgets the peer (before the tensors go)."""
+        raise NotImplementedError
+
+
+class Request:
+    """One call of a peer library: post() starts it, wait() returns once it is done (raising
+    PeerLibraryError on failure); posted again only after wait()."""
+
+    def post(self) -> None:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        raise NotImplementedError
+
+
+class Nixl(PeerLibrary):
+    def __init__(self, name: str, device: torch.device, host: str):
+        super().__init__(name, device, host)
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        backend = "LIBFABRIC" if name == "nixl-libfabric" else "UCX"
+        # NOTE: vLLM's NixlConnector gives UCX num_threads=4 (its default) and other backends none.
+        config = nixl_agent_config(backends=[backend], num_threads=4 if backend == "UCX" else 0)
+        self.agent = nixl_agent(f"{name}-{os.getpid()}", config)
+        if backend not in self.agent.backends:
+            raise PeerLibraryError(f"NIXL has no usable {backend} plugin here")
+        self.backend, self.what = backend, f"NIXL {backend}"
+        self.mem = "VRAM" if device.type == "cuda" else "DRAM"
+        self.dev = (device.index or 0) if device.type == "cuda" else 0
+        self.registered: list = []
+        self.requests: list = []
+        self.peer: dict | None = None
+
+    def register(self, tensors):
+        self.registered.append(self.agent.register_memory(tensors, backends=[self.backend]))
+
+    def address(self):
+        return {"metadata": self.agent.get_agent_metadata(), "mem": self.mem, "dev": self.dev}
+
+    def connect(self, peer):
+        self.peer = dict(peer, name=self.agent.add_remote_agent(peer["metadata"]))
+
+    def request(self, read, local, remote):
+        agent, peer = self.agent, self.peer
+        handle = agent.initialize_xfer(
+            "READ" if read else "WRITE",
+            agent.get_xfer_descs([(a, n, self.dev) for a, n in local], self.mem),
+            agent.get_xfer_descs([(a, n, peer["dev"]) for a, n in remote], peer["mem"]),
+            peer["name"], backends=[self.backend])
+        self.requests.append(handle)
+        return _NixlRequest(agent, handle)
+
+    def release(self):
+        for handle in self.requests:
+            handle.release()
+        for descs in self.registered:
+            self.agent.deregister_memory(descs, backends=[self.backend])
+        if self.peer:
+            self.agent.remove_remote_agent(self.peer["name"])
+        self.requests, self.registered, self.peer = [], [], None
+
+
+class _NixlRequest(Request):
+    def __init__(self, agent, handle):
+        self.agent, self.handle = agent, handle
+
+    def post(self):
+        if self.agent.transfer(self.handle) == "ERR":
+            raise PeerLibraryError("NIXL refused to post the transfer")
+
+    def wait(self):
+        while (state := self.agent.check_xfer_state(self.handle)) == "PROC":
+            pass
+        if state != "DONE":
+            raise PeerLibraryError(f"NIXL transfer ended in state {state}")
+
+
+class Mooncake(PeerLibrary):
+    def __init__(self, name: str, device: torch.device, host: str):
+        super().__init__(name, device, host)
+        protocol = "tcp"
+        if device.type == "cuda":
+            protocol = "nvlink_intra"
+            os.environ.setdefault("MC_INTRA_NVLINK", "true")
+            torch.cuda.set_device(device)
+        from mooncake.engine import TransferEngine
+
+        self.engine = TransferEngine()
+        if self.engine.initialize(host, "P2PHANDSHAKE", protocol, "") != 0:
+            raise PeerLibraryError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol}) failed")
+        self.what = f"Mooncake {protocol}"
+        self.registered: list[int] = []
+        self.session: str | None = None
+
+    def register(self, tensors):
+        location = f"cuda:{self.device.index or 0}" if self.device.type == "cuda" else "*"
+        for base, size in dict.fromkeys(_allocation(t) for t in tensors):
+            if self.engine.register_memory(base, size, location) != 0:
+                raise PeerLibraryError(f"Mooncake register_memory of {size} bytes at {location} failed")
+            self.registered.append(base)
+
+    def address(self):
+        return {"session": f"{self.host}:{self.engine.get_rpc_port()}"}
+
+    def connect(self, peer):
+        self.session = peer["session"]
+
+    def request(self, read, local, remote):
+        return _MooncakeRequest(self.engine, self.session, read, local, remote)
+
+    def release(self):
+        for base in self.registered:
+            self.engine.unregister_memory(base)
+        self.registered, self.session = [], None
+
+
+def _allocation(tensor: torch.Tensor) -> tuple[int, int]:
+    """(base, bytes) to register for `tensor`: on GPUs the whole cudaMalloc block holding it,
+    since nvlink_intra shares memory with cudaIpcGetMemHandle, which maps from a block's start."""
+    ptr = tensor.data_ptr()
+    if tensor.is_cuda:
+        for seg in torch.cuda.memory_snapshot():
+            if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+                return seg["address"], seg["total_size"]
+    return ptr, tensor.nbytes
+
+
+class _MooncakeRequest(Request):
+    def __init__(self, engine, session, read, local, remote):
+        self.engine, self.session = engine, session
+        self.post_batch = engine.batch_transfer_async_read if read else engine.batch_transfer_async_write
+        self.args = ([a for a, _ in local], [a for a, _ in remote], [n for _, n in local])
+        self.batch = 0
+
+    def post(self):
+        self.batch = self.post_batch(self.session, *self.args)
+        if not self.batch:
+            raise PeerLibraryError(f"Mooncake refused a batch of {len(self.args[0])} descriptors")
+
+    def wait(self):
+        if self.engine.get_batch_transfer_status([self.batch]) != 0:
+            raise PeerLibraryError(f"Mooncake batch of {len(self.args[0])} descriptors failed")
+
+
+def measure_peer_library(lib: PeerLibrary, read: bool, local, remote, window: int, seconds: float):
+    """The driver's half: calls of `local` <-> `remote` descriptors, `window` in flight, in
+    batches until `seconds` have passed (after a warm-up); (bytes, seconds) as the others."""
+    requests = [lib.request(read, local, remote) for _ in range(window)]
+    nbytes = sum(n for _, n in local)
+
+    def batch(n: int) -> float:
+        t = time.perf_counter()
+        inflight: collections.deque = collections.deque()
+        for i in range(n):
+            req = requests[i % window]
+            if len(inflight) == window:  # the oldest is the one posted next
+                inflight.popleft().wait()
+            req.post()
+            inflight.append(req)
+        while inflight:
+            inflight.popleft().wait()
+        return time.perf_counter() - t
+
+    return _timed(batch, seconds, nbytes)
+
+
+def median_request_seconds(request: Request, repeat: int) -> float:
+    """Median seconds of one request to completion over `repeat`, after a warm-up."""
+    times = []
+    for i in range(repeat + 1):
+        t = time.perf_counter()
+        request.post()
+        request.wait()
+        if i:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)

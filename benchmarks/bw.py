@@ -29,10 +29,10 @@ Columns:
   Mops   million views per second (views: pages on paged rows, calls on contiguous ones; the
          progress line's views= counts the same)
   <baseline> Gbps  the baseline's Gbps for the same bytes per call (the column is named after
-         --baseline, e.g. "tcp Gbps"); ratio = Gbps / baseline Gbps
+         --baseline, e.g. "tcp Gbps"); ratio = Gbps / baseline Gbps; one pair per baseline
 
-Baselines (--baseline; by default memcpy on the ipc route, else tcp where the line rate is
-unknown: loopback, shm):
+Baselines (--baseline, one or several; by default memcpy on the ipc route, else tcp where the
+line rate is unknown: loopback, shm):
   tcp    plain TCP to the same peer address, one stream per rail, Python sockets
          (sendall / recv_into on preallocated buffers, one thread per stream)
   nccl   torch.distributed send/recv between the same two processes, GPU tensors (paged rows:
@@ -43,13 +43,21 @@ unknown: loopback, shm):
   gloo   the same with gloo on CPU tensors
   memcpy cudaMemcpyPeerAsync of the call's bytes as one block, GPU to GPU in this process
          (local mode): the ceiling of the same-host route
+  nixl   NIXL (pip install 'torch_p2p[nixl]') between the same buffers, the row's pages in the
+         row's orders as one descriptor each, one transfer per call, --window in flight; UCX
+         backend, plus a nixl-libfabric column (its LIBFABRIC backend) where libfabric >= 1.21
+  mooncake  Mooncake Transfer Engine (pip install 'torch_p2p[mooncake]') the same way, one
+         batch per call: tcp transport for host memory, nvlink_intra for GPU memory
   none
+  The destination pages of nixl and mooncake are checked after their timed calls. A baseline
+  whose package is missing or cannot run here is skipped with a one-line reason.
 
 Examples:
   python benchmarks/bw.py --rails 1 2 4 8 --baseline tcp --provider tcp --device cpu
   python benchmarks/bw.py --device cuda:0 --baseline nccl          # peer on cuda:1
   python benchmarks/bw.py --baseline nccl --nccl-nvlink --sizes 4K 64K --pages 256 4096
   python benchmarks/bw.py --sizes 64K 1M --pages 256 --ops write --json bw.json --plot bw.png
+  python benchmarks/bw.py --device cpu --provider shm --sizes 4K 64K --pages 256 --baseline nixl mooncake
 
 Two machines, one process per GPU on each, each with its own engine and peer (the table
 sums the GPUs, whose rows start together; the live line is the first GPU's):
@@ -292,6 +300,7 @@ class Target:
         self.buf: torch.Tensor | None = None
         self.region = None
         self.listener: socket.socket | None = None
+        self.libs: dict[str, _baselines.PeerLibrary] = {}
 
     def serve(self) -> None:
         try:
@@ -301,6 +310,7 @@ class Target:
                 except Exception as e:  # noqa: BLE001 - reported to the driver
                     self.channel.send(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         finally:
+            self.libs.clear()
             self._close_engine()
             if self.listener:
                 self.listener.close()
@@ -356,6 +366,16 @@ class Target:
             self.channel.send(port=getattr(meet, "port", None))  # a TCPStore listens here
             _baselines.dist_init(backend, meet, 1, self.device)
         _baselines.serve_dist(nbytes, send, self.device, pages)
+
+    def do_peer_library(self, name):
+        """Registers the buffer with NIXL or Mooncake (opened once); says where it is."""
+        if name not in self.libs:
+            self.libs[name] = _baselines.open_peer_library(name, self.device, self.host)
+        self.libs[name].register([self.buf])
+        return dict(self.libs[name].address(), address=self.buf.data_ptr())
+
+    def do_peer_library_done(self, name):
+        self.libs[name].release()
 
 
 def _serve_socket(sock: socket.socket, device: str, host: str) -> None:
@@ -479,8 +499,9 @@ class Driver:
         self.dist_store, self.peer_host, self.shared_store = dist_store, peer_host, shared_store
         self.rng = torch.Generator().manual_seed(args.seed)
         self.seed = 0
-        self.baseline = args.baseline
-        self._baselines: dict[tuple, float] = {}
+        self.baselines = list(dict.fromkeys(b for b in args.baseline if b != "none"))
+        self._baselines: dict[tuple, float | None] = {}
+        self.libs: dict[str, _baselines.PeerLibrary] = {}
         self.engine_facts: dict = {}  # of the engine in use: provider, rails, line rate...
         self.rows: list[dict] = []
 
@@ -541,19 +562,28 @@ class Driver:
     def _describe(self, engine: p2p.Engine, peer_device: str, peer_address: bytes) -> None:
         line = p2p.topology.line_rate_bps(engine.plan.rails)
         route = engine.route(peer_address)
-        if self.baseline == "auto":
-            self.baseline = "memcpy" if route == "ipc" else "none" if line else "tcp"
-        if self.baseline == "memcpy" and (self.device.type != "cuda" or not peer_device.startswith("cuda")
-                                          or not self.loopback):
-            self.progress.say("skipping the memcpy baseline: it needs GPUs on both sides of one process's host")
-            self.baseline = "none"
-        if self.baseline in ("nccl", "gloo"):
-            why = _baselines.dist_unavailable(self.baseline, self.device)
-            if not why and self.baseline == "nccl" and self.loopback and peer_device == str(self.device):
-                why = "NCCL cannot pair two ranks on one GPU (give the peer another: --peer-device)"
+        if "auto" in self.baselines:
+            auto = "memcpy" if route == "ipc" else None if line else "tcp"
+            self.baselines = [b for b in self.baselines if b != "auto"] + ([auto] if auto else [])
+        if "nixl" in self.baselines and "nixl-libfabric" not in self.baselines:
+            if why := _baselines.peer_library_unavailable("nixl-libfabric", self.device):
+                self.progress.say(f"nixl: its LIBFABRIC backend is skipped: {why}")
+            else:
+                self.baselines.insert(self.baselines.index("nixl") + 1, "nixl-libfabric")
+        for name in list(self.baselines):
+            why = None
+            if name == "memcpy" and (self.device.type != "cuda" or not peer_device.startswith("cuda")
+                                     or not self.loopback):
+                why = "it needs GPUs on both sides of one process's host"
+            if name in ("nccl", "gloo"):
+                why = _baselines.dist_unavailable(name, self.device)
+                if not why and name == "nccl" and self.loopback and peer_device == str(self.device):
+                    why = "NCCL cannot pair two ranks on one GPU (give the peer another: --peer-device)"
+            if name in _baselines.PEER_LIBRARIES:
+                why = _baselines.peer_library_unavailable(name, self.device)
             if why:
-                self.progress.say(f"skipping the {self.baseline} baseline: {why}")
-                self.baseline = "none"
+                self.progress.say(f"skipping the {name} baseline: {why}")
+                self.baselines.remove(name)
         domains = ",".join(dict.fromkeys(nic.domain for nic in engine.plan.rails))
         self.engine_facts = dict(provider=engine.provider, domains=domains, device=str(self.device),
                                  peer_device=peer_device, rails=len(engine.plan.rails), line_rate_bps=line,
@@ -579,13 +609,10 @@ class Driver:
         row = dict(op=op, layout=layout, page_bytes=page_bytes, pages=pages, **facts, window=self.args.window,
                    prepared=self.args.prepared,
                    gpus=1, gbps=None, mops=None, seconds=None, bytes=None, calls=None, views=None,
-                   baseline=None, baseline_gbps=None, ratio=None, ok=False, error=None)
+                   baseline=None, baseline_gbps=None, ratio=None, baselines={}, ratios={}, ok=False, error=None)
         label = (f"{op.upper()} {layout} {fmt_size(page_bytes)} x{pages}, {facts['provider'].split(';')[0]} "
                  f"{facts['route']}, {rails} rail{'s' * (rails > 1)}")
         call_bytes = pages * page_bytes
-        split = pages if layout == "paged" and self.baseline in ("nccl", "gloo") else 1
-        if self.baseline != "none" and (base := self._baseline_gbps(op, call_bytes, rails, label, split)):
-            row.update(baseline=self.baseline, baseline_gbps=base)
         if layout == "paged":
             mine = torch.randperm(pages, generator=self.rng).tolist()
             theirs = torch.randperm(pages, generator=self.rng).tolist()
@@ -596,6 +623,12 @@ class Driver:
         else:
             mine = theirs = list(range(pages))
             views, remotes = [buf], [remote]
+        for name in list(self.baselines):
+            split = pages if layout == "paged" and name not in ("tcp", "memcpy") else 1
+            moved = (buf, mine, theirs) if split > 1 else (buf, None, None)
+            row["baselines"][name] = self._baseline_gbps(name, op, call_bytes, rails, label, split, moved)
+        if (first := next(iter(row["baselines"].items()), None)) and first[1]:
+            row.update(baseline=first[0], baseline_gbps=first[1])
         self.seed += 1
         seed = self.seed << 40  # disjoint from every other row's words
         write = op == "write"
@@ -655,6 +688,7 @@ class Driver:
         nbytes = calls * call_bytes
         row.update(ok=True, seconds=seconds, bytes=nbytes, calls=calls, views=calls * per_call,
                    gbps=nbytes * 8 / seconds / 1e9, mops=calls * per_call / seconds / 1e6)
+        row["ratios"] = {name: row["gbps"] / base if base else None for name, base in row["baselines"].items()}
         if row["baseline_gbps"]:
             row["ratio"] = row["gbps"] / row["baseline_gbps"]
         if latencies:
@@ -664,28 +698,90 @@ class Driver:
         self.progress.end(seconds)
         return row
 
-    def _baseline_gbps(self, op: str, call_bytes: int, rails: int, label: str, pages: int) -> float | None:
-        """The baseline's Gbps for calls of `call_bytes` (in `pages` pieces) in the direction of
-        `op`, measured the first time it is asked for (tcp: for each number of streams too)."""
-        streams = rails if self.baseline == "tcp" else 1
-        key = (op, call_bytes, streams, pages)
+    def _baseline_gbps(self, name: str, op: str, call_bytes: int, rails: int, label: str, pages: int,
+                       moved: tuple) -> float | None:
+        """Baseline `name`'s Gbps for calls of `call_bytes` (in `pages` pieces) in the direction
+        of `op`, measured the first time it is asked for (tcp: for each number of streams too).
+        `moved`: (buffer, its pages, the peer's pages) for the peer libraries (None: whole)."""
+        streams = rails if name == "tcp" else 1
+        key = (name, op, call_bytes, streams, pages)
         if key not in self._baselines:
-            self.progress.begin(label, self.args.duration, None, f"measuring the {self.baseline} baseline")
-            measure = {"tcp": self._tcp, "memcpy": self._memcpy}.get(self.baseline, self._dist)
+            self.progress.begin(label, self.args.duration, None, f"measuring the {name} baseline")
+            what = (f"{streams} stream{'s' * (streams > 1)}" if name == "tcp" else "one block"
+                    if name == "memcpy" else f"{pages} pages" if pages > 1 else "send/recv")
             try:
-                nbytes, seconds = measure(op == "read", call_bytes, streams, pages)
+                if name in _baselines.PEER_LIBRARIES:
+                    (nbytes, seconds), what = self._peer_library(name, op == "read", *moved)
+                else:
+                    measure = {"tcp": self._tcp, "memcpy": self._memcpy}.get(name, self._dist)
+                    nbytes, seconds = measure(name, op == "read", call_bytes, streams, pages)
             except BaselineRefused as e:
-                self.progress.say(f"skipping the {self.baseline} baseline: {e}")
-                self.baseline = "none"
+                self.progress.say(f"skipping the {name} baseline: {e}")
+                self.baselines.remove(name)
+                return None
+            except _baselines.PeerLibraryError as e:  # this row only: the next may work
+                self.progress.end(text=f"{name} baseline FAILED: {e}")
+                self._baselines[key] = None
                 return None
             self._baselines[key] = nbytes * 8 / seconds / 1e9
-            what = (f"{streams} stream{'s' * (streams > 1)}" if self.baseline == "tcp" else "one block"
-                    if self.baseline == "memcpy" else f"{pages} pages" if pages > 1 else "send/recv")
-            self.progress.end(text=f"{self.baseline} baseline ({what}, {fmt_size(call_bytes)} per call): "
+            self.progress.end(text=f"{name} baseline ({what}, {fmt_size(call_bytes)} per call): "
                                    f"bw={self._baselines[key]:.3f}Gbps")
         return self._baselines[key]
 
-    def _tcp(self, peer_sends: bool, call_bytes: int, streams: int, _pages: int):
+    def _peer_library(self, name: str, read: bool, buf: torch.Tensor, mine: list | None, theirs: list | None):
+        """NIXL or Mooncake between this row's buffer and the peer's, the row's pages (None:
+        the whole buffer as one descriptor); the destination checked afterwards."""
+        if name not in self.libs:
+            try:
+                host = _baselines.local_address(self.peer_host or "127.0.0.1")
+                self.libs[name] = _baselines.open_peer_library(name, self.device, host)
+            except (OSError, _baselines.PeerLibraryError) as e:
+                raise BaselineRefused(str(e)) from None
+        lib = self.libs[name]
+        try:
+            peer = self.channel.ask("peer_library", name=name)
+        except PeerFailed as e:  # refused before anything started: the two sides are still in step
+            raise BaselineRefused(str(e).splitlines()[0]) from None
+        self.seed += 1
+        seed = self.seed << 40
+        try:
+            if read:
+                self.channel.ask("fill", seed=seed)
+                poison(buf)
+            else:
+                fill(buf, seed)
+                self.channel.ask("poison")
+            with _baselines.library_errors():
+                lib.register([buf])
+                lib.connect(peer)
+                if mine is None:
+                    local, remote = [(buf.data_ptr(), buf.nbytes)], [(peer["address"], buf.nbytes)]
+                else:
+                    local = _baselines.page_descs(buf.data_ptr(), buf.shape[1], mine)
+                    remote = _baselines.page_descs(peer["address"], buf.shape[1], theirs)
+                if self.barrier:
+                    self.barrier.wait(CONTROL_TIMEOUT_S)
+                result = _baselines.measure_peer_library(lib, read, local, remote, self.args.window,
+                                                         self.args.duration)
+        finally:
+            with _baselines.library_errors():
+                lib.release()
+            self.channel.ask("peer_library_done", name=name)
+        if mine is None:
+            mine = theirs = list(range(buf.shape[0]))
+        src, dst = (theirs, mine) if read else (mine, theirs)
+        if read:
+            bad, first = count_bad_pages(buf, seed, src, dst)
+        else:
+            found = self.channel.ask("check", seed=seed, src_order=src, dst_order=dst)
+            bad, first = found["bad"], found["first"]
+        if bad:
+            raise _baselines.PeerLibraryError(f"CORRUPT: {bad} of {buf.shape[0]} destination pages wrong "
+                                              f"(first: page {first})")
+        descs = len(local)
+        return result, f"{lib.what}, {descs} descriptor{'s' * (descs > 1)}, window {self.args.window}"
+
+    def _tcp(self, _name: str, peer_sends: bool, call_bytes: int, streams: int, _pages: int):
         chunk = max(1, call_bytes // streams)
         self.channel.send(cmd="tcp", streams=streams, chunk=chunk, send=peer_sends, seconds=self.args.duration)
         where = self.channel.reply("tcp")
@@ -696,14 +792,14 @@ class Driver:
         self.channel.reply("tcp")
         return result
 
-    def _memcpy(self, peer_sends: bool, call_bytes: int, _streams: int, _pages: int):
+    def _memcpy(self, _name: str, peer_sends: bool, call_bytes: int, _streams: int, _pages: int):
         peer = torch.device(self.engine_facts["peer_device"])
         return _baselines.measure_memcpy(call_bytes, not peer_sends, self.device, peer, self.args.duration)
 
-    def _dist(self, peer_sends: bool, call_bytes: int, _streams: int, pages: int):
+    def _dist(self, name: str, peer_sends: bool, call_bytes: int, _streams: int, pages: int):
         import torch.distributed as dist
 
-        self.channel.send(cmd="dist", backend=self.baseline, nbytes=call_bytes, send=peer_sends,
+        self.channel.send(cmd="dist", backend=name, nbytes=call_bytes, send=peer_sends,
                           store=self.dist_store, loopback=self.loopback, nvlink=self.args.nccl_nvlink, pages=pages)
         try:
             ready = self.channel.reply("dist")
@@ -712,7 +808,7 @@ class Driver:
         if not dist.is_initialized():
             _baselines.dist_env(self.loopback, self.args.nccl_nvlink)
             store = _dist_store(self.dist_store, self.shared_store, self.peer_host, ready.get("port"))
-            _baselines.dist_init(self.baseline, store, 0, self.device)
+            _baselines.dist_init(name, store, 0, self.device)
         if self.barrier:
             self.barrier.wait(CONTROL_TIMEOUT_S)
         result = _baselines.measure_dist(call_bytes, not peer_sends, self.device, self.args.duration, pages)
@@ -738,15 +834,21 @@ def merge(per_gpu: list[list[dict]]) -> list[dict]:
         if not row["ok"]:
             row.update(gbps=None, mops=None)
         row["ratio"] = row["gbps"] / row["baseline_gbps"] if row["gbps"] and row["baseline_gbps"] else None
+        row["baselines"] = {}
+        for name in rows[0]["baselines"]:
+            values = [r["baselines"].get(name) for r in rows]
+            row["baselines"][name] = sum(values) if all(values) else None
+        row["ratios"] = {name: row["gbps"] / base if row["gbps"] and base else None
+                         for name, base in row["baselines"].items()}
         merged.append(row)
     return merged
 
 
 def table(rows: list[dict]) -> str:
     head = ["op", "layout", "page", "pages", "rails", "MiB/call", "Gbps", "%line", "Mops"]
-    baseline = next((r["baseline"] for r in rows if r["baseline"]), None)
-    if baseline:
-        head += [f"{baseline} Gbps", "ratio"]
+    names = list(dict.fromkeys(name for r in rows for name in r["baselines"]))
+    for name in names:
+        head += [f"{name} Gbps", "ratio"]
     lines = [head]
     for r in rows:
         cells = [r["op"], r["layout"], fmt_size(r["page_bytes"]), str(r["pages"]), str(r["rails"]),
@@ -756,9 +858,9 @@ def table(rows: list[dict]) -> str:
             cells += [f"{r['gbps']:.3f}", f"{100 * r['gbps'] * 1e9 / line:.1f}" if line else "-", f"{r['mops']:.4f}"]
         else:
             cells += ["CORRUPT" if (r["error"] or "").startswith("CORRUPT") else "FAILED", "-", "-"]
-        if baseline:
-            cells += [f"{r['baseline_gbps']:.3f}" if r["baseline_gbps"] else "-",
-                      f"{r['ratio']:.2f}" if r["ratio"] else "-"]
+        for name in names:
+            base, ratio = r["baselines"].get(name), r["ratios"].get(name)
+            cells += [f"{base:.3f}" if base else "-", f"{ratio:.2f}" if ratio else "-"]
         lines.append(cells)
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
@@ -790,8 +892,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
                 continue
             if r["gbps"] is not None:
                 lines[(f"{r['op']} {r['layout']}", r["rails"], "-")][r["page_bytes"]] = r["gbps"]
-            if r["baseline_gbps"]:  # the same for both layouts
-                lines[(f"{r['op']} {r['baseline']}", r["rails"], ":")][r["page_bytes"]] = r["baseline_gbps"]
+            for name, base in r["baselines"].items():
+                if base:
+                    lines[(f"{r['op']} {r['layout']} {name}", r["rails"], ":")][r["page_bytes"]] = base
         for (name, rails, style), points in sorted(lines.items()):
             xs, ys = zip(*sorted(points.items()))
             ax.plot(xs, ys, style, marker="o", label=f"{name}, {rails} rail{'s' * (rails > 1)}")
@@ -1002,9 +1105,10 @@ def parse_args(argv=None):
     ap.add_argument("--duration", type=float, default=1.0, metavar="S", help="timed seconds per row (default 1)")
     ap.add_argument("--window", type=int, default=4, metavar="N",
                     help="calls in flight (default 4); 1 also reports each call's latency (median, p99)")
-    ap.add_argument("--baseline", choices=["auto", "tcp", "nccl", "gloo", "memcpy", "none"], default="auto",
-                    help="measured beside the engine for the ratio column (default auto: memcpy on the ipc "
-                         "route, tcp when the line rate is unknown, else none)")
+    ap.add_argument("--baseline", nargs="+", default=["auto"],
+                    choices=["auto", "tcp", "nccl", "gloo", "memcpy", *_baselines.PEER_LIBRARIES, "none"],
+                    help="measured beside the engine, a Gbps and ratio column each (default auto: memcpy on "
+                         "the ipc route, tcp when the line rate is unknown, else none)")
     ap.add_argument("--nccl-nvlink", action="store_true",
                     help="local mode: let NCCL use NVLink / shared memory instead of holding it to sockets")
     ap.add_argument("--page-views", action="store_true",

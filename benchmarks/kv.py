@@ -13,7 +13,13 @@ caches with random block tables on both sides (a quarter more blocks than the re
   contig        the same bytes as one contiguous view, same engines and route: the ceiling
   base          what a serving stack without torch_p2p does: NCCL batch_isend_irecv of the same
                 pages (one K or V block of one layer each), GPUs on both sides, NCCL free to use
-                NVLink; on CPUs gloo (--baseline gloo, the default there); measured in this run
+                NVLink; on CPUs gloo (--baseline gloo, the default there); measured in this run.
+                --baseline nixl / nixl-libfabric / mooncake: that library's Python API between the
+                same caches, one descriptor per K or V block of each layer (as vLLM's connectors
+                describe them), one request (NIXL transfer, Mooncake batch) per request; NIXL's
+                UCX or LIBFABRIC backend, Mooncake's tcp transport (nvlink_intra on GPUs); the
+                destination blocks are checked after them too. A library that is missing or
+                cannot run here is skipped with a one-line reason.
 The destination blocks of every push and pull row are checked against the source's afterwards.
 
 Streaming rows (push only, unless --no-stream): a stand-in prefill runs one GEMM per layer of
@@ -140,6 +146,23 @@ def count_bad(layers: list, preset: Preset, seed: int, src_ids: list, dst_ids: l
     return int(bad.sum())
 
 
+def poison(layers: list) -> None:
+    for layer in layers:
+        layer.view(torch.uint8).fill_(0xFF)
+
+
+def block_descs(addresses: list[int], layers: list, preset: Preset, ids: list) -> list[tuple[int, int]]:
+    """(address, bytes) of the K and V halves of blocks `ids` of every layer, the layers at
+    `addresses` and shaped as `layers`: the pages a stack without torch_p2p describes."""
+    descs = []
+    for address, layer in zip(addresses, layers):
+        step = layer.stride(preset.block_dim) * layer.element_size()
+        halves = [0] if preset.kv_heads is None else [0, layer.stride(0) * layer.element_size()]
+        for half in halves:
+            descs += [(address + half + i * step, step) for i in ids]
+    return descs
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -158,6 +181,7 @@ class Decode:
         self.conn, self.device, self.store_path = conn, torch.device(device), store_path
         self.engine = self.cache = self.layers = self.contig = None
         self.arrived: dict = {}
+        self.libs: dict = {}
 
     def serve(self) -> None:
         try:
@@ -201,6 +225,20 @@ class Decode:
     def do_fill(self, seed):
         fill(self.layers, seed)
         _sync(self.device)
+
+    def do_poison(self):
+        poison(self.layers)
+        _sync(self.device)
+
+    def do_peer_library(self, name):
+        """Registers the cache's layers with NIXL or Mooncake (opened once); says where they are."""
+        if name not in self.libs:
+            self.libs[name] = _baselines.open_peer_library(name, self.device, "127.0.0.1")
+        self.libs[name].register(self.layers)
+        return dict(self.libs[name].address(), layers=[layer.data_ptr() for layer in self.layers])
+
+    def do_peer_library_done(self, name):
+        self.libs[name].release()
 
     def do_check(self, preset, seed, src_ids, dst_ids):
         return count_bad(self.layers, preset, seed, src_ids, dst_ids)
@@ -246,6 +284,7 @@ class Driver:
         self.rng = torch.Generator().manual_seed(args.seed)
         self.baseline = args.baseline
         self.base_ms: dict = {}
+        self.lib = None  # the peer library of --baseline nixl / mooncake
         self.tag = 0
         self.rows: list[dict] = []
 
@@ -260,6 +299,8 @@ class Driver:
         return value
 
     def run(self) -> list[dict]:
+        if self.baseline == "nixl" and (why := _baselines.peer_library_unavailable("nixl-libfabric", self.device)):
+            self.progress.say(f"nixl: its LIBFABRIC backend is skipped: {why}")
         for route in self.args.routes:
             address = self.ask("engine", route=route)
             with open_engine(self.device, route) as engine:
@@ -340,7 +381,7 @@ class Driver:
             contig_sec = self.timed(lambda: move([contig], [remote]))
             row.update(ok=True, ms=1e3 * sec, gbps=nbytes / sec / 1e9, contig_ms=1e3 * contig_sec,
                        contig_gbps=nbytes / contig_sec / 1e9, ratio=contig_sec / sec)
-            base = self.base(op, nbytes, facts)
+            base = self.base(op, nbytes, facts, layers, mine, theirs)
             if base:
                 row.update(baseline=self.baseline, base_ms=1e3 * base, base_gbps=nbytes / base / 1e9,
                            speedup=base / sec)
@@ -355,11 +396,20 @@ class Driver:
         self.progress.end(text=text)
         return row
 
-    def base(self, op: str, nbytes: int, facts: dict) -> float | None:
+    def base(self, op: str, nbytes: int, facts: dict, layers: list, mine: list, theirs: list) -> float | None:
         """Seconds per request of the baseline (the same for every route: measured once)."""
         if self.baseline == "none":
             return None
         key = (op, facts["model"], facts["tokens"])
+        if key in self.base_ms:
+            return self.base_ms[key]
+        if self.baseline in _baselines.PEER_LIBRARIES:
+            try:
+                self.base_ms[key] = self.peer_library(op, facts, layers, mine, theirs)
+            except _baselines.PeerLibraryError as e:
+                self.progress.say(f"skipping the {self.baseline} baseline: {e}")
+                self.baseline = "none"
+                return None
         if key not in self.base_ms:
             why = _baselines.dist_unavailable(self.baseline, self.device)
             if not why and self.baseline == "nccl" and self.args.peer_device == str(self.device):
@@ -382,6 +432,42 @@ class Driver:
             self.reply("dist")
             self.base_ms[key] = seconds / (moved / nbytes)
         return self.base_ms[key]
+
+    def peer_library(self, op: str, facts: dict, layers: list, mine: list, theirs: list) -> float:
+        """Median seconds of one request through NIXL or Mooncake between the two caches, the
+        same blocks; raises PeerLibraryError when it cannot run or moves wrong bytes."""
+        name, preset, pull = self.baseline, PRESETS[facts["model"]], op == "pull"
+        if self.lib is None:
+            self.lib = _baselines.open_peer_library(name, self.device, "127.0.0.1")
+        try:
+            peer = self.ask("peer_library", name=name)
+        except PeerFailed as e:  # refused before anything started
+            raise _baselines.PeerLibraryError(str(e).splitlines()[0]) from None
+        seed = len(self.rows) + 1000
+        try:
+            if pull:
+                self.ask("fill", seed=seed)
+                poison(layers)
+            else:
+                fill(layers, seed)
+                self.ask("poison")
+            _sync(self.device)
+            with _baselines.library_errors():
+                self.lib.register(layers)
+                self.lib.connect(peer)
+                local = block_descs([layer.data_ptr() for layer in layers], layers, preset, mine)
+                remote = block_descs(peer["layers"], layers, preset, theirs)
+                self.progress.status = f"{self.lib.what}: {len(local)} descriptors per request"
+                seconds = _baselines.median_request_seconds(self.lib.request(pull, local, remote), self.args.repeat)
+        finally:
+            with _baselines.library_errors():
+                self.lib.release()
+            self.ask("peer_library_done", name=name)
+        bad = (count_bad(layers, preset, seed, theirs, mine) if pull
+               else self.ask("check", preset=preset, seed=seed, src_ids=mine, dst_ids=theirs))
+        if bad:
+            raise _baselines.PeerLibraryError(f"CORRUPT: {bad} of {len(mine)} destination blocks wrong")
+        return seconds
 
     def stream(self, preset, layers, cache, peer, mine, theirs, tokens, facts) -> dict:
         row = dict(facts, op="push", layer_ms=None, prefill_ms=None, streamed_ms=None, tail_ms=None,
@@ -557,8 +643,9 @@ def parse_args(argv=None):
     ap.add_argument("--routes", nargs="+", choices=sorted(ROUTES), default=None,
                     help="default: ipc on GPUs, tcp tcp-staged shm on CPUs")
     ap.add_argument("--repeat", type=int, default=5, metavar="N", help="timed requests per row (default 5)")
-    ap.add_argument("--baseline", choices=["auto", "nccl", "gloo", "none"], default="auto",
-                    help="batch_isend_irecv of the same pages (default: nccl on GPUs, gloo on CPUs)")
+    ap.add_argument("--baseline", choices=["auto", "nccl", "gloo", *_baselines.PEER_LIBRARIES, "none"], default="auto",
+                    help="batch_isend_irecv of the same pages (default: nccl on GPUs, gloo on CPUs), or NIXL or "
+                         "Mooncake moving the same blocks")
     ap.add_argument("--duration", type=float, default=1.0, metavar="S", help="seconds of baseline per row")
     ap.add_argument("--no-stream", dest="stream", action="store_false", help="no layer-streaming rows")
     ap.add_argument("--layer-ms", type=float, default=None, metavar="MS",
