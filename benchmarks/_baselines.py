@@ -11,7 +11,9 @@ dist: torch.distributed send/recv of one tensor of the call's bytes between the 
       takes; with nvlink NCCL picks its own (NVLink P2P between GPUs of one host).
 memcpy: cudaMemcpyPeerAsync (torch's cross-device copy) of the call's bytes as one block
       between this process's GPU and the peer's, in the driver process alone: the copy
-      engines' ceiling for the same-host IPC route.
+      engines' ceiling for the same-host IPC route. On host memory, one memcpy per page of the
+      row's pages in the row's orders, one thread of the driver process: one core's ceiling
+      for the same-host cma route.
 nixl, nixl-libfabric, mooncake: the peer libraries users compare this one with, through their
       Python APIs, moving the same pages between the same buffers: one descriptor per page
       (source and destination pages in the row's orders), one request (a NIXL transfer, a
@@ -259,6 +261,23 @@ def _timed(batch, seconds: float, nbytes: int):
     elapsed = time.perf_counter() - t0
     batch(0)
     return moved * nbytes, elapsed
+
+
+def measure_host_memcpy(buf: torch.Tensor, mine: list, theirs: list, seconds: float):
+    """The call's pages copied between `buf` and a second buffer like it in this process, one
+    memcpy per page on one thread (_C._copy_rows), mine -> theirs."""
+    from torch_p2p import _C
+
+    rows = buf.reshape(buf.shape[0], -1)
+    other = torch.empty_like(rows)
+
+    def batch(n: int) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            _C._copy_rows(other, theirs, rows, mine)
+        return time.perf_counter() - t
+
+    return _timed(batch, seconds, len(mine) * rows[0].numel() * rows.element_size())
 
 
 def measure_memcpy(nbytes: int, send: bool, device: torch.device, peer: torch.device, seconds: float):

@@ -20,7 +20,8 @@ With --prepared each row's call is checked once (engine.prepare_write / prepare_
 call of the row is a run() of it: the host cost of calls that move the same views again.
 
 Route: the engine's choice for the peer (engine.route): "ipc" between GPUs of one host (CUDA
-IPC, no fabric), else "direct" or "staged" over the provider; the table's title names it.
+IPC, no fabric), "cma" between host memory of one host (the kernel copies between the two
+processes), else "direct" or "staged" over the provider; the table's title names it.
 
 Columns:
   Gbps   payload, 10^9 bits per second of time.perf_counter() around the timed calls
@@ -31,7 +32,7 @@ Columns:
   <baseline> Gbps  the baseline's Gbps for the same bytes per call (the column is named after
          --baseline, e.g. "tcp Gbps"); ratio = Gbps / baseline Gbps; one pair per baseline
 
-Baselines (--baseline, one or several; by default memcpy on the ipc route, else tcp where the
+Baselines (--baseline, one or several; by default memcpy on the ipc and cma routes, else tcp where the
 line rate is unknown: loopback, shm):
   tcp    plain TCP to the same peer address, one stream per rail, Python sockets
          (sendall / recv_into on preallocated buffers, one thread per stream)
@@ -42,7 +43,8 @@ line rate is unknown: loopback, shm):
          own choice (NVLink between GPUs of one host); it needs the peer on another GPU
   gloo   the same with gloo on CPU tensors
   memcpy cudaMemcpyPeerAsync of the call's bytes as one block, GPU to GPU in this process
-         (local mode): the ceiling of the same-host route
+         (local mode): the ceiling of the same-host route; on host memory, one memcpy per page
+         of the row's pages, one thread of this process: one core's ceiling
   nixl   NIXL (pip install 'torch_p2p[nixl]') between the same buffers, the row's pages in the
          row's orders as one descriptor each, one transfer per call, --window in flight; UCX
          backend, plus a nixl-libfabric column (its LIBFABRIC backend) where libfabric >= 1.21
@@ -563,7 +565,7 @@ class Driver:
         line = p2p.topology.line_rate_bps(engine.plan.rails)
         route = engine.route(peer_address)
         if "auto" in self.baselines:
-            auto = "memcpy" if route == "ipc" else None if line else "tcp"
+            auto = "memcpy" if route in ("ipc", "cma") else None if line else "tcp"
             self.baselines = [b for b in self.baselines if b != "auto"] + ([auto] if auto else [])
         if "nixl" in self.baselines and "nixl-libfabric" not in self.baselines:
             if why := _baselines.peer_library_unavailable("nixl-libfabric", self.device):
@@ -572,9 +574,10 @@ class Driver:
                 self.baselines.insert(self.baselines.index("nixl") + 1, "nixl-libfabric")
         for name in list(self.baselines):
             why = None
-            if name == "memcpy" and (self.device.type != "cuda" or not peer_device.startswith("cuda")
-                                     or not self.loopback):
-                why = "it needs GPUs on both sides of one process's host"
+            if name == "memcpy" and not self.loopback:
+                why = "it needs both sides on this host"
+            elif name == "memcpy" and self.device.type == "cuda" and not peer_device.startswith("cuda"):
+                why = "it needs GPUs on both sides, or host memory on both"
             if name in ("nccl", "gloo"):
                 why = _baselines.dist_unavailable(name, self.device)
                 if not why and name == "nccl" and self.loopback and peer_device == str(self.device):
@@ -624,8 +627,9 @@ class Driver:
             mine = theirs = list(range(pages))
             views, remotes = [buf], [remote]
         for name in list(self.baselines):
-            split = pages if layout == "paged" and name not in ("tcp", "memcpy") else 1
-            moved = (buf, mine, theirs) if split > 1 else (buf, None, None)
+            host_memcpy = name == "memcpy" and self.device.type == "cpu"
+            split = pages if layout == "paged" and (name not in ("tcp", "memcpy") or host_memcpy) else 1
+            moved = (buf, mine, theirs) if split > 1 or host_memcpy else (buf, None, None)
             row["baselines"][name] = self._baseline_gbps(name, op, call_bytes, rails, label, split, moved)
         if (first := next(iter(row["baselines"].items()), None)) and first[1]:
             row.update(baseline=first[0], baseline_gbps=first[1])
@@ -707,11 +711,17 @@ class Driver:
         key = (name, op, call_bytes, streams, pages)
         if key not in self._baselines:
             self.progress.begin(label, self.args.duration, None, f"measuring the {name} baseline")
-            what = (f"{streams} stream{'s' * (streams > 1)}" if name == "tcp" else "one block"
+            what = (f"{streams} stream{'s' * (streams > 1)}" if name == "tcp" else f"{pages} pages, one thread"
+                    if name == "memcpy" and self.device.type == "cpu" else "one block"
                     if name == "memcpy" else f"{pages} pages" if pages > 1 else "send/recv")
             try:
                 if name in _baselines.PEER_LIBRARIES:
                     (nbytes, seconds), what = self._peer_library(name, op == "read", *moved)
+                elif name == "memcpy" and self.device.type == "cpu":
+                    buf, mine, theirs = moved
+                    nbytes, seconds = _baselines.measure_host_memcpy(buf, mine or list(range(len(buf))),
+                                                                     theirs or list(range(len(buf))),
+                                                                     self.args.duration)
                 else:
                     measure = {"tcp": self._tcp, "memcpy": self._memcpy}.get(name, self._dist)
                     nbytes, seconds = measure(name, op == "read", call_bytes, streams, pages)

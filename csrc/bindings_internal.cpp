@@ -2,6 +2,8 @@
 
 #include <torch/extension.h>
 
+#include <cstring>
+
 #include "common/error.h"
 #include "common/wire.h"
 #include "core/address.h"
@@ -203,6 +205,23 @@ void add_fields(py::dict& f, const RouteMessage& m) {
   f["body"] = bytes_of(m.body);
 }
 
+// dst[dst_ids[i]] = src[src_ids[i]] for rows of two contiguous 2-D host tensors, one memcpy per
+// row on this thread: the single-core ceiling the same-host host route is measured against.
+void copy_rows(torch::Tensor dst, const std::vector<int64_t>& dst_ids, torch::Tensor src,
+               const std::vector<int64_t>& src_ids) {
+  P2P_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.is_contiguous() && src.is_contiguous() && !dst.is_cuda() &&
+                !src.is_cuda() && dst.size(1) == src.size(1) && dst.dtype() == src.dtype() &&
+                dst_ids.size() == src_ids.size(),
+            ErrorKind::Value, "copy_rows takes two contiguous 2-D host tensors of equal rows and equal id lists");
+  const size_t row = dst.size(1) * dst.element_size();
+  for (int64_t id : dst_ids) P2P_CHECK(id >= 0 && id < dst.size(0), ErrorKind::Index, "row ", id, " out of range");
+  for (int64_t id : src_ids) P2P_CHECK(id >= 0 && id < src.size(0), ErrorKind::Index, "row ", id, " out of range");
+  auto* d = static_cast<uint8_t*>(dst.data_ptr());
+  const auto* s = static_cast<const uint8_t*>(src.data_ptr());
+  py::gil_scoped_release release;
+  for (size_t i = 0; i < dst_ids.size(); ++i) std::memcpy(d + dst_ids[i] * row, s + src_ids[i] * row, row);
+}
+
 // (type, from, to, fields, the bytes the message encodes back to).
 py::tuple decode_message_fields(const py::bytes& data) {
   const std::string bytes(data);
@@ -219,6 +238,7 @@ py::tuple decode_message_fields(const py::bytes& data) {
 void bind_parts(py::module_& m) {
   // The control messages' wire format (tests/test_messages.py).
   m.def("_decode_message", &decode_message_fields);
+  m.def("_copy_rows", &copy_rows, py::arg("dst"), py::arg("dst_ids"), py::arg("src"), py::arg("src_ids"));
   // The striper (tests/test_striper.py).
   m.def("_stripe", &stripe);
   m.def("_stripe_slots", &stripe_slots);
