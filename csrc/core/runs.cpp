@@ -108,6 +108,27 @@ void append_page_runs(const PageRuns& p, const int64_t* ids, std::vector<Run>& o
   }
 }
 
+PageGrid page_grid(const int64_t* offsets, size_t n, int64_t* ids) {
+  // Views are usually pages of a power-of-two spacing: a mask tells that the spacing still
+  // divides a distance, where a division would cost most of the loop.
+  int64_t origin = offsets[0], stride = 0;
+  for (size_t k = 1; k < n; ++k) {
+    const int64_t d = offsets[k] > offsets[0] ? offsets[k] - offsets[0] : offsets[0] - offsets[k];
+    const bool divides = stride && ((stride & (stride - 1)) == 0 ? (d & (stride - 1)) == 0 : d % stride == 0);
+    if (!divides) stride = std::gcd(stride, d);
+    origin = std::min(origin, offsets[k]);
+  }
+  if (stride == 0) stride = 1;
+  int64_t last = 0;
+  if ((stride & (stride - 1)) == 0) {
+    const int shift = __builtin_ctzll(static_cast<uint64_t>(stride));
+    for (size_t k = 0; k < n; ++k) last = std::max(last, ids[k] = (offsets[k] - origin) >> shift);
+  } else {
+    for (size_t k = 0; k < n; ++k) last = std::max(last, ids[k] = (offsets[k] - origin) / stride);
+  }
+  return {origin, stride, last + 1};
+}
+
 uint64_t extent_bytes(const std::vector<int64_t>& shape, const int64_t* strides, int64_t elem) {
   uint64_t last = 0;
   for (size_t i = 0; i < shape.size(); ++i) {
