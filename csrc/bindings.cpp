@@ -127,6 +127,27 @@ struct CallArgs {
   double timeout = 0;  // 0: the engine's default
 };
 
+// The view of a RemoteTensor (its _v holds it; this is pybind11's holder of it), else null. Read straight from the slot (its
+// member descriptor's offset) with pybind11's type record, both looked up once: by name and by
+// typeid, the two lookups cost more than the rest of a view pair's parse.
+const std::shared_ptr<RemoteView>* view_of(PyObject* obj) {
+  static PyMemberDef* slot = nullptr;
+  static const py::detail::type_info* view_type = nullptr;
+  if (!classes.remote_tensor || !PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(classes.remote_tensor)))
+    return nullptr;
+  if (!slot) {
+    PyObject* d = PyDict_GetItemString(reinterpret_cast<PyTypeObject*>(classes.remote_tensor)->tp_dict, "_v");
+    if (!d || Py_TYPE(d) != &PyMemberDescr_Type) return nullptr;
+    slot = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+    view_type = py::detail::get_type_info(typeid(RemoteView));
+  }
+  if (slot->type != T_OBJECT_EX) return nullptr;
+  PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + slot->offset);  // obj holds it
+  if (!v || Py_TYPE(v) != view_type->type) return nullptr;
+  return &reinterpret_cast<py::detail::instance*>(v)->get_value_and_holder(view_type, false)
+              .holder<std::shared_ptr<RemoteView>>();
+}
+
 // Item i of one side: a tensor (local) or RemoteTensor (remote), or a Pages of one.
 void add_item(size_t i, py::handle item, bool local, CallArgs& a) {
   py::object base = py::reinterpret_borrow<py::object>(item);
@@ -144,7 +165,8 @@ void add_item(size_t i, py::handle item, bool local, CallArgs& a) {
     a.local.push_back(THPVariable_Unpack(base.ptr()));
     a.local_pages.push_back(std::move(pages));
   } else {
-    a.remote.push_back(attribute(base, view_name).cast<std::shared_ptr<RemoteView>>());
+    const std::shared_ptr<RemoteView>* view = view_of(base.ptr());
+    a.remote.push_back(view ? *view : attribute(base, view_name).cast<std::shared_ptr<RemoteView>>());
     a.remote_pages.push_back(std::move(pages));
   }
 }
@@ -186,28 +208,10 @@ const at::TensorImpl* groupable_tensor(PyObject* obj) {
   return plain ? t : nullptr;
 }
 
-// The view of a RemoteTensor (its _v holds it), else null. Read straight from the slot (its
-// member descriptor's offset) with pybind11's type record, both looked up once: by name and by
-// typeid, the two lookups cost more than the rest of a view pair's parse.
-const RemoteView* view_of(PyObject* obj) {
-  static PyMemberDef* slot = nullptr;
-  static const py::detail::type_info* view_type = nullptr;
-  if (!classes.remote_tensor || !PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(classes.remote_tensor)))
-    return nullptr;
-  if (!slot) {
-    PyObject* d = PyDict_GetItemString(reinterpret_cast<PyTypeObject*>(classes.remote_tensor)->tp_dict, "_v");
-    if (!d || Py_TYPE(d) != &PyMemberDescr_Type) return nullptr;
-    slot = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
-    view_type = py::detail::get_type_info(typeid(RemoteView));
-  }
-  if (slot->type != T_OBJECT_EX) return nullptr;
-  PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + slot->offset);  // obj holds it
-  if (!v || Py_TYPE(v) != view_type->type) return nullptr;
-  return reinterpret_cast<py::detail::instance*>(v)->get_value_and_holder(view_type, false).value_ptr<RemoteView>();
-}
-
 const RemoteView* groupable_remote(PyObject* obj) {
-  return Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(classes.remote_tensor) ? view_of(obj) : nullptr;
+  if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(classes.remote_tensor)) return nullptr;
+  const std::shared_ptr<RemoteView>* view = view_of(obj);
+  return view ? view->get() : nullptr;
 }
 
 // Element by element: a few dimensions, where a call of memcmp took a sixth of a pair's parse.
@@ -355,7 +359,7 @@ auto with_call_args(py::handle local, py::handle remote, py::handle notify, py::
 // RemoteTensor.__getitem__ and .view: views made natively (a user builds one per page, hundreds
 // per call), returned as a RemoteTensor made without calling its Python constructor.
 const RemoteView& remote_view_of(py::handle remote, py::object& holder) {
-  if (const RemoteView* v = view_of(remote.ptr())) return *v;
+  if (const std::shared_ptr<RemoteView>* v = view_of(remote.ptr())) return **v;
   holder = attribute(remote, view_name);  // names what is missing
   return holder.cast<const RemoteView&>();
 }
