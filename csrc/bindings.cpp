@@ -127,9 +127,9 @@ struct CallArgs {
   double timeout = 0;  // 0: the engine's default
 };
 
-// The view of a RemoteTensor (its _v holds it; this is pybind11's holder of it), else null. Read straight from the slot (its
-// member descriptor's offset) with pybind11's type record, both looked up once: by name and by
-// typeid, the two lookups cost more than the rest of a view pair's parse.
+// The view of a RemoteTensor (pybind11's holder of its _v), else null. Read straight from the
+// slot (its member descriptor's offset) with pybind11's type record, both looked up once: by
+// name and by typeid, the two lookups cost more than the rest of a view pair's parse.
 const std::shared_ptr<RemoteView>* view_of(PyObject* obj) {
   static PyMemberDef* slot = nullptr;
   static const py::detail::type_info* view_type = nullptr;
@@ -177,7 +177,8 @@ void unpack(py::handle views, bool local, CallArgs& a) {
   if (THPVariable_Check(v) || is_a(views, classes.remote_tensor) || is_a(views, classes.pages))
     return add_item(0, views, local, a);
   if (PyList_Check(v) || PyTuple_Check(v)) {
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(v); ++i) add_item(i, PySequence_Fast_GET_ITEM(v, i), local, a);
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(v); ++i)
+      add_item(i, PySequence_Fast_GET_ITEM(v, i), local, a);
     return;
   }
   if (is_instance(views, classes.sequence)) {

@@ -245,3 +245,19 @@ def test_remote_view_refusals(link):
             region.remote[:, :32].view(-1)
         with pytest.raises(TypeError, match="takes a shape"):
             region.remote.view(torch.float16)
+
+
+def test_pages_entries_among_views(link):
+    """A p2p.pages entry in a list of views: pages, then views (grouped), then a view alone."""
+    name, remote = link.remote((ROWS, COLS))
+    src = helpers.random_tensor((ROWS, COLS), torch.float32, 3)
+    with link.engine.register(src):
+        local = [p2p.pages(src, MINE[:8])] + [src[i] for i in MINE[8:20]] + [src[MINE[20], :7]]
+        remotes = [p2p.pages(remote, THEIRS[:8])] + [remote[j] for j in THEIRS[8:20]] + [remote[THEIRS[20], 3:10]]
+        p2p.wait(link.engine.write_slices(local, remotes), timeout=60)
+    expected = helpers.poisoned((ROWS, COLS), torch.float32)
+    for i, j in zip(MINE[:20], THEIRS[:20]):
+        helpers.bits(expected[j]).copy_(helpers.bits(src[i]))
+    helpers.bits(expected[THEIRS[20], 3:10]).copy_(helpers.bits(src[MINE[20], :7]))
+    helpers.assert_same_bits(link.fetch(name), expected)
+    link.drop(name)
