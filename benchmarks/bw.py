@@ -4,7 +4,7 @@ Quick start, one machine (spawns its peer process; loopback only):
 
     python benchmarks/bw.py
 
-sweeps page size x pages per call, both layouts, write and read, and prints a table on
+sweeps page size x pages per call, the three layouts, write and read, and prints a table on
 stdout. On stderr a live line shows the row in progress (on a terminal; elsewhere, as in CI
 logs, one line per finished row). Each row issues calls of `pages` views for --duration
 seconds, keeping --window calls in flight, after a warm-up of about one window; then every
@@ -15,7 +15,11 @@ Layouts (each side owns one [pages, page_bytes] buffer):
   contiguous  one view of the whole buffer per call
   paged       `pages` pages per call, source pages taken in one random order and destination
               pages in another, as when a KV cache migrates between two block tables; given as
-              p2p.pages(buffer, ids) on both sides (--page-views: one view per page instead)
+              p2p.pages(buffer, ids) on both sides
+  views       the paged layout's pages as a list of views on each side, [buf[i] for i in mine]
+              and [remote[j] for j in theirs] (built once per row), the form users write
+              first; its "x paged" column is its Gbps over the paged row's
+              (--page-views: views rows only, no paged rows)
 With --prepared each row's call is checked once (engine.prepare_write / prepare_read) and every
 call of the row is a run() of it: the host cost of calls that move the same views again.
 
@@ -616,10 +620,11 @@ class Driver:
         label = (f"{op.upper()} {layout} {fmt_size(page_bytes)} x{pages}, {facts['provider'].split(';')[0]} "
                  f"{facts['route']}, {rails} rail{'s' * (rails > 1)}")
         call_bytes = pages * page_bytes
-        if layout == "paged":
+        paged = layout in ("paged", "views")
+        if paged:
             mine = torch.randperm(pages, generator=self.rng).tolist()
             theirs = torch.randperm(pages, generator=self.rng).tolist()
-            if self.args.page_views:
+            if layout == "views":
                 views, remotes = [buf[i] for i in mine], [remote[j] for j in theirs]
             else:
                 views, remotes = [p2p.pages(buf, mine)], [p2p.pages(remote, theirs)]
@@ -628,7 +633,7 @@ class Driver:
             views, remotes = [buf], [remote]
         for name in list(self.baselines):
             host_memcpy = name == "memcpy" and self.device.type == "cpu"
-            split = pages if layout == "paged" and (name not in ("tcp", "memcpy") or host_memcpy) else 1
+            split = pages if paged and (name not in ("tcp", "memcpy") or host_memcpy) else 1
             moved = (buf, mine, theirs) if split > 1 or host_memcpy else (buf, None, None)
             row["baselines"][name] = self._baseline_gbps(name, op, call_bytes, rails, label, split, moved)
         if (first := next(iter(row["baselines"].items()), None)) and first[1]:
@@ -655,7 +660,7 @@ class Driver:
             issued[0] = time.perf_counter()
             return move()
 
-        per_call = len(mine) if layout == "paged" else 1
+        per_call = len(mine) if paged else 1
 
         def counted():
             self.progress.add(per_call, call_bytes)
@@ -859,6 +864,10 @@ def table(rows: list[dict]) -> str:
     names = list(dict.fromkeys(name for r in rows for name in r["baselines"]))
     for name in names:
         head += [f"{name} Gbps", "ratio"]
+    paged = {(r["op"], r["page_bytes"], r["pages"], r["rails"]): r["gbps"] for r in rows if r["layout"] == "paged"}
+    beside = any(r["layout"] == "views" for r in rows) and paged
+    if beside:
+        head.append("x paged")
     lines = [head]
     for r in rows:
         cells = [r["op"], r["layout"], fmt_size(r["page_bytes"]), str(r["pages"]), str(r["rails"]),
@@ -871,6 +880,9 @@ def table(rows: list[dict]) -> str:
         for name in names:
             base, ratio = r["baselines"].get(name), r["ratios"].get(name)
             cells += [f"{base:.3f}" if base else "-", f"{ratio:.2f}" if ratio else "-"]
+        if beside:
+            ref = paged.get((r["op"], r["page_bytes"], r["pages"], r["rails"]))
+            cells.append(f"{r['gbps'] / ref:.2f}" if r["layout"] == "views" and r["gbps"] and ref else "-")
         lines.append(cells)
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
@@ -1101,7 +1113,8 @@ def parse_args(argv=None):
                     help="pages (views) per call (default: 16 256)")
     ap.add_argument("--max-bytes", type=parse_size, default=256 << 20, metavar="SIZE",
                     help="skip size x pages above this many bytes per call (default 256M)")
-    ap.add_argument("--layouts", nargs="+", choices=["contiguous", "paged"], default=["contiguous", "paged"])
+    ap.add_argument("--layouts", nargs="+", choices=["contiguous", "paged", "views"],
+                    default=["contiguous", "paged", "views"])
     ap.add_argument("--ops", nargs="+", choices=["write", "read"], default=["write", "read"])
     ap.add_argument("--rails", nargs="+", type=int, default=[None], metavar="N",
                     help="rails (NICs, or domains on one NIC) per engine; several values sweep them "
@@ -1122,7 +1135,7 @@ def parse_args(argv=None):
     ap.add_argument("--nccl-nvlink", action="store_true",
                     help="local mode: let NCCL use NVLink / shared memory instead of holding it to sockets")
     ap.add_argument("--page-views", action="store_true",
-                    help="paged rows pass one view per page instead of p2p.pages()")
+                    help="views rows instead of paged rows (one view per page instead of p2p.pages())")
     ap.add_argument("--prepared", action="store_true",
                     help="prepare each row's call once (engine.prepare_write / prepare_read) and run it "
                          "again and again, instead of one write_slices / read_slices per call")
@@ -1158,6 +1171,8 @@ def parse_args(argv=None):
             if not torch.cuda.is_available():
                 ap.error(f"--{name.replace('_', '-')} {dev} but CUDA is not available here")
             setattr(args, name, str(torch.device("cuda", dev.index or 0)))
+    if args.page_views:
+        args.layouts = list(dict.fromkeys("views" if layout == "paged" else layout for layout in args.layouts))
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # now, not after the sweep
         ap.error("--plot needs matplotlib: pip install matplotlib")
     return args

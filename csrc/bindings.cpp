@@ -2,6 +2,7 @@
 // torch_p2p._C, and turns p2p::Error into the Python exception its kind names.
 #include <torch/extension.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
+#include <structmember.h>  // PyMemberDef, T_OBJECT_EX
 
 #include "bindings_internal.h"
 #include "common/error.h"
@@ -105,9 +106,13 @@ struct Name {
 };
 Name ids_name{"ids"}, dim_name{"dim"}, base_name{"base"}, view_name{"_v"};
 
-py::object attribute(py::handle obj, Name& name) {
+PyObject* interned(Name& name) {
   if (!name.interned) name.interned = PyUnicode_InternFromString(name.text);
-  PyObject* value = PyObject_GetAttr(obj.ptr(), name.interned);
+  return name.interned;
+}
+
+py::object attribute(py::handle obj, Name& name) {
+  PyObject* value = PyObject_GetAttr(obj.ptr(), interned(name));
   if (!value) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(value);
 }
@@ -117,55 +122,208 @@ struct CallArgs {
   std::vector<std::shared_ptr<RemoteView>> remote;
   std::vector<Engine::Pages> local_pages, remote_pages;
   bool mirror = false;
+  bool grouped = false;  // view pairs became pages (group_views)
   int64_t notify = -1;
   double timeout = 0;  // 0: the engine's default
 };
 
+// The view of a RemoteTensor (pybind11's holder of its _v), else null. Read straight from the
+// slot (its member descriptor's offset) with pybind11's type record, both looked up once: by
+// name and by typeid, the two lookups cost more than the rest of a view pair's parse.
+const std::shared_ptr<RemoteView>* view_of(PyObject* obj) {
+  static PyMemberDef* slot = nullptr;
+  static const py::detail::type_info* view_type = nullptr;
+  if (!classes.remote_tensor || !PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(classes.remote_tensor)))
+    return nullptr;
+  if (!slot) {
+    PyObject* d = PyDict_GetItemString(reinterpret_cast<PyTypeObject*>(classes.remote_tensor)->tp_dict, "_v");
+    if (!d || Py_TYPE(d) != &PyMemberDescr_Type) return nullptr;
+    slot = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+    view_type = py::detail::get_type_info(typeid(RemoteView));
+  }
+  if (slot->type != T_OBJECT_EX) return nullptr;
+  PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + slot->offset);  // obj holds it
+  if (!v || Py_TYPE(v) != view_type->type) return nullptr;
+  return &reinterpret_cast<py::detail::instance*>(v)->get_value_and_holder(view_type, false)
+              .holder<std::shared_ptr<RemoteView>>();
+}
+
+// Item i of one side: a tensor (local) or RemoteTensor (remote), or a Pages of one.
+void add_item(size_t i, py::handle item, bool local, CallArgs& a) {
+  py::object base = py::reinterpret_borrow<py::object>(item);
+  Engine::Pages pages;
+  if (is_a(item, classes.pages)) {
+    const py::object ids = attribute(item, ids_name);
+    if (!THPVariable_Check(ids.ptr())) throw py::type_error("page ids must be a 1-d contiguous int64 CPU tensor");
+    pages = std::make_tuple(THPVariable_Unpack(ids.ptr()), attribute(item, dim_name).cast<int64_t>());
+    base = attribute(item, base_name);
+  }
+  if (local ? !THPVariable_Check(base.ptr()) : !is_a(base, classes.remote_tensor))
+    throw py::type_error(cat(local ? "local view " : "remote ", i, " is a ", type_name(base),
+                             local ? ", not a tensor" : ", not a RemoteTensor"));
+  if (local) {
+    a.local.push_back(THPVariable_Unpack(base.ptr()));
+    a.local_pages.push_back(std::move(pages));
+  } else {
+    const std::shared_ptr<RemoteView>* view = view_of(base.ptr());
+    a.remote.push_back(view ? *view : attribute(base, view_name).cast<std::shared_ptr<RemoteView>>());
+    a.remote_pages.push_back(std::move(pages));
+  }
+}
+
 // One side: a tensor (local) or RemoteTensor (remote), a Pages of one, or a sequence of them.
 void unpack(py::handle views, bool local, CallArgs& a) {
-  auto add = [&](size_t i, py::handle item) {
-    py::object base = py::reinterpret_borrow<py::object>(item);
-    Engine::Pages pages;
-    if (is_a(item, classes.pages)) {
-      const py::object ids = attribute(item, ids_name);
-      if (!THPVariable_Check(ids.ptr())) throw py::type_error("page ids must be a 1-d contiguous int64 CPU tensor");
-      pages = std::make_tuple(THPVariable_Unpack(ids.ptr()), attribute(item, dim_name).cast<int64_t>());
-      base = attribute(item, base_name);
-    }
-    if (local ? !THPVariable_Check(base.ptr()) : !is_a(base, classes.remote_tensor))
-      throw py::type_error(cat(local ? "local view " : "remote ", i, " is a ", type_name(base),
-                               local ? ", not a tensor" : ", not a RemoteTensor"));
-    if (local) {
-      a.local.push_back(THPVariable_Unpack(base.ptr()));
-      a.local_pages.push_back(std::move(pages));
-    } else {
-      a.remote.push_back(attribute(base, view_name).cast<std::shared_ptr<RemoteView>>());
-      a.remote_pages.push_back(std::move(pages));
-    }
-  };
   PyObject* v = views.ptr();
   if (THPVariable_Check(v) || is_a(views, classes.remote_tensor) || is_a(views, classes.pages))
-    return add(0, views);
+    return add_item(0, views, local, a);
   if (PyList_Check(v) || PyTuple_Check(v)) {
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(v); ++i) add(i, PySequence_Fast_GET_ITEM(v, i));
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(v); ++i)
+      add_item(i, PySequence_Fast_GET_ITEM(v, i), local, a);
     return;
   }
   if (is_instance(views, classes.sequence)) {
     const py::sequence items = py::reinterpret_borrow<py::sequence>(views);
     const size_t n = items.size();
-    for (size_t i = 0; i < n; ++i) add(i, items[i]);
+    for (size_t i = 0; i < n; ++i) add_item(i, items[i], local, a);
     return;
   }
   throw py::type_error(cat("the ", local ? "local views" : "remote tensors", " must be a tensor or a sequence of them, not ",
                            type_name(views)));
 }
 
-CallArgs call_args(py::handle local, py::handle remote, py::handle notify, py::handle timeout) {
+// A list of view pairs as users write it first ([cache[i] for i in mine], [remote[j] for j in
+// theirs]) costs what p2p.pages does: consecutive pairs whose local views share a storage,
+// shape, strides and dtype and whose remote views share a region, shape, strides and dtype
+// become one pages entry on each side (page ids and a page stride: page_grid), read straight
+// from the tensors and RemoteViews, without a Python object per field. Other pairs stay views.
+// The grouped call moves the same bytes in the same order; a grouped call that build() refuses
+// is parsed again view by view (with_call_args), which moves it or names the view at fault as
+// before (pages refuse a destination page named twice, where views of one place are allowed).
+
+// The TensorImpl of a plain tensor that can be a page (strided, not empty), else null.
+const at::TensorImpl* groupable_tensor(PyObject* obj) {
+  if (!THPVariable_CheckExact(obj)) return nullptr;
+  const at::TensorImpl* t = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+  const bool plain = t->layout() == at::kStrided && (t->is_cpu() || t->is_cuda()) && t->has_storage() &&
+                     !t->is_python_dispatch() && t->numel() > 0;
+  return plain ? t : nullptr;
+}
+
+const RemoteView* groupable_remote(PyObject* obj) {
+  if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(classes.remote_tensor)) return nullptr;
+  const std::shared_ptr<RemoteView>* view = view_of(obj);
+  return view ? view->get() : nullptr;
+}
+
+// Element by element: a few dimensions, where a call of memcmp took a sixth of a pair's parse.
+bool same_dims(c10::IntArrayRef a, c10::IntArrayRef b) {
+  if (a.size() != b.size()) return false;
+  for (size_t d = 0; d < a.size(); ++d)
+    if (a[d] != b[d]) return false;
+  return true;
+}
+
+// A plain tensor (THPVariable_CheckExact) of the storage, dtype, sizes and strides of page
+// l0, a groupable_tensor: strided, not empty and on l0's device like it.
+const at::TensorImpl* same_page(PyObject* obj, const at::TensorImpl* l0) {
+  if (!THPVariable_CheckExact(obj)) return nullptr;
+  const at::TensorImpl* t = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+  const bool same = t->dtype() == l0->dtype() && t->has_storage() &&
+                    t->storage().unsafeGetStorageImpl() == l0->storage().unsafeGetStorageImpl() &&
+                    same_dims(t->sizes(), l0->sizes()) && same_dims(t->strides(), l0->strides());
+  return same ? t : nullptr;
+}
+
+bool same_page(const RemoteView* a, const RemoteView* b) {
+  return a->region == b->region && a->dtype == b->dtype && same_dims(a->shape, b->shape) &&
+         same_dims(a->strides, b->strides);
+}
+
+// Pairs k in [0, n) as one pages entry of each side: the first local view restrided into a
+// tensor whose dimension 0 steps over the pages, and likewise the first remote view.
+void add_group(const at::TensorImpl* l0, const RemoteView& r0, const int64_t* loffsets, const int64_t* roffsets,
+               int64_t n, CallArgs& a) {
+  at::Tensor lids = at::empty({n}, at::kLong), rids = at::empty({n}, at::kLong);
+  const PageGrid lg = page_grid(loffsets, n, lids.data_ptr<int64_t>());
+  const PageGrid rg = page_grid(roffsets, n, rids.data_ptr<int64_t>());
+  std::vector<int64_t> sizes{lg.count}, strides{lg.stride};
+  sizes.insert(sizes.end(), l0->sizes().begin(), l0->sizes().end());
+  strides.insert(strides.end(), l0->strides().begin(), l0->strides().end());
+  // A new TensorImpl on the views' storage, as as_strided makes it, without the dispatcher.
+  at::Tensor base = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(l0->storage()), l0->key_set(), l0->dtype());
+  base.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, lg.origin);
+  auto rv = std::make_shared<RemoteView>();
+  rv->region = r0.region;
+  rv->dtype = r0.dtype;
+  rv->offset = rg.origin;
+  rv->shape.reserve(r0.shape.size() + 1);
+  rv->strides.reserve(r0.shape.size() + 1);
+  rv->shape.push_back(rg.count);
+  rv->strides.push_back(rg.stride);
+  rv->shape.insert(rv->shape.end(), r0.shape.begin(), r0.shape.end());
+  rv->strides.insert(rv->strides.end(), r0.strides.begin(), r0.strides.end());
+  rv->validate();
+  a.local.push_back(std::move(base));
+  a.local_pages.emplace_back(std::make_tuple(std::move(lids), int64_t{0}));
+  a.remote.push_back(std::move(rv));
+  a.remote_pages.emplace_back(std::make_tuple(std::move(rids), int64_t{0}));
+  a.grouped = true;
+}
+
+// Both sides lists (or tuples) of one length: groups them (above); false for other shapes.
+bool group_views(py::handle local, py::handle remote, CallArgs& a) {
+  PyObject *l = local.ptr(), *r = remote.ptr();
+  if (!(PyList_Check(l) || PyTuple_Check(l)) || !(PyList_Check(r) || PyTuple_Check(r))) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(l);
+  if (n < 2 || PySequence_Fast_GET_SIZE(r) != n) return false;
+  PyObject** litems = PySequence_Fast_ITEMS(l);
+  PyObject** ritems = PySequence_Fast_ITEMS(r);
+  thread_local std::vector<int64_t> loffsets, roffsets;
+  Py_ssize_t i = 0;
+  while (i < n) {
+    const at::TensorImpl* l0 = groupable_tensor(litems[i]);
+    const RemoteView* r0 = l0 ? groupable_remote(ritems[i]) : nullptr;
+    Py_ssize_t j = i + 1;
+    if (r0) {
+      loffsets.assign(1, l0->storage_offset());
+      roffsets.assign(1, r0->offset);
+      for (; j < n; ++j) {
+        const at::TensorImpl* lj = same_page(litems[j], l0);
+        if (!lj) break;
+        const RemoteView* rj = groupable_remote(ritems[j]);
+        if (!rj || !same_page(rj, r0)) break;
+        loffsets.push_back(lj->storage_offset());
+        roffsets.push_back(rj->offset);
+      }
+    }
+    if (j - i >= 2) {
+      add_group(l0, *r0, loffsets.data(), roffsets.data(), j - i, a);
+    } else {
+      add_item(i, litems[i], true, a);
+      add_item(i, ritems[i], false, a);
+    }
+    i = std::max(j, i + 1);
+  }
+  return true;
+}
+
+CallArgs call_args(py::handle local, py::handle remote, py::handle notify, py::handle timeout, bool group) {
   P2P_CHECK(classes.pages, ErrorKind::Generic, "torch_p2p.engine did not set up its classes");
   CallArgs a;
   a.mirror = is_a(remote, classes.remote_tensor);
-  unpack(local, true, a);
-  unpack(remote, false, a);
+  bool grouped = false;
+  if (group && !a.mirror) {
+    try {
+      grouped = group_views(local, remote, a);
+    } catch (...) {  // the view by view parse below names the problem
+      a = CallArgs{};
+      a.mirror = false;
+    }
+  }
+  if (!grouped) {
+    unpack(local, true, a);
+    unpack(remote, false, a);
+  }
   if (!notify.is_none()) {
     const py::int_ tag(py::reinterpret_borrow<py::object>(notify));
     int overflow = 0;
@@ -181,6 +339,116 @@ CallArgs call_args(py::handle local, py::handle remote, py::handle notify, py::h
     a.timeout = t;
   }
   return a;
+}
+
+// Calls `use` with the call's arguments grouped (group_views); if the engine refuses the
+// grouped form, with the arguments view by view, whose verdict is the call's.
+template <typename Use>
+auto with_call_args(py::handle local, py::handle remote, py::handle notify, py::handle timeout, Use&& use) {
+  {
+    CallArgs a = call_args(local, remote, notify, timeout, true);
+    if (!a.grouped) return use(a);
+    try {
+      return use(a);
+    } catch (const Error&) {
+    }
+  }
+  CallArgs a = call_args(local, remote, notify, timeout, false);
+  return use(a);
+}
+
+// RemoteTensor.__getitem__ and .view: views made natively (a user builds one per page, hundreds
+// per call), returned as a RemoteTensor made without calling its Python constructor.
+const RemoteView& remote_view_of(py::handle remote, py::object& holder) {
+  if (const std::shared_ptr<RemoteView>* v = view_of(remote.ptr())) return **v;
+  holder = attribute(remote, view_name);  // names what is missing
+  return holder.cast<const RemoteView&>();
+}
+
+py::object remote_tensor(PyTypeObject* type, std::shared_ptr<RemoteView> view) {
+  py::object v = py::cast(std::move(view));
+  py::object out = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
+  if (!out) throw py::error_already_set();
+  if (PyObject_SetAttr(out.ptr(), interned(view_name), v.ptr()) < 0) throw py::error_already_set();
+  return out;
+}
+
+py::object remote_index(py::handle self, py::handle index) {
+  py::object holder;
+  const RemoteView& v = remote_view_of(self, holder);
+  PyObject* idx = index.ptr();
+  const bool tuple = PyTuple_Check(idx);
+  const Py_ssize_t n = tuple ? PyTuple_GET_SIZE(idx) : 1;
+  PyObject* const* objs = tuple ? reinterpret_cast<PyTupleObject*>(idx)->ob_item : &idx;
+  // Counted before any item is parsed, as Python's indexing did.
+  size_t specified = 0, ellipses = 0;
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    specified += objs[k] != Py_None && objs[k] != Py_Ellipsis;
+    ellipses += objs[k] == Py_Ellipsis;
+  }
+  if (specified > v.shape.size())
+    throw py::index_error(cat("too many indices for a RemoteTensor of dimension ", v.shape.size()));
+  if (ellipses > 1) throw py::index_error("an index can only have a single ellipsis ('...')");
+  IndexItem stack[8];
+  std::vector<IndexItem> heap;
+  IndexItem* items = stack;
+  if (n > 8) {
+    heap.resize(n);
+    items = heap.data();
+  }
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    PyObject* o = objs[k];
+    IndexItem& item = items[k];
+    if (o == Py_None) {
+      item.kind = IndexItem::Kind::NewAxis;
+    } else if (o == Py_Ellipsis) {
+      item.kind = IndexItem::Kind::Ellipsis;
+    } else if (PySlice_Check(o)) {
+      Py_ssize_t start, stop, step;
+      if (PySlice_Unpack(o, &start, &stop, &step) < 0) throw py::error_already_set();
+      item = {IndexItem::Kind::Slice, start, stop, step};
+    } else if (PyLong_CheckExact(o)) {
+      int overflow = 0;
+      item = {IndexItem::Kind::Int, PyLong_AsLongLongAndOverflow(o, &overflow)};
+      if (overflow) throw py::index_error(cat("index ", py::str(o).cast<std::string>(), " is out of bounds"));
+    } else {
+      if (PyBool_Check(o) || (THPVariable_Check(o) && THPVariable_Unpack(o).scalar_type() == at::kBool))
+        throw py::type_error("RemoteTensor supports basic indexing only (no masks)");
+      PyObject* i = PyNumber_Index(o);
+      if (!i) {
+        PyErr_Clear();
+        throw py::type_error(cat("RemoteTensor supports basic indexing only: ints, slices, ... and None, not ",
+                                 type_name(o)));
+      }
+      const py::object number = py::reinterpret_steal<py::object>(i);
+      int overflow = 0;
+      item = {IndexItem::Kind::Int, PyLong_AsLongLongAndOverflow(i, &overflow)};
+      if (overflow) throw py::index_error(cat("index ", py::str(number).cast<std::string>(), " is out of bounds"));
+    }
+  }
+  return remote_tensor(Py_TYPE(self.ptr()), v.index(items, n));
+}
+
+// remote.view(2, 3), remote.view((2, 3)), remote.view(torch.Size([6])).
+py::object remote_reshape(py::handle self, const py::args& args) {
+  py::object holder;
+  const RemoteView& v = remote_view_of(self, holder);
+  py::handle dims = args;
+  if (args.size() == 1 && !PyLong_Check(args[0].ptr()) && PySequence_Check(args[0].ptr())) dims = args[0];
+  std::vector<int64_t> shape;
+  for (py::handle d : py::reinterpret_borrow<py::iterable>(dims)) {
+    PyObject* i = PyNumber_Index(d.ptr());
+    if (!i) {
+      PyErr_Clear();
+      throw py::type_error(cat("RemoteTensor.view takes a shape (ints), not ", type_name(d)));
+    }
+    const py::object number = py::reinterpret_steal<py::object>(i);
+    int overflow = 0;
+    shape.push_back(PyLong_AsLongLongAndOverflow(i, &overflow));
+    if (overflow) throw py::value_error(cat("RemoteTensor.view: dimension ", py::str(number).cast<std::string>(),
+                                            " is too large"));
+  }
+  return remote_tensor(Py_TYPE(self.ptr()), v.reshaped(std::move(shape)));
 }
 
 py::object setting(const Config& c, const std::string& name) {
@@ -369,17 +637,19 @@ PYBIND11_MODULE(_C, m) {
       // write_slices (write) / read_slices with the user's arguments as they came (call_args).
       .def("submit", [](Engine& e, uint64_t id, const py::object& future, bool write, py::handle local,
                         py::handle remote, py::handle notify, py::handle timeout) {
-        const CallArgs a = call_args(local, remote, notify, timeout);
         start(e, id, future, [&] {
-          py::gil_scoped_release release;  // the dispatcher completes earlier calls meanwhile
-          e.submit(id, write, a.local, a.remote, a.local_pages, a.remote_pages, a.mirror, a.notify, a.timeout);
+          with_call_args(local, remote, notify, timeout, [&](const CallArgs& a) {
+            py::gil_scoped_release release;  // the dispatcher completes earlier calls meanwhile
+            e.submit(id, write, a.local, a.remote, a.local_pages, a.remote_pages, a.mirror, a.notify, a.timeout);
+          });
         });
       })
       .def("prepare", [](Engine& e, bool write, py::handle local, py::handle remote, py::handle notify,
                          py::handle timeout) {
-        const CallArgs a = call_args(local, remote, notify, timeout);
-        py::gil_scoped_release release;
-        return e.prepare(write, a.local, a.remote, a.local_pages, a.remote_pages, a.mirror, a.notify, a.timeout);
+        return with_call_args(local, remote, notify, timeout, [&](const CallArgs& a) {
+          py::gil_scoped_release release;
+          return e.prepare(write, a.local, a.remote, a.local_pages, a.remote_pages, a.mirror, a.notify, a.timeout);
+        });
       })
       .def("run", [](Engine& e, uint64_t id, const py::object& future, const std::shared_ptr<Engine::Prepared>& call) {
         start(e, id, future, [&] {
@@ -426,6 +696,10 @@ PYBIND11_MODULE(_C, m) {
         e.stream_wait(reinterpret_cast<void*>(stream), fut);
       });
 
+  m.def("remote_index", &remote_index, py::arg("remote"), py::arg("index"),
+        "remote[index] for a RemoteTensor: the view basic indexing gives, as a RemoteTensor.");
+  m.def("remote_view", &remote_reshape, py::arg("remote"),
+        "remote.view(*shape) for a RemoteTensor: torch.Tensor.view's shape rules, as a RemoteTensor.");
   m.def("_set_classes", [](py::object pages, py::object remote_tensor, py::object sequence) {
     classes = {pages.release().ptr(), remote_tensor.release().ptr(), sequence.release().ptr()};
   }, "torch_p2p.engine's Pages, RemoteTensor and collections.abc.Sequence, for write_slices' arguments.");

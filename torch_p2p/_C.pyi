@@ -20,6 +20,12 @@ def checked_ids(ids: Any, count: int, unique: bool) -> torch.Tensor | None:
     """A list or tuple of ints in [0, count) (distinct with unique) as an int64 tensor; else None."""
 
 def _set_classes(pages: type, remote_tensor: type, sequence: type) -> None: ...
+def remote_index(remote: Any, index: Any) -> Any:
+    """remote[index] for a RemoteTensor: the view basic indexing gives, as a RemoteTensor."""
+
+def remote_view(remote: Any, *shape: Any) -> Any:
+    """remote.view(*shape) for a RemoteTensor: torch.Tensor.view's shape rules, as a RemoteTensor."""
+
 def settings() -> list[tuple[str, str, str]]:
     """The settings table (csrc/core/config.h): (key, TORCH_P2P_* variable or "", default)."""
 

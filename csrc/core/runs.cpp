@@ -11,15 +11,13 @@ struct Dim {
 };
 
 // Drops size-1 dimensions and merges a dimension into its inner neighbour where both sides
-// step over it as if it were contiguous with it.
-std::vector<Dim> coalesce(const std::vector<int64_t>& shape, const int64_t* ls, const int64_t* rs) {
-  std::vector<Dim> dims;
-  dims.reserve(shape.size());
-  for (size_t i = 0; i < shape.size(); ++i)
-    if (shape[i] != 1) dims.push_back({shape[i], ls[i], rs[i]});
-  std::vector<Dim> out;
-  out.reserve(dims.size());
-  for (const Dim& d : dims) {
+// step over it as if it were contiguous with it. Into `out`, a buffer the caller reuses (a call
+// may hold thousands of views: allocations were most of a small view's cost).
+void coalesce(const std::vector<int64_t>& shape, const int64_t* ls, const int64_t* rs, std::vector<Dim>& out) {
+  out.clear();
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == 1) continue;
+    const Dim d{shape[i], ls[i], rs[i]};
     if (!out.empty()) {
       Dim& outer = out.back();
       if (outer.local == d.local * d.size && outer.remote == d.remote * d.size) {
@@ -29,7 +27,6 @@ std::vector<Dim> coalesce(const std::vector<int64_t>& shape, const int64_t* ls, 
     }
     out.push_back(d);
   }
-  return out;
 }
 
 }  // namespace
@@ -38,14 +35,16 @@ void append_runs(const std::vector<int64_t>& shape, Strided local, Strided remot
                  uint32_t lreg, uint32_t rreg, std::vector<Run>& out) {
   for (int64_t s : shape)
     if (s == 0) return;
-  std::vector<Dim> dims = coalesce(shape, local.strides, remote.strides);
+  thread_local std::vector<Dim> dims;
+  thread_local std::vector<int64_t> index;
+  coalesce(shape, local.strides, remote.strides, dims);
   // The innermost dimension is one run when both sides are dense along it.
   uint64_t run_len = elem;
   if (!dims.empty() && dims.back().local == 1 && dims.back().remote == 1) {
     run_len = dims.back().size * elem;
     dims.pop_back();
   }
-  std::vector<int64_t> index(dims.size(), 0);
+  index.assign(dims.size(), 0);
   uint64_t loff = 0, roff = 0;  // byte offsets of the current run
   while (true) {
     const uint64_t l = local.base + loff, r = remote.base + roff;
@@ -108,6 +107,27 @@ void append_page_runs(const PageRuns& p, const int64_t* ids, std::vector<Run>& o
   }
 }
 
+PageGrid page_grid(const int64_t* offsets, size_t n, int64_t* ids) {
+  // Views are usually pages of a power-of-two spacing: a mask tells that the spacing still
+  // divides a distance, where a division would cost most of the loop.
+  int64_t origin = offsets[0], stride = 0;
+  for (size_t k = 1; k < n; ++k) {
+    const int64_t d = offsets[k] > offsets[0] ? offsets[k] - offsets[0] : offsets[0] - offsets[k];
+    const bool divides = stride && ((stride & (stride - 1)) == 0 ? (d & (stride - 1)) == 0 : d % stride == 0);
+    if (!divides) stride = std::gcd(stride, d);
+    origin = std::min(origin, offsets[k]);
+  }
+  if (stride == 0) stride = 1;
+  int64_t last = 0;
+  if ((stride & (stride - 1)) == 0) {
+    const int shift = __builtin_ctzll(static_cast<uint64_t>(stride));
+    for (size_t k = 0; k < n; ++k) last = std::max(last, ids[k] = (offsets[k] - origin) >> shift);
+  } else {
+    for (size_t k = 0; k < n; ++k) last = std::max(last, ids[k] = (offsets[k] - origin) / stride);
+  }
+  return {origin, stride, last + 1};
+}
+
 uint64_t extent_bytes(const std::vector<int64_t>& shape, const int64_t* strides, int64_t elem) {
   uint64_t last = 0;
   for (size_t i = 0; i < shape.size(); ++i) {
@@ -120,7 +140,8 @@ uint64_t extent_bytes(const std::vector<int64_t>& shape, const int64_t* strides,
 bool self_overlapping(const std::vector<int64_t>& shape, const int64_t* strides) {
   // Sorted by stride, a view has distinct addresses when each stride clears the span of
   // every smaller one: the usual non-overlap test for strided layouts.
-  std::vector<size_t> order;
+  thread_local std::vector<size_t> order;
+  order.clear();
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] == 0) return false;
     if (shape[i] > 1) order.push_back(i);

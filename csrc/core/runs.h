@@ -39,6 +39,15 @@ void append_page_runs(const PageRuns& pages, const int64_t* ids, std::vector<Run
 // decides, so that a few pages of a huge tensor cost no huge table.
 int64_t repeated_id(const int64_t* ids, size_t n, int64_t count, std::vector<uint8_t>& table);
 
+// n views of one shape, strides and dtype at these offsets (elements) as the pages of one
+// tensor: offsets[k] == origin + ids[k] * stride with ids[k] in [0, count). The stride is the
+// gcd of the offsets' distances (1 when they are all equal), so that evenly spaced views are
+// pages of that spacing. Offsets must not be negative.
+struct PageGrid {
+  int64_t origin, stride, count;
+};
+PageGrid page_grid(const int64_t* offsets, size_t n, int64_t* ids);
+
 struct Strided {
   uint64_t base;            // byte address (local) or byte offset (remote) of element 0
   const int64_t* strides;   // in elements

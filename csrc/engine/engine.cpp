@@ -283,17 +283,18 @@ bool Engine::add_view(TransferCall& t, const Entry& e, bool mirror) {
   const RemoteView& rv = e.remote;
   const char* what = e.what;
   const size_t i = e.index;
+  const std::vector<int64_t> shape = v.sizes().vec();  // once: a call may hold thousands of views
   if (v.numel() == 0) {  // moves nothing; torch gives empty views no data pointer to check
-    P2P_CHECK(mirror || (rv.shape == v.sizes().vec() && rv.dtype == v.scalar_type()), ErrorKind::Value, what,
+    P2P_CHECK(mirror || (rv.shape == shape && rv.dtype == v.scalar_type()), ErrorKind::Value, what,
               " ", i, " is empty but its RemoteTensor is not of the same shape and dtype");
     return false;
   }
   const int64_t elem = v.element_size();
-  const LocalRegion& lr = region_of(v, extent_bytes(v.sizes().vec(), v.strides().data(), elem), what, i);
+  const LocalRegion& lr = region_of(v, extent_bytes(shape, v.strides().data(), elem), what, i);
 
   // Where the view lands remotely: the same element positions (mirror), or the given view.
   int64_t rbase;
-  std::vector<int64_t> rstrides;
+  const int64_t* rstrides;
   if (mirror) {
     const at::Tensor& reg = lr.tensor;
     P2P_CHECK(rv.dtype == reg.scalar_type() && rv.shape == reg.sizes().vec() && rv.strides == reg.strides().vec(),
@@ -302,27 +303,27 @@ bool Engine::add_view(TransferCall& t, const Entry& e, bool mirror) {
               ", local ", dims(reg.sizes()), " strides ", dims(reg.strides()), " ", c10::toString(reg.scalar_type()));
     rbase = rv.offset * rv.elem() + (static_cast<int64_t>(reinterpret_cast<uintptr_t>(v.data_ptr())) -
                                      static_cast<int64_t>(reinterpret_cast<uintptr_t>(reg.data_ptr())));
-    rstrides = v.strides().vec();
+    rstrides = v.strides().data();
   } else {
-    P2P_CHECK(rv.shape == v.sizes().vec(), ErrorKind::Value, what, " ", i, " has shape ", dims(v.sizes()),
+    P2P_CHECK(rv.shape == shape, ErrorKind::Value, what, " ", i, " has shape ", dims(v.sizes()),
               " but its RemoteTensor has shape ", dims(rv.shape));
     P2P_CHECK(rv.dtype == v.scalar_type(), ErrorKind::Value, what, " ", i, " is ", c10::toString(v.scalar_type()),
               " but its RemoteTensor is ", c10::toString(rv.dtype));
     rbase = rv.offset * elem;
-    rstrides = rv.strides;
+    rstrides = rv.strides.data();
   }
   const RemoteRegion& rr = *rv.region;
-  const uint64_t rextent = extent_bytes(v.sizes().vec(), rstrides.data(), elem);
+  const uint64_t rextent = extent_bytes(shape, rstrides, elem);
   P2P_CHECK(rbase >= 0 && static_cast<uint64_t>(rbase) + rextent <= rr.nbytes, ErrorKind::Value, what, " ", i,
             " would reach bytes ", rbase, "..", rbase + static_cast<int64_t>(rextent), " of a remote region of ",
             rr.nbytes, " bytes");
   check_access(rr, e.write);
   // Two elements landing on one address would make the result depend on arrival order.
-  P2P_CHECK(!self_overlapping(v.sizes().vec(), e.write ? rstrides.data() : v.strides().data()), ErrorKind::Value,
+  P2P_CHECK(!self_overlapping(shape, e.write ? rstrides : v.strides().data()), ErrorKind::Value,
             what, " ", i, ": the destination has overlapping elements (a stride of 0?)");
   const auto [lidx, ridx] = region_indexes(t, lr.id, rv.region);
-  append_runs(v.sizes().vec(), Strided{reinterpret_cast<uint64_t>(v.data_ptr()), v.strides().data()},
-              Strided{static_cast<uint64_t>(rbase), rstrides.data()}, elem, lidx, ridx, t.runs);
+  append_runs(shape, Strided{reinterpret_cast<uint64_t>(v.data_ptr()), v.strides().data()},
+              Strided{static_cast<uint64_t>(rbase), rstrides}, elem, lidx, ridx, t.runs);
   return true;
 }
 

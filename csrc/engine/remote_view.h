@@ -1,5 +1,6 @@
 // RemoteView: the data behind torch_p2p.RemoteTensor, a strided view of a remote region.
-// Views share their region; indexing (done in Python) makes new views, validated here.
+// Views share their region; indexing and view() make new views here (the bindings parse the
+// Python index), validated against the region.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -13,6 +14,15 @@
 
 namespace p2p::engine {
 
+// One item of a basic index (remote[...]) as the bindings parse it from Python.
+struct IndexItem {
+  enum class Kind : uint8_t { NewAxis, Ellipsis, Slice, Int };
+  Kind kind;
+  // Slice: start, stop, step as PySlice_Unpack gives them (None already resolved, clamped to
+  // int64); Int: the index in start.
+  int64_t start = 0, stop = 0, step = 1;
+};
+
 struct RemoteView {
   std::shared_ptr<const RemoteRegion> region;
   c10::ScalarType dtype = c10::ScalarType::Byte;
@@ -24,6 +34,12 @@ struct RemoteView {
   void validate() const;
   std::shared_ptr<RemoteView> view(int64_t offset, std::vector<int64_t> shape,
                                    std::vector<int64_t> strides) const;
+  // remote[items]: torch's view for basic indexing. IndexError for an index out of range or
+  // too many indices, ValueError for a step that is not positive.
+  std::shared_ptr<RemoteView> index(const IndexItem* items, size_t n) const;
+  // remote.view(shape): torch.Tensor.view's rules (one -1 inferred; the strides must allow
+  // it without a copy), ValueError otherwise.
+  std::shared_ptr<RemoteView> reshaped(std::vector<int64_t> shape) const;
   std::string encode() const;
   static std::shared_ptr<RemoteView> decode(std::string_view bytes);
 };
