@@ -54,16 +54,21 @@ def test_runs_here_and_prints_json():
         assert key in tcp
     assert "error" in report["providers"]["efa"]
     assert report["default_provider"] in ("tcp", os.environ.get("TORCH_P2P_PROVIDER"))
-    assert {"from": "cpu", "to": "cpu", "route": f"{tcp['provider']}, direct"} in report["routes"]
+    assert {"from": "cpu", "to": "cpu", "route": "cma"} in report["routes"]
+    assert {"from": "cpu", "to": "another host", "route": f"{tcp['provider']}, direct"} in report["routes"]
 
 
-@pytest.mark.parametrize("provider", ["tcp", "shm"])
-def test_check_moves_data_beside_a_memcpy(monkeypatch, provider):
+@pytest.mark.parametrize("provider, cma, route", [("tcp", "1", "cma"), ("shm", "1", "cma"), ("tcp", "0", "direct"),
+                                                  ("shm", "0", "direct")])
+def test_check_moves_data_beside_a_memcpy(monkeypatch, provider, cma, route):
     monkeypatch.setenv("TORCH_P2P_PROVIDER", provider)
+    monkeypatch.setenv("TORCH_P2P_CMA", cma)
     report = doctor.collect(gpu_pcis=[])
+    said = report["routes"][0]["route"]  # cpu -> cpu on this host
+    assert said == "cma" if route == "cma" else said.endswith(", direct"), said
     (row,) = doctor.check(report, nbytes=1 << 20)
     assert "error" not in row, row
-    assert row["route"] == "direct" and row["gbps"] > 0 and row["baseline_gbps"] > 0
+    assert row["route"] == route and row["gbps"] > 0 and row["baseline_gbps"] > 0
     assert "memcpy" in doctor.render({**report, "check": [row]}, [])
 
 

@@ -62,6 +62,15 @@ def gpu_plans(offer: dict[str, Any] | None, gpu_pcis: list[str], sysfs: str = "/
     return plans
 
 
+def ptrace_scope() -> int:
+    """Yama's kernel.yama.ptrace_scope (0 without Yama): 2 and 3 keep the cma route off."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
 def routes(gpus: int, peer_access: Callable[[int, int], bool], offer: dict[str, Any] | None,
            env: dict[str, str]) -> list[dict[str, Any]]:
     """The route a transfer between each pair of devices of this host takes (and to another host)."""
@@ -69,7 +78,9 @@ def routes(gpus: int, peer_access: Callable[[int, int], bool], offer: dict[str, 
     fabric = f"{offer['provider']}, " if offer else ""
     host = f"{fabric}direct" if offer else "none"
     gpu = f"{fabric}{'direct' if offer and offer.get('hmem') else 'staged'}" if offer else "none"
-    rows = [{"from": "cpu", "to": "cpu", "route": host}]
+    cma = env.get("TORCH_P2P_CMA", "1") != "0" and ptrace_scope() < 2
+    rows = [{"from": "cpu", "to": "cpu", "route": "cma" if cma and offer else host},
+            {"from": "cpu", "to": "another host", "route": host}]
     for i in range(gpus):
         for j in range(gpus):
             rows.append({"from": f"cuda:{i}", "to": f"cuda:{j}",

@@ -58,8 +58,9 @@ Status Worker::check_remote(const Transfer& t) const {
 
 void Worker::ready_to_generate(Transfer& t) {
   if (start_ipc(t)) return;
+  answer_orders(t);  // no route below orders a stream on the GPU: futures say when
   for (auto& r : routes_)
-    if (r->take(t)) return answer_orders(t);
+    if (r->take(t)) return;
   fall_back(t);
 }
 

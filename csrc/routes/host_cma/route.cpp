@@ -82,7 +82,9 @@ bool Route::reaches(const engine::EngineAddress& a, const RemoteRegion* region) 
 }
 
 bool Route::take(Transfer& t) {
-  if (t.kind == engine::TransferKind::Message || t.cuda_event || !reaches(t.peer->address, nullptr)) return false;
+  if (t.kind == engine::TransferKind::Message || t.route == engine::TransferRoute::Staged || t.cuda_event ||
+      !reaches(t.peer->address, nullptr))
+    return false;  // staged: data_path="staged" asked for the slots
   for (const auto& r : t.local)
     if (r->cuda_device >= 0) return false;
   for (const auto& r : t.remote)
@@ -268,7 +270,9 @@ void Route::resume(Peer& p) {
   if (w == waiting_.end()) return;
   std::vector<Transfer*> still;
   for (Transfer* t : w->second) {
-    if (denied_.count(p.incarnation)) {
+    if (denied_.count(p.incarnation) && t->reported()) {
+      host_.done(*t, {});
+    } else if (denied_.count(p.incarnation)) {
       --t->pending;
       t->route = engine::TransferRoute::Direct;
       host_.fall_back(*t);
