@@ -129,7 +129,7 @@ std::string Worker::route(const std::string& address, const RemoteRegion* region
       }
     }
   }
-  if (!cuda)
+  if (!cuda && config_.data_path != DataPath::Staged)
     for (auto& r : routes_)
       if (r->reaches(a, region)) return r->name();
   return region_staged(cuda) || (region && region->staged) ? "staged" : "direct";
