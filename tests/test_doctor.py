@@ -137,6 +137,17 @@ def test_warns_shm_chosen_and_shm_fast(tmp_path):
     assert any("shm is chosen" in p for p in found) and any("SHM_FAST" in p for p in found)
 
 
+def test_warns_cma_off_under_yama_scope_2(tmp_path, monkeypatch):
+    monkeypatch.setattr(doctor, "ptrace_scope", lambda: 2)
+    report, _ = aws_report(p5(tmp_path), env={"FI_EFA_USE_DEVICE_RDMA": "1"})
+    assert any("ptrace_scope is 2: the cma route is off" in p for p in problems(report))
+    assert report["routes"][0] == {"from": "cpu", "to": "cpu", "route": "efa, direct"}
+    monkeypatch.setattr(doctor, "ptrace_scope", lambda: 1)
+    report, _ = aws_report(p5(tmp_path / "b"), env={"FI_EFA_USE_DEVICE_RDMA": "1"})
+    assert not any("ptrace_scope" in p for p in problems(report))
+    assert report["routes"][0]["route"] == "cma"
+
+
 def test_no_provider_at_all():
     report = doctor.collect(env={}, offers={p: ABSENT for p in doctor.PROVIDERS}, gpu_pcis=[])
     assert report["default_provider"] is None

@@ -72,13 +72,13 @@ def ptrace_scope() -> int:
 
 
 def routes(gpus: int, peer_access: Callable[[int, int], bool], offer: dict[str, Any] | None,
-           env: dict[str, str]) -> list[dict[str, Any]]:
+           env: dict[str, str], scope: int = 0) -> list[dict[str, Any]]:
     """The route a transfer between each pair of devices of this host takes (and to another host)."""
     ipc = env.get("TORCH_P2P_IPC", "1") != "0"
     fabric = f"{offer['provider']}, " if offer else ""
     host = f"{fabric}direct" if offer else "none"
     gpu = f"{fabric}{'direct' if offer and offer.get('hmem') else 'staged'}" if offer else "none"
-    cma = env.get("TORCH_P2P_CMA", "1") != "0" and ptrace_scope() < 2
+    cma = env.get("TORCH_P2P_CMA", "1") != "0" and scope < 2  # Yama: see diagnose()
     rows = [{"from": "cpu", "to": "cpu", "route": "cma" if cma and offer else host},
             {"from": "cpu", "to": "another host", "route": host}]
     for i in range(gpus):
@@ -114,7 +114,8 @@ def collect(*, env: dict[str, str] | None = None, offers: dict[str, dict] | None
         "providers": offers,
         "default_provider": chosen,
         "gpus": gpu_plans(offer, gpu_pcis, sysfs, allowed_cpus),
-        "routes": routes(len(gpu_pcis), peer_access, offer, env),
+        "ptrace_scope": (scope := ptrace_scope()),
+        "routes": routes(len(gpu_pcis), peer_access, offer, env, scope),
         "settings": settings(env),
         "tcp_rails": topology.default_tcp_rails(),
     }
@@ -175,6 +176,10 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
         if used < g["nics_near"]:
             warn(f"{g['device']} has {used} rail(s) on {g['nics_near']} NICs: {g['nics_near'] - used} stay idle",
                  "unset TORCH_P2P_NUM_RAILS (and TORCH_P2P_DOMAINS): every NIC of the GPU becomes a rail")
+    if env.get("TORCH_P2P_CMA", "1") != "0" and (scope := report.get("ptrace_scope", 0)) >= 2:
+        warn(f"kernel.yama.ptrace_scope is {scope}: the cma route is off, host memory between processes "
+             "of this host takes the fabric", "sysctl kernel.yama.ptrace_scope=1 (the engine then consents "
+             "to its peers with PR_SET_PTRACER)")
     if env.get("TORCH_P2P_SHM_FAST") == "1":
         warn("TORCH_P2P_SHM_FAST=1: shm RMA checks no key, access or bounds",
              "unset it unless every local process of this user is trusted")
