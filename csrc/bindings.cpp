@@ -12,6 +12,7 @@
 #include "core/striper.h"
 #include "engine/engine.h"
 #include "fabric/info.h"
+#include "fabric/profile.h"
 
 namespace py = pybind11;
 using namespace p2p;
@@ -559,6 +560,34 @@ PYBIND11_MODULE(_C, m) {
     d["nics"] = nic_list(offer);
     return d;
   }, py::arg("provider"), "What a provider grants the engine's query: its limits, modes and NICs (a dict).");
+
+  m.def("provider_profile", [](const std::string& provider) {
+    const fabric::Profile& p = fabric::profile(provider);
+    py::dict d;
+    d["name"] = p.name;
+    d["default_rank"] = p.default_rank;
+    d["remote"] = p.remote;
+    d["rdma"] = p.rdma;
+    d["auto_progress"] = p.auto_progress;
+    d["rails_from_cores"] = p.rails_from_cores;
+    d["max_chunk"] = p.max_chunk;
+    d["unchecked_fast_rma"] = p.unchecked_fast_rma;
+    d["cuda_ipc_rma"] = p.cuda_ipc_rma;
+    d["own_endpoint_names"] = p.own_endpoint_names;
+    d["peers_must_release"] = p.peers_must_release;
+    d["known_problem"] = p.known_problem ? py::object(py::str(p.known_problem)) : py::none();
+    return d;
+  }, py::arg("provider"), "What the engine does differently on a provider (csrc/fabric/profile.h), a dict.");
+  m.def("provider_names", [] {
+    std::vector<std::string> names;
+    for (const fabric::Profile& p : fabric::profiles()) names.push_back(p.name);
+    return names;
+  }, "The providers the profile table knows.");
+  m.def("default_providers", [] {
+    std::vector<std::string> names;
+    for (const char* n : fabric::default_providers()) names.push_back(n);
+    return names;
+  }, "What Engine(provider=None) tries, in order.");
 
   m.def("checked_ids", &checked_ids, py::arg("ids"), py::arg("count"), py::arg("unique"),
         "A list or tuple of ints in [0, count) (distinct with unique) as an int64 tensor; else None.");

@@ -306,7 +306,6 @@ py::dict address_fields(const EngineAddress& a) {
   d["rails"] = rails;
   d["host"] = py::bytes(a.host);
   d["pid"] = a.pid;
-  d["cuda_ipc"] = a.cuda_ipc;
   d["routes"] = a.routes;
   return d;
 }
@@ -324,8 +323,7 @@ py::bytes encode_address(const py::dict& d) {
   a.rails = field<std::vector<std::string>>(d, "rails");
   a.host = field<std::string>(d, "host");
   a.pid = field<uint32_t>(d, "pid");
-  a.cuda_ipc = field<bool>(d, "cuda_ipc");
-  if (d.contains("routes")) a.routes = field<uint8_t>(d, "routes");
+  a.routes = field<uint8_t>(d, "routes");
   return py::bytes(a.encode());
 }
 

@@ -64,3 +64,17 @@ def test_shm_chunk_is_a_provider_default(monkeypatch):
     monkeypatch.setenv("TORCH_P2P_MAX_CHUNK", str(MiB))
     assert _C.Setup(dict(provider="shm")).setting("max_chunk_bytes") == MiB
     assert _C.Setup(dict(provider="shm", max_chunk_bytes=2 * MiB)).setting("max_chunk_bytes") == 2 * MiB
+
+
+def test_provider_profile_is_one_table():
+    """Every provider quirk comes from csrc/fabric/profile.h, matched by the stack's first name."""
+    assert _C.provider_profile("tcp;ofi_rxm") == _C.provider_profile("tcp")
+    assert _C.default_providers() == ["efa", "verbs", "tcp"]
+    assert set(_C.default_providers()) < set(_C.provider_names())
+    shm = _C.provider_profile("shm")
+    assert not shm["remote"] and shm["max_chunk"] == 64 * MiB and shm["peers_must_release"] and shm["known_problem"]
+    assert _C.provider_profile("tcp")["rails_from_cores"] and _C.provider_profile("tcp")["auto_progress"]
+    assert _C.provider_profile("efa")["rdma"] and not _C.provider_profile("efa")["auto_progress"]
+    unknown = _C.provider_profile("sockets")
+    assert unknown["name"] == "" and unknown["remote"] and not any(
+        unknown[k] for k in ("rdma", "auto_progress", "max_chunk", "peers_must_release", "known_problem"))

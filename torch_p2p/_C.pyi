@@ -16,6 +16,17 @@ def list_nics(provider: str, want_hmem: bool) -> tuple[str, bool, list[dict[str,
 def provider_limits(provider: str) -> dict[str, Any]:
     """What a provider grants the engine's query: its limits, modes and NICs (torch_p2p.doctor)."""
 
+def provider_profile(provider: str) -> dict[str, Any]:
+    """What the engine does differently on a provider (csrc/fabric/profile.h): name, default_rank,
+    remote, rdma, auto_progress, rails_from_cores, max_chunk, unchecked_fast_rma, cuda_ipc_rma,
+    own_endpoint_names, peers_must_release, known_problem. An unknown provider: name "", no quirks."""
+
+def provider_names() -> list[str]:
+    """The providers the profile table knows."""
+
+def default_providers() -> list[str]:
+    """What Engine(provider=None) tries, in order."""
+
 def checked_ids(ids: Any, count: int, unique: bool) -> torch.Tensor | None:
     """A list or tuple of ints in [0, count) (distinct with unique) as an int64 tensor; else None."""
 
@@ -82,7 +93,7 @@ class _Liveness:
     def tick(self, now: float, busy: bool) -> tuple[bool, str]: ...
 # Private, for tests and tools: the wire records (csrc/core/address.h, csrc/engine/remote_view.h) as dicts.
 # Decoding validates as the engine does; encoding checks nothing, so that tests can forge handles.
-# Address: {provider: bytes, incarnation, rails: [bytes], host: bytes, pid, cuda_ipc: bool}.
+# Address: {provider: bytes, incarnation, rails: [bytes], host: bytes, pid, routes: int (bit i: route i)}.
 # Remote: {dtype (c10 code), shape, strides, offset, region: {owner: bytes, id, nbytes, access,
 # staged: bool, device_type, device_index, piece_bytes, rails, entries: [(base, key)],
 # ipc_handle: bytes, ipc_offset, ipc_ptr}}. Encoders take absent fields as zero or empty.

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from . import _C, topology
 
-PROVIDERS = ("efa", "verbs", "tcp", "shm")
-DEFAULT_ORDER = ("efa", "verbs", "tcp")  # what Engine(provider=None) tries, in order
+PROVIDERS = tuple(_C.provider_names())  # the profile table's (csrc/fabric/profile.h)
+DEFAULT_ORDER = tuple(_C.default_providers())  # what Engine(provider=None) tries, in order
 
 
 def providers(query: Callable[[str], dict] = _C.provider_limits) -> dict[str, dict[str, Any]]:
@@ -156,20 +156,22 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
         if version < (1, 18) and env.get("FI_EFA_USE_DEVICE_RDMA") != "1":
             warn(f"libfabric {report['libfabric']} emulates every EFA RMA write and turns device RDMA off",
                  "use libfabric >= 1.18 (the EFA installer's), or set FI_EFA_USE_DEVICE_RDMA=1")
-    if chosen in ("efa", "verbs") and gpus and offer.get("hmem") and version < (1, 20):
+    profile = _C.provider_profile(chosen)
+    if profile["rdma"] and gpus and offer.get("hmem") and version < (1, 20):
         warn(f"libfabric {report['libfabric']} has no dma-buf registration: GPU memory needs nvidia-peermem",
              "use libfabric >= 1.20 (FI_MR_DMABUF), or load nvidia-peermem")
-    if chosen == "tcp" and gpus:
-        warn("no RDMA provider (efa, verbs): GPU memory to other hosts is staged through host memory over TCP",
+    if profile["remote"] and not profile["rdma"] and gpus:
+        warn(f"no RDMA provider (efa, verbs): GPU memory to other hosts is staged through host memory over {chosen}",
              "install the NIC's libfabric (EFA installer, rdma-core with verbs) and point LIBFABRIC_HOME at it")
-    if chosen == "shm":
-        warn("shm is chosen: it reaches this host only, and libfabric 1.17's shm can wedge when a peer is killed",
+    if not profile["remote"]:
+        problem = f", and {profile['known_problem']}" if profile["known_problem"] else ""
+        warn(f"{chosen} is chosen: it reaches this host only{problem}",
              "leave TORCH_P2P_PROVIDER unset (same-host GPU memory takes the CUDA IPC route on any provider)")
     for g in gpus:
         if "error" in g:
             warn(f"{g['device']}: no plan ({g['error']})", "check TORCH_P2P_DOMAINS / TORCH_P2P_NUM_RAILS")
             continue
-        if chosen in ("efa", "verbs") and not g["own_nic"]:
+        if profile["rdma"] and not g["own_nic"]:
             warn(f"{g['device']} has no NIC of its own ({g['reason']}): it shares bandwidth with another GPU",
                  "run fewer engines per NIC, or check the PCIe topology (nvidia-smi topo -m)")
         used = len(set(g["rails"]))

@@ -192,7 +192,8 @@ class Engine:
         ))
         nics = [topology.Nic(n["domain"], n["pci"], n["speed_bps"]) for n in setup.nics]
         self.plan = topology.plan(nics, str(self.device), num_rails, domains=domains, cpus=cpus,
-                                  min_rails=topology.default_tcp_rails() if setup.provider.startswith("tcp") else 1,
+                                  min_rails=topology.default_tcp_rails()
+                                  if _C.provider_profile(setup.provider)["rails_from_cores"] else 1,
                                   claim=topology.claim_core)
         setup.place([nic.domain for nic in self.plan.rails], -1 if self.plan.cpu is None else self.plan.cpu,
                     list(self.plan.node_cpus))

@@ -25,7 +25,7 @@ std::string EngineAddress::encode() const {
   for (const auto& r : rails) w.put_bytes(r);
   w.put_bytes(host);
   w.put(pid);
-  w.put(static_cast<uint8_t>(cuda_ipc | routes << 1));
+  w.put(routes);
   w.seal();
   return std::move(w.str());
 }
@@ -47,9 +47,7 @@ EngineAddress EngineAddress::decode(std::string_view bytes) {
   }
   a.host = r.get_bytes(kMaxHost);
   a.pid = r.get<uint32_t>();
-  const uint8_t flags = r.get<uint8_t>();
-  a.cuda_ipc = flags & 1;
-  a.routes = flags >> 1;
+  a.routes = r.get<uint8_t>();
   r.expect_end();
   return a;
 }

@@ -17,12 +17,11 @@ struct EngineAddress {
   std::string provider;
   uint64_t incarnation = 0;
   std::vector<std::string> rails;  // raw libfabric endpoint names, one per rail
-  // Where the process runs: peers with the same host (boot id and pid namespace) may move
-  // CUDA memory by IPC (csrc/routes/cuda_ipc) and watch the process by pid.
+  // Where the process runs: peers with the same host (boot id and pid namespace) may take the
+  // same-host routes (csrc/routes) and watch the process by pid.
   std::string host;
   uint32_t pid = 0;
-  bool cuda_ipc = false;  // a CUDA engine that maps its peers' exported storages
-  uint8_t routes = 0;     // bit i: route i of the registry is on (core/route.h)
+  uint8_t routes = 0;  // bit i: route i of the registry is on (core/route.h)
 
   std::string encode() const;
   static EngineAddress decode(std::string_view bytes);

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "common/error.h"
+#include "fabric/profile.h"
 
 namespace p2p::engine {
 namespace {
@@ -81,9 +82,8 @@ void read_environment(Config& config, const std::set<std::string>& given) {
 }
 
 void apply_provider_defaults(Config& config, const std::string& provider) {
-  // NOTE: shm is one rail, and each of its RMAs of GPU memory is one CUDA IPC copy: 64 MiB
-  // GPU-to-GPU writes reach 291 GB/s in 4 MiB chunks and 422 GB/s in one on the GPU machine.
-  if (provider == "shm" && !config.chosen.count("max_chunk_bytes")) config.max_chunk = 64 << 20;
+  const fabric::Profile& p = fabric::profile(provider);
+  if (p.max_chunk && !config.chosen.count("max_chunk_bytes")) config.max_chunk = p.max_chunk;
 }
 
 void validate(const Config& c) {

@@ -35,8 +35,7 @@ enum class TransferKind : uint8_t { Write, Read, Message };
 enum class TransferRoute : uint8_t {
   Direct,  // RMA between registered memory
   Staged,  // through pinned slots (staging.cpp): one side's memory is not registered
-  Ipc,     // one CUDA IPC copy (csrc/routes/cuda_ipc), no ops
-  Routed,  // a route of the registry (core/route.h) moves it, no ops
+  Routed,  // a route of the registry (core/route.h, Transfer::routed_by) moves it, no ops
 };
 
 enum class TransferState : uint8_t {
@@ -89,6 +88,7 @@ struct Transfer final : OpOwner, TransferCall {
   // Worker state.
   TransferState state = TransferState::New;
   TransferRoute route = TransferRoute::Direct;
+  uint8_t routed_by = 0;  // the registry index of its route, when Routed
   Peer* peer = nullptr;
   std::vector<std::shared_ptr<Region>> local;
   double deadline = 0;

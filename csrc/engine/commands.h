@@ -10,6 +10,7 @@
 #include <string>
 #include <variant>
 
+#include "core/route.h"
 #include "core/transfer.h"
 
 namespace p2p::engine {
@@ -38,15 +39,6 @@ struct AwaitNotification {
 };
 struct Cancel {
   uint64_t id;
-};
-// What a CUDA stream must wait on to follow transfer `id` (Engine::stream_wait).
-struct StreamOrder {
-  enum Kind : uint8_t {
-    Done,   // it has ended: nothing to wait for
-    Event,  // its IPC copy is queued: `event` (recorded after it) is done when the bytes are
-    Future,  // it moves over the fabric: only its future says when it ends
-  } kind = Done;
-  void* event = nullptr;  // a pooled cudaEvent_t; the caller recycles it
 };
 using StreamOrderAnswer = std::shared_ptr<std::promise<StreamOrder>>;
 // Anything else (register, deregister, route): runs fn(worker, closed), which answers its

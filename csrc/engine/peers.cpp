@@ -1,10 +1,13 @@
 // Peers: connection by introduction, disconnection, liveness checks and failure (the control
 // channel is control.cpp, user messages user_messages.cpp). No world: a peer is whoever we were given an address of, or whoever
 // introduced itself.
+#include <poll.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 
 #include "common/log.h"
 #include "engine/worker.h"
@@ -255,7 +258,7 @@ void Worker::peer_ready(Peer& p) {
 // order: the peer's record (failed from now on), then what waits on it and reports (connects,
 // transfers, the staged jobs serving them, whose failure reports into their transfers, the
 // posted ops), then what only remembers it (the rail threads, the region table's pending
-// releases, the IPC route's mappings, the record's messages and process watch), and last a
+// releases, the routes' state, the record's messages and process watch), and last a
 // disconnect that a death completes.
 void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   assert_on_worker();
@@ -269,7 +272,6 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   orphan_ops_of(f);
   for (auto& d : drivers_) forgets_.push_back({d.get(), &p});  // at the rail threads' next turn
   regions_.forget_peer(p.incarnation);
-  if (ipc_) ipc_->forget(p.incarnation);  // once the copies queued for it are done
   for (auto& r : routes_) r->peer_failed(p);
   p.forget();
   end_disconnect_of(f);
@@ -352,6 +354,29 @@ void Worker::check_peers() {
                                                               " s (peer_timeout): a check went unanswered"))});
   }
   for (auto& [p, why] : dead) fail_peer(*p, why);
+}
+
+// A peer whose memory a same-host route reaches is watched through a pidfd: its exit fails its
+// transfers at once, where the fabric would only notice its silence (such routes need nothing
+// from the peer's process).
+void Worker::watch_process(Peer& p) {
+  if (p.pidfd >= 0 || p.address.pid == 0 || p.address.pid == static_cast<uint32_t>(getpid())) return;
+#ifdef SYS_pidfd_open
+  p.pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(p.address.pid), 0));
+  if (p.pidfd < 0) P2P_LOG(Info, "cannot watch the process of peer ", hex(p.incarnation), ": ", std::strerror(errno));
+#endif
+}
+
+void Worker::check_processes() {
+  std::vector<Peer*> exited;
+  for (auto& [inc, p] : peers_) {
+    if (p->pidfd < 0 || p->failed()) continue;
+    pollfd fd{p->pidfd, POLLIN, 0};
+    if (::poll(&fd, 1, 0) > 0) exited.push_back(p.get());
+  }
+  for (Peer* p : exited)
+    fail_peer(*p, Status::error(ErrorKind::Peer, cat("peer ", hex(p->incarnation), " is dead: its process (pid ",
+                                                     p->address.pid, ") exited")));
 }
 
 }  // namespace p2p::engine

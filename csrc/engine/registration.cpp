@@ -38,14 +38,6 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
   }
   regions_.add(region);
 
-  IpcExport exported;
-  if (ipc_ && spec.cuda_device >= 0) {
-    std::string why;
-    exported = ipc_->export_storage(spec.ptr, spec.nbytes, why);
-    region->exported = exported.exported();
-    if (!region->exported)
-      P2P_LOG(Info, "region ", region->id, " is not exported for CUDA IPC (", why, "): peers reach it over the fabric");
-  }
   auto remote = std::make_shared<RemoteRegion>();
   remote->owner = address_;
   remote->incarnation = incarnation_;
@@ -61,27 +53,27 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
     remote->base.push_back(mr.base);
     remote->key.push_back(mr.key);
   }
-  remote->ipc = std::move(exported);
+  for (auto& r : routes_) r->describe(*region, *remote);
   return remote;
 }
 
 void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> done) {
   assert_on_worker();
   const std::shared_ptr<Region> live = regions_.find(id);
-  const bool exported = live && live->exported;
   if (!regions_.close(id, std::move(done), now() + config_.peer_timeout_s)) return;
   // Every peer that knows us hears of it (its new transfers to the region fail at once) and
   // answers once none of its transfers flows into the region any more. The registrations go
   // when local operations are done; on shm (Rail::peers_must_release) only once every peer
-  // has answered, or peer_timeout passed; so does an exported region for the peers that may
-  // have it mapped (IPC copies check nothing at our end).
+  // has answered, or peer_timeout passed; so does a region for the peers that a route lets
+  // reach it without the NICs (Route::must_release).
   const bool wait = std::any_of(rails_.begin(), rails_.end(), [](auto& rs) { return rs.rail->peers_must_release(); });
   for (auto& [inc, p] : peers_) {
     if (p->state() != PeerState::Ready) continue;
     send_control(*p, message(RegionClosed{id}, *p));
     bool routed = false;
-    for (auto& r : routes_) routed |= r->must_release(id, inc);
-    if (wait || routed || (exported && ipc_reaches(p->address))) regions_.must_release(id, inc);
+    if (live)
+      for (auto& r : routes_) routed |= r->must_release(*live, *p);
+    if (wait || routed) regions_.must_release(id, inc);
   }
 }
 
@@ -116,7 +108,6 @@ void Worker::release_regions(Peer& p) {
       ++it;
       continue;
     }
-    if (ipc_) ipc_->release(p.incarnation, region);
     for (auto& r : routes_) r->release(p.incarnation, region);
     send_control(p, message(RegionReleased{region}, p));
     it = p.to_release.erase(it);

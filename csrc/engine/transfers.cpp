@@ -57,11 +57,49 @@ Status Worker::check_remote(const Transfer& t) const {
 }
 
 void Worker::ready_to_generate(Transfer& t) {
-  if (start_ipc(t)) return;
-  answer_orders(t);  // no route below orders a stream on the GPU: futures say when
   for (auto& r : routes_)
     if (r->take(t)) return;
   fall_back(t);
+}
+
+void Worker::started(Transfer& t, uint8_t route) {
+  t.route = TransferRoute::Routed;
+  t.routed_by = route;
+  answer_orders(t);
+}
+
+// What a stream that follows t waits on: its route's answer, else its future.
+StreamOrder Worker::order_of(const Transfer& t) {
+  if (t.reported()) return {};
+  if (t.route == TransferRoute::Routed) return routes_[t.routed_by]->stream_order(t);
+  return {StreamOrder::Future};
+}
+
+void Worker::stream_order(uint64_t id, StreamOrderAnswer answer) {
+  auto it = transfers_.find(id);
+  // Not a transfer (a notification, a receive), or one that ended: its future says when.
+  if (it == transfers_.end()) return answer->set_value({StreamOrder::Future});
+  const Transfer& t = *it->second;
+  if (t.state == TransferState::WaitingForPeer) {  // no route yet
+    order_waits_[id].push_back(std::move(answer));
+    return;
+  }
+  answer->set_value(order_of(t));
+}
+
+void Worker::answer_orders(const Transfer& t) {
+  if (order_waits_.empty()) return;
+  auto it = order_waits_.find(t.id);
+  if (it == order_waits_.end()) return;
+  for (auto& answer : it->second) answer->set_value(order_of(t));  // an event each: each is recycled
+  order_waits_.erase(it);
+}
+
+std::string Worker::route(const std::string& address, const RemoteRegion* region) {
+  const EngineAddress a = EngineAddress::decode(address);
+  for (auto& r : routes_)
+    if (r->reaches(a, region)) return r->name();
+  return region_staged(config_.cuda_device >= 0) || (region && region->staged) ? "staged" : "direct";
 }
 
 // The fabric routes move runs.

@@ -89,9 +89,7 @@ void Worker::run(std::promise<void>& ready) {
   while (!stopping_.load(std::memory_order_relaxed)) {
     bool busy = drain_commands();
     busy |= poll_rails();
-    if (ipc_) ipc_->flush();  // the IPC copies of the calls started above, in one launch
     poll_copies();
-    busy |= poll_ipc();
     for (auto& r : routes_) busy |= r->poll();
     poll_fences();
     busy |= generate();
@@ -162,7 +160,7 @@ void Worker::idle_wait() {
   for (auto& d : drivers_) can_sleep = can_sleep && !d->has_events();
   for (auto& r : routes_) can_sleep = can_sleep && r->idle();
   // Nothing wakes us when a CUDA copy or the caller's stream event completes: keep polling.
-  can_sleep = can_sleep && copying_.empty() && fences_.empty() && ipc_copies_.empty() &&
+  can_sleep = can_sleep && copying_.empty() && fences_.empty() &&
               (gen_queue_.empty() || !gen_queue_.front()->cuda_event);
   bool all_fds = true;
   for (auto& rs : rails_) all_fds &= rs.driver || rs.rail->wait_fd() >= 0;
@@ -278,15 +276,13 @@ void Worker::close_rails() {
   rails_.clear();  // closes the endpoints: nothing posted completes after this
 }
 
-// What outlives the rails: CUDA events (transfers' stream events, peers' unanswered fences),
-// IPC mappings, process fds, staging memory.
+// What outlives the rails: the routes' copies and mappings, CUDA events (transfers' stream
+// events, peers' unanswered fences), process fds, staging memory.
 void Worker::release_held_resources() {
   for (auto& r : routes_) r->stop();  // before the transfers' memory may go
   for (auto& [id, t] : transfers_)
     if (t->cuda_event) copier_->release_event(t->cuda_event);
   transfers_.clear();
-  ipc_copies_.clear();
-  ipc_.reset();  // waits for its copies, then unmaps
   for (auto& [inc, p] : peers_)
     if (p->pidfd >= 0) close(p->pidfd);
   for (const PendingFence& f : fences_)

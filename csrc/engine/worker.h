@@ -41,7 +41,6 @@
 #include "engine/control_channel.h"
 #include "fabric/info.h"
 #include "fabric/rail.h"
-#include "routes/cuda_ipc/route.h"
 
 namespace p2p::engine {
 
@@ -104,8 +103,8 @@ class Worker final : public RouteHost {
   // Answers what a stream must wait on to follow transfer `id`: at once, or once the transfer
   // has taken its route (it may wait for its peer first).
   void stream_order(uint64_t id, StreamOrderAnswer answer);
-  // "ipc", "direct" or "staged": how a transfer of this engine's memory to the owner of
-  // `address` (and of `region`, if given) moves. Maps the region if that decides it.
+  // A route's name, "direct" or "staged": how a transfer of this engine's memory to the owner
+  // of `address` (and of `region`, if given) moves. Maps the region if that decides it.
   std::string route(const std::string& address, const RemoteRegion* region);
 
   // Used by op owners (worker thread).
@@ -123,6 +122,7 @@ class Worker final : public RouteHost {
 
   // RouteHost (core/route.h): what the routes of the registry reach back for.
   void send(Peer& p, uint8_t route, std::string body) override;
+  void started(Transfer& t, uint8_t route) override;
   void done(Transfer& t, const Status& status) override;
   void fall_back(Transfer& t) override;
   void fail_peer(Peer& p, Status why) override { fail_peer(p, std::move(why), PeerState::Dead); }
@@ -183,13 +183,6 @@ class Worker final : public RouteHost {
   void post_receive(Op* op);
   Op* new_op(OpKind kind, uint16_t rail, OpOwner* owner, Peer* peer);
 
-  // routes/cuda_ipc/worker_hooks.cpp: the same-host CUDA IPC route's hooks.
-  void open_ipc();
-  bool ipc_reaches(const EngineAddress& a) const;
-  bool start_ipc(Transfer& t);
-  bool poll_ipc();
-  void check_processes();
-
   // transfers.cpp: turning transfers into ops, finishing them.
   bool generate();
   bool generate_direct(Transfer& t);
@@ -227,6 +220,7 @@ class Worker final : public RouteHost {
   void check(Peer& p, double deadline);
   void begin_work(Peer& p);
   void end_work(Peer& p);
+  void check_processes();  // of the peers watch_process() watches
 
   // control.cpp: the control channel.
   template <typename M>
@@ -327,11 +321,7 @@ class Worker final : public RouteHost {
 
   // The routes of the registry (routes/registry.h), offered each transfer before the fabric.
   std::vector<std::unique_ptr<Route>> routes_;
-  // The IPC route (routes/cuda_ipc/worker_hooks.cpp), null where it is off or impossible.
-  std::unique_ptr<ipc::Route> ipc_;
-  std::string host_;
-  std::vector<std::pair<uint64_t, uint64_t>> ipc_copies_;  // (ticket, transfer id), in order
-  std::unordered_map<uint64_t, std::string> no_ipc_;  // peers whose mapping failed: why
+  std::string host_;  // host_identity()
   // stream_order() answers due once their transfer (by id) takes its route or ends.
   std::unordered_map<uint64_t, std::vector<StreamOrderAnswer>> order_waits_;
   StreamOrder order_of(const Transfer& t);

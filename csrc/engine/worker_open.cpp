@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "common/log.h"
+#include "core/host.h"
 #include "routes/registry.h"
 
 namespace p2p::engine {
@@ -26,7 +27,7 @@ namespace p2p::engine {
 void Worker::open(std::promise<void>& ready) {
   move_to_node();
   copier_ = make_copier(config_.cuda_device);
-  open_ipc();
+  host_ = host_identity();
   routes_ = routes::make_routes(*this, config_, host_);
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
@@ -98,7 +99,7 @@ size_t Worker::open_rails() {
 
 void Worker::publish_address() {
   while (incarnation_ == 0) (void)!getrandom(&incarnation_, sizeof incarnation_, 0);
-  EngineAddress me{provider_, incarnation_, {}, host_, static_cast<uint32_t>(getpid()), ipc_ != nullptr};
+  EngineAddress me{provider_, incarnation_, {}, host_, static_cast<uint32_t>(getpid())};
   for (auto& rs : rails_) me.rails.push_back(rs.rail->address());
   for (size_t i = 0; i < routes_.size(); ++i) me.routes |= routes_[i]->advertised() << i;
   address_ = me.encode();

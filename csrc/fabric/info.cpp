@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "fabric/profile.h"
 
 namespace p2p::fabric {
 namespace {
@@ -23,14 +24,10 @@ uint32_t api_version(const QueryOptions& options) {
   return std::min<uint32_t>(fi_version(), FI_VERSION(1, 22));
 }
 
-// NOTE: tcp moves every byte through the kernel on the thread that drives its progress, so
-// one progress thread caps an engine at about one TCP stream whatever its rail count. Asked
-// for FI_PROGRESS_AUTO (with FI_THREAD_SAFE), rxm runs a progress thread per endpoint that
-// sleeps in poll() on its sockets: one per rail, on both ends, and no dependence on the
-// target's worker polling. Only tcp: hinting AUTO drops EFA's `efa` fabric, and shm has none.
-// Manual progress (QueryOptions) keeps progress on the engine's own thread (measurements).
+// Profile::auto_progress; manual progress (QueryOptions) keeps progress on the engine's own
+// thread (measurements).
 bool wants_auto_progress(const std::string& provider, const QueryOptions& options) {
-  return !options.manual_progress && provider.rfind("tcp", 0) == 0;
+  return !options.manual_progress && profile(provider).auto_progress;
 }
 
 InfoPtr hints(const std::string& provider, bool hmem, bool delivery_complete, bool auto_progress, bool shm_fast) {
@@ -49,12 +46,10 @@ InfoPtr hints(const std::string& provider, bool hmem, bool delivery_complete, bo
   // Control messages and message fragments rely on send-after-send order per peer.
   h->tx_attr->msg_order = FI_ORDER_SAS;
   h->rx_attr->msg_order = FI_ORDER_SAS;
-  // NOTE: shm has a "fast RMA" path for host memory: the initiator copies into (or out of) the
-  // target with CMA and completes without asking it, so the target's provider checks no key,
-  // access right or bound, and a write to a stopped peer completes. Asking for any RMA
-  // ordering turns that path off for the domain (smr_fast_rma_enabled, libfabric 1.17 to 2.6):
-  // RMA then goes through the target's command queue, which verifies it.
-  if (provider == "shm" && !shm_fast) h->tx_attr->msg_order |= FI_ORDER_RAW;
+  // Profile::unchecked_fast_rma: asking for any RMA ordering turns shm's unchecked path off for
+  // the domain (smr_fast_rma_enabled, libfabric 1.17 to 2.6): RMA then goes through the
+  // target's command queue, which verifies it.
+  if (profile(provider).unchecked_fast_rma && !shm_fast) h->tx_attr->msg_order |= FI_ORDER_RAW;
   if (delivery_complete) h->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
   if (!provider.empty()) h->fabric_attr->prov_name = strdup(provider.c_str());
   return h;
@@ -126,8 +121,15 @@ Limits limits(const fi_info& info) {
 }
 
 Offer query(const std::string& provider, bool want_hmem, const QueryOptions& options) {
-  const std::vector<std::string> candidates =
-      provider.empty() ? std::vector<std::string>{"efa", "verbs", "tcp"} : std::vector{provider};
+  std::vector<std::string> candidates{provider};
+  std::string tried;
+  if (provider.empty()) {
+    candidates.clear();
+    for (const char* name : default_providers()) {
+      candidates.push_back(name);
+      tried += (tried.empty() ? "" : ", ") + candidates.back();
+    }
+  }
   const uint32_t version = api_version(options);
   for (const auto& name : candidates) {
     // Prefer FI_HMEM, then delivery-complete; drop each only when the provider refuses it.
@@ -159,7 +161,7 @@ Offer query(const std::string& provider, bool want_hmem, const QueryOptions& opt
   }
   if (provider.empty())
     P2P_THROW(ErrorKind::Value,
-              "no libfabric provider with RDM endpoints and RMA found (tried efa, verbs, tcp); "
+              "no libfabric provider with RDM endpoints and RMA found (tried ", tried, "); "
               "this machine offers: ", available_providers(options));
   P2P_THROW(ErrorKind::Value, "libfabric provider '", provider,
             "' is not available with RDM endpoints and RMA; this machine offers: ",

@@ -15,6 +15,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "fabric/profile.h"
 
 namespace p2p::fabric {
 namespace {
@@ -36,20 +37,19 @@ uint64_t random_key(size_t key_size) {
   return key;
 }
 
-// NOTE: FI_HMEM_DEVICE_ONLY on CUDA registrations (what fabtests passes) makes shm move GPU
-// memory by CUDA IPC: over 290 GB/s GPU to GPU on the GPU machine, against 2 GB/s through
-// its host bounce buffers. Its RMA completes before the data lands (see Worker::fence()).
+// Profile::cuda_ipc_rma: FI_HMEM_DEVICE_ONLY on CUDA registrations (what fabtests passes) makes
+// shm move GPU memory by CUDA IPC, much faster than through its host bounce buffers.
 // QueryOptions::hmem_device_only (TORCH_P2P_HMEM_DEVICE_ONLY=0) turns it off.
 bool wants_cuda_ipc(const std::string& prov, const QueryOptions& options) {
-  return prov == "shm" && options.hmem_device_only;
+  return profile(prov).cuda_ipc_rma && options.hmem_device_only;
 }
 
-// NOTE: shm names an endpoint's shared-memory file after the process id ("<pid>:<uid>:<n>" in
-// /dev/shm), and a process killed with SIGKILL leaves its file behind: a later process that
-// gets the same pid cannot open its endpoint (fi_enable: FI_EBUSY). Our own
+// Profile::own_endpoint_names: shm names an endpoint's shared-memory file after the process id
+// ("<pid>:<uid>:<n>" in /dev/shm), and a process killed with SIGKILL leaves its file behind: a
+// later process that gets the same pid cannot open its endpoint (fi_enable: FI_EBUSY). Our own
 // name carries 64 random bits.
 void name_shm_endpoint(fi_info* info) {
-  if (std::string(info->fabric_attr->prov_name) != "shm" || info->addr_format != FI_ADDR_STR) return;
+  if (!profile(info->fabric_attr->prov_name).own_endpoint_names || info->addr_format != FI_ADDR_STR) return;
   const std::string name = cat("fi_shm://p2p-", getpid(), "-", hex(random_key(8)));
   free(info->src_addr);
   info->src_addr = strdup(name.c_str());
@@ -121,9 +121,9 @@ Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port, const QueryOption
   // (info.cpp hints()) only without FI_DELIVERY_COMPLETE: through the target's command queue,
   // which the target must progress, 10k 4 KiB writes took seconds, not tens of ms, here.
   const std::string prov = info_->fabric_attr->prov_name;
-  const bool shm_fast = prov == "shm" && options.shm_fast;
+  const bool shm_fast = profile(prov).unchecked_fast_rma && options.shm_fast;
   host_completion_flags_ = shm_fast ? 0 : completion_flags_;
-  peers_must_release_ = prov == "shm";
+  peers_must_release_ = profile(prov).peers_must_release;
   cuda_ipc_ = wants_cuda_ipc(prov, options);
   // Several segments per op cut the per-op cost of small pages (tcp allows 4). Not on the shm
   // fast path: it takes one remote segment only.

@@ -1,5 +1,6 @@
 #include "routes/registry.h"
 
+#include "routes/cuda_ipc/route.h"
 #include "routes/host_cma/route.h"
 
 namespace p2p::routes {
@@ -7,7 +8,8 @@ namespace p2p::routes {
 std::vector<std::unique_ptr<engine::Route>> make_routes(engine::RouteHost& host, const engine::Config& config,
                                                         const std::string& host_id) {
   std::vector<std::unique_ptr<engine::Route>> routes;
-  routes.push_back(std::make_unique<cma::Route>(host, 0, config, host_id));
+  routes.push_back(std::make_unique<ipc::Route>(host, 0, config, host_id));
+  routes.push_back(std::make_unique<cma::Route>(host, 1, config, host_id));
   return routes;
 }
 

@@ -1,121 +1,139 @@
 #include "routes/cuda_ipc/route.h"
 
-#include "common/error.h"
+#include <unistd.h>
+
 #include "common/log.h"
 
 namespace p2p::ipc {
 
-Route::Route(std::unique_ptr<Memory> memory) : memory_(std::move(memory)) {}
+using engine::EngineAddress;
+using engine::RemoteRegion;
+using engine::Transfer;
 
-Route::~Route() {
-  memory_->done(last_ticket_);  // the memory's destructor waits for the stream
-  for (auto& [key, a] : allocations_)
-    if (!a.own) memory_->close(a.base);
-  memory_.reset();
-}
-
-void Route::map(uint64_t peer, bool same_process, const engine::RemoteRegion& region) {
-  if (auto known = regions_.find({peer, region.id}); known != regions_.end()) {
-    // The same region through another handle (views share one; a tampered one may not).
-    P2P_CHECK(region.nbytes <= known->second.bytes, ErrorKind::Value, "region ", region.id, " of peer ", hex(peer),
-              " claims ", region.nbytes, " bytes; its mapping holds ", known->second.bytes);
+Route::Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, std::string host_id)
+    : host_(host), id_(id), host_id_(std::move(host_id)) {
+  if (config.cuda_device < 0 || !config.ipc) return;
+  if (host_id_.empty()) {
+    P2P_LOG(Warn, "CUDA IPC is off: this host's identity (/proc/sys/kernel/random/boot_id) is unknown");
     return;
   }
-  P2P_CHECK(region.ipc.exported(), ErrorKind::Value, "region ", region.id, " is not exported for CUDA IPC");
-  const AllocationKey key{peer, region.ipc.handle};
-  auto it = allocations_.find(key);
-  if (it == allocations_.end()) {
-    Allocation a;
-    if (same_process) {
-      // An engine of this process owns it: its pointer works as it is.
-      P2P_CHECK(memory_->owns(region.ipc.ptr, region.nbytes), ErrorKind::Value, "region ", region.id,
-                " names memory this process does not have");
-      a.base = reinterpret_cast<void*>(region.ipc.ptr - region.ipc.offset);
-      a.size = region.ipc.offset + region.nbytes;
-      a.own = true;
-    } else {
-      a.base = memory_->open(region.ipc.handle, a.size);
-    }
-    it = allocations_.emplace(key, a).first;
+  try {
+    if (auto memory = make_memory(config.cuda_device, config.ipc_copy_engine_bytes))
+      mappings_ = std::make_unique<Mappings>(std::move(memory));
+  } catch (const Error& e) {
+    P2P_LOG(Warn, "CUDA IPC is off: ", e.what());
   }
-  Allocation& a = it->second;
-  // A handle that claims more than its allocation holds would let a copy fault the GPU.
-  if (region.ipc.offset > a.size || region.nbytes > a.size - region.ipc.offset) {
-    if (a.regions == 0) {
-      if (!a.own) memory_->close(a.base);
-      allocations_.erase(it);
-    }
-    P2P_THROW(ErrorKind::Value, "region ", region.id, " of peer ", hex(peer), " claims ", region.nbytes,
-              " bytes at offset ", region.ipc.offset, " of an allocation of ", a.size);
-  }
-  ++a.regions;
-  regions_[{peer, region.id}] = {key, static_cast<uint8_t*>(a.base) + region.ipc.offset, a.size - region.ipc.offset};
 }
 
-uint64_t Route::copy(uint64_t peer, const std::vector<const engine::RemoteRegion*>& regions,
-                     const std::vector<engine::Run>& runs, const std::vector<engine::PageRuns>& pages,
-                     const std::vector<int64_t>& page_ids, bool write, void* after) {
-  std::vector<uint8_t*> starts;
-  for (const engine::RemoteRegion* r : regions) starts.push_back(regions_.at({peer, r->id}).start);
-  spans_.clear();
-  for (const engine::Run& run : runs) {
-    void* local = reinterpret_cast<void*>(run.local);
-    void* remote = starts[run.rreg] + run.remote;
-    spans_.push_back(write ? engine::CopySpan{remote, local, run.len} : engine::CopySpan{local, remote, run.len});
+Route::~Route() { stop(); }
+
+void Route::stop() {
+  copies_.clear();
+  mappings_.reset();  // waits for its copies, then unmaps
+}
+
+bool Route::peer_reaches(const EngineAddress& a) const {
+  return mappings_ && (a.routes & (1u << id_)) && a.host == host_id_ && !unreachable_.count(a.incarnation);
+}
+
+bool Route::map(const EngineAddress& a, const RemoteRegion& region) {
+  try {
+    mappings_->map(a.incarnation, a.pid == static_cast<uint32_t>(getpid()), region);
+    return true;
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::Value) throw;
+    unreachable_[a.incarnation] = e.what();
+    P2P_LOG(Warn, "CUDA IPC to peer ", hex(a.incarnation), " is not possible (", e.what(),
+            "): its transfers take the fabric");
+    return false;
   }
-  pages_.clear();
-  for (const engine::PageRuns& p : pages) {
-    void* local = reinterpret_cast<void*>(p.local);
-    void* remote = starts[p.rreg] + p.remote;
-    const int64_t* lids = page_ids.data() + p.first;
-    const int64_t* rids = lids + p.n;
-    pages_.push_back(write ? engine::CopyPages{remote, local, p.remote_stride, p.local_stride, rids, lids, p.bytes, p.n}
-                           : engine::CopyPages{local, remote, p.local_stride, p.remote_stride, lids, rids, p.bytes, p.n});
+}
+
+bool Route::reaches(const EngineAddress& a, const RemoteRegion* region) {
+  if (!peer_reaches(a)) return false;
+  if (!region) return true;
+  if (!region->ipc.exported() || region->incarnation != a.incarnation) return false;
+  try {
+    return map(a, *region);
+  } catch (const Error&) {  // a handle that lies about its memory: its transfers fail
+    return false;
   }
-  last_ticket_ = memory_->copy(spans_, pages_, after);
-  return last_ticket_;
+}
+
+void Route::describe(engine::Region& region, RemoteRegion& handle) {
+  if (!mappings_ || region.cuda_device < 0) return;
+  std::string why;
+  handle.ipc = mappings_->export_storage(region.ptr, region.nbytes, why);
+  region.exported = handle.ipc.exported();
+  if (!region.exported)
+    P2P_LOG(Info, "region ", region.id, " is not exported for CUDA IPC (", why, "): peers reach it over the fabric");
+}
+
+// Takes t if both ends are CUDA memory of this host and every remote region maps.
+bool Route::take(Transfer& t) {
+  if (t.kind == engine::TransferKind::Message || !peer_reaches(t.peer->address)) return false;
+  for (const auto& r : t.local)
+    if (r->cuda_device < 0) return false;
+  for (const auto& r : t.remote)
+    if (!r->ipc.exported()) return false;
+  engine::Peer& p = *t.peer;
+  try {
+    for (const auto& r : t.remote)
+      if (!map(p.address, *r)) return false;
+  } catch (const Error& e) {  // a handle that lies about its memory
+    ++t.pending;
+    host_.done(t, Status::error(ErrorKind::Value, e.what()));
+    return true;
+  }
+  ++t.pending;  // until the copy is done
+  host_.watch_process(p);
+  std::vector<const RemoteRegion*> regions;
+  for (const auto& r : t.remote) regions.push_back(r.get());
+  const uint64_t ticket = mappings_->copy(p.incarnation, regions, t.runs, t.pages, t.page_ids,
+                                          t.kind == engine::TransferKind::Write, t.cuda_event);
+  t.enter(engine::TransferState::Running);
+  copies_.push_back({ticket, &t});
+  host_.started(t, id_);
+  return true;
+}
+
+// A stream that follows an IPC copy waits for an event recorded after it: on the GPU only, so
+// nothing it holds up can hold up the copy (a wait on a flag the host releases could).
+engine::StreamOrder Route::stream_order(const Transfer&) {
+  if (void* event = mappings_->mark()) return {engine::StreamOrder::Event, event};
+  return {engine::StreamOrder::Future};
+}
+
+// Sends out the copies queued since the last turn in one launch, completes the transfers whose
+// copies are done (in the order they were queued) and unmaps what was released.
+bool Route::poll() {
+  if (!mappings_) return false;
+  mappings_->flush();
+  mappings_->poll();
+  size_t n = 0;
+  while (n < copies_.size() && mappings_->done(copies_[n].first)) ++n;
+  if (n == 0) return false;
+  std::vector<std::pair<uint64_t, Transfer*>> ended(copies_.begin(), copies_.begin() + n);
+  copies_.erase(copies_.begin(), copies_.begin() + n);
+  for (auto& [ticket, t] : ended) {
+    const std::string error = mappings_->error(ticket);
+    host_.done(*t, error.empty() ? Status{}
+                                 : Status::error(ErrorKind::Generic, cat("the CUDA IPC copy failed: ", error)));
+  }
+  return true;
+}
+
+void Route::peer_failed(engine::Peer& p) {
+  if (mappings_) mappings_->forget(p.incarnation);  // once the copies queued for it are done
 }
 
 void Route::release(uint64_t peer, uint64_t region) {
-  if (!mapped(peer, region)) return;
-  deferred_.push_back({last_ticket_, [this, peer, region] { unmap(peer, region); }});
-  poll();
+  if (mappings_) mappings_->release(peer, region);
 }
 
-void Route::forget(uint64_t peer) {
-  std::vector<uint64_t> ids;
-  for (auto it = regions_.lower_bound({peer, 0}); it != regions_.end() && it->first.first == peer; ++it)
-    ids.push_back(it->first.second);
-  for (uint64_t id : ids) release(peer, id);
+// IPC copies check nothing at our end: a peer that may have the region mapped must let go first.
+bool Route::must_release(const engine::Region& region, const engine::Peer& p) {
+  return region.exported && peer_reaches(p.address);
 }
-
-void Route::unmap(uint64_t peer, uint64_t region) {
-  auto it = regions_.find({peer, region});
-  if (it == regions_.end()) return;
-  auto a = allocations_.find(it->second.allocation);
-  regions_.erase(it);
-  if (--a->second.regions > 0) return;
-  if (!a->second.own) memory_->close(a->second.base);
-  P2P_LOG(Debug, "unmapped an allocation of peer ", hex(peer));
-  allocations_.erase(a);
-}
-
-bool Route::poll() {
-  size_t kept = 0;
-  for (auto& d : deferred_) {
-    if (memory_->done(d.first)) {
-      d.second();
-    } else {
-      deferred_[kept++] = std::move(d);
-    }
-  }
-  deferred_.resize(kept);
-  return kept > 0;
-}
-
-#ifndef WITH_CUDA
-// A build without CUDA has no memory to share: the worker leaves the route off.
-std::unique_ptr<Memory> make_memory(int, uint64_t) { return nullptr; }
-#endif
 
 }  // namespace p2p::ipc

@@ -1,85 +1,61 @@
 // Route: the same-host CUDA IPC route. A transfer between CUDA memory of two engines on one
 // host (boot id and pid namespace alike, both CUDA engines with IPC on) skips the fabric: the
-// initiator maps the owner's exported storage once (cached per region) and moves the whole
-// call with one queued copy (a gather kernel for small runs, the copy engines for large ones)
-// on its own stream, after the caller's stream event. The worker completes the transfer once
-// the copy's ticket is done, and sends its notification after that.
+// initiator maps the owner's exported storage once (cached per region, mappings.h) and moves
+// the whole call with one queued copy (a gather kernel for small runs, the copy engines for
+// large ones) on its own stream, after the caller's stream event. A stream that follows the
+// transfer waits on an event recorded after the copy, on the GPU only. The transfer completes
+// once the copy's ticket is done.
 //
-// Lifetime: a mapping stays while its region is live at the owner. The owner's RegionClosed
-// makes the worker release it once nothing of ours flows into it (release()), and the owner
-// waits for that release before deregistering; a failed peer's mappings go once the copies
-// queued for it are done (forget()). Several regions of one allocation share one mapping.
-//
-// Thread model: the worker thread only. It knows regions and byte runs, not transfers or peers.
+// The owner exports each CUDA storage as it is registered (describe()): the handle carries the
+// export. A peer whose storage cannot be mapped (no P2P between the GPUs, no IPC namespace in
+// common) is logged once and its transfers take the fabric.
 #pragma once
 
 #include <cstdint>
-#include <functional>
-#include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
-#include "core/address.h"
-#include "core/runs.h"
-#include "cuda/ipc_memory.h"
+#include "core/config.h"
+#include "core/route.h"
+#include "routes/cuda_ipc/mappings.h"
 
 namespace p2p::ipc {
 
-class Route {
+class Route final : public engine::Route {
  public:
-  explicit Route(std::unique_ptr<Memory> memory);
-  ~Route();
+  // id: the route's index in the registry; host_id: host_identity().
+  Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, std::string host_id);
+  ~Route() override;
 
-  // The export of a storage of ours, or none (with `why`).
-  engine::IpcExport export_storage(void* ptr, uint64_t nbytes, std::string& why) {
-    return memory_->export_storage(ptr, nbytes, why);
-  }
-  // Makes `region` of peer `peer` reachable (mapping it if needed). Throws an Error naming the
-  // reason when it cannot be: then the peer takes the fabric.
-  void map(uint64_t peer, bool same_process, const engine::RemoteRegion& region);
-  bool mapped(uint64_t peer, uint64_t region) const { return regions_.count({peer, region}) > 0; }
-  // Queues one transfer's runs and pages (local addresses, offsets into regions[rreg], all
-  // mapped; page ids in `page_ids`) after `after`; returns a ticket for done().
-  uint64_t copy(uint64_t peer, const std::vector<const engine::RemoteRegion*>& regions,
-                const std::vector<engine::Run>& runs, const std::vector<engine::PageRuns>& pages,
-                const std::vector<int64_t>& page_ids, bool write, void* after);
-  void flush() { memory_->flush(); }  // see Memory::flush
-  bool done(uint64_t ticket) { return memory_->done(ticket); }
-  void* mark() { return memory_->mark(); }  // see Memory::mark
-  std::string error(uint64_t ticket) { return memory_->error(ticket); }  // see Memory::error
-  // Drops a region's mapping (shared mappings go with their last region) once the copies
-  // queued so far are done; forget() drops all of a peer's.
-  void release(uint64_t peer, uint64_t region);
-  void forget(uint64_t peer);
-  // Runs the releases whose copies are done. True while any wait.
-  bool poll();
-
-  size_t mappings() const { return allocations_.size(); }
+  const char* name() const override { return "ipc"; }
+  bool advertised() const override { return mappings_ != nullptr; }
+  bool reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) override;
+  void describe(engine::Region& region, engine::RemoteRegion& handle) override;
+  bool take(engine::Transfer& t) override;
+  engine::StreamOrder stream_order(const engine::Transfer& t) override;
+  bool poll() override;
+  bool idle() const override { return copies_.empty(); }
+  void on_message(engine::Peer&, std::string_view) override {}
+  void peer_failed(engine::Peer& p) override;
+  void release(uint64_t peer, uint64_t region) override;
+  bool must_release(const engine::Region& region, const engine::Peer& p) override;
+  void stop() override;
 
  private:
-  struct Allocation {  // one mapped allocation of a peer
-    void* base = nullptr;
-    uint64_t size = 0;
-    size_t regions = 0;
-    bool own = false;  // an allocation of this process: nothing to unmap
-  };
-  using AllocationKey = std::pair<uint64_t, std::string>;  // peer, handle bytes
-  struct Mapped {
-    AllocationKey allocation;
-    uint8_t* start = nullptr;  // the region's byte 0 in this process
-    uint64_t bytes = 0;        // mapped from there on
-  };
-  void unmap(uint64_t peer, uint64_t region);
+  bool peer_reaches(const engine::EngineAddress& a) const;
+  // Maps `region` of peer `a`; false (said once) where the peer cannot be mapped at all.
+  // Throws the Value error of a handle that lies about its memory.
+  bool map(const engine::EngineAddress& a, const engine::RemoteRegion& region);
 
-  std::unique_ptr<Memory> memory_;
-  std::map<AllocationKey, Allocation> allocations_;
-  std::map<std::pair<uint64_t, uint64_t>, Mapped> regions_;  // (peer, region id)
-  std::vector<engine::CopySpan> spans_;  // reused by copy()
-  std::vector<engine::CopyPages> pages_;
-  uint64_t last_ticket_ = 0;
-  std::vector<std::pair<uint64_t, std::function<void()>>> deferred_;  // (ticket, release)
+  engine::RouteHost& host_;
+  const uint8_t id_;
+  const std::string host_id_;
+  std::unique_ptr<Mappings> mappings_;  // null where the route is off
+  std::vector<std::pair<uint64_t, engine::Transfer*>> copies_;  // (ticket, transfer), in order
+  std::unordered_map<uint64_t, std::string> unreachable_;        // peers whose mapping failed: why
 };
 
 }  // namespace p2p::ipc

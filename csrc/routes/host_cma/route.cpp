@@ -50,7 +50,8 @@ bool inside(uint64_t offset, uint64_t len, uint64_t nbytes) { return offset <= n
 }  // namespace
 
 Route::Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, std::string host_id)
-    : host_(host), id_(id), host_id_(std::move(host_id)) {
+    : host_(host), id_(id), host_id_(std::move(host_id)),
+      engine_memory_(config.cuda_device < 0 && config.data_path != engine::DataPath::Staged) {
   if (!config.cma || host_id_.empty()) return;
   const int scope = ptrace_scope();
   if (scope >= 2) {
@@ -76,22 +77,26 @@ Route::Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, 
 
 Route::~Route() { stop(); }
 
-bool Route::reaches(const engine::EngineAddress& a, const RemoteRegion* region) const {
+bool Route::reaches(const engine::EngineAddress& a, const RemoteRegion* region) {
+  return engine_memory_ && peer_reaches(a, region);
+}
+
+bool Route::peer_reaches(const engine::EngineAddress& a, const RemoteRegion* region) const {
   if (!on_ || a.host != host_id_ || !(a.routes & (1u << id_)) || denied_.count(a.incarnation)) return false;
   return !region || (region->device_type == 0 && !region->staged);
 }
 
 bool Route::take(Transfer& t) {
   if (t.kind == engine::TransferKind::Message || t.route == engine::TransferRoute::Staged || t.cuda_event ||
-      !reaches(t.peer->address, nullptr))
+      !peer_reaches(t.peer->address, nullptr))
     return false;  // staged: data_path="staged" asked for the slots
   for (const auto& r : t.local)
     if (r->cuda_device >= 0) return false;
   for (const auto& r : t.remote)
-    if (!reaches(t.peer->address, r.get())) return false;
+    if (!peer_reaches(t.peer->address, r.get())) return false;
   Peer& p = *t.peer;
   ++t.pending;  // until the copy ends
-  t.route = engine::TransferRoute::Routed;
+  host_.started(t, id_);
   if (try_start(t)) return true;
   for (const auto& r : t.remote) {
     Grant& g = grants_[key_of(p.incarnation, *r)];
@@ -303,10 +308,10 @@ void Route::release(uint64_t peer, uint64_t region) {
     it = grants_.erase(it);
 }
 
-bool Route::must_release(uint64_t region, uint64_t peer) {
-  auto it = granted_.find(region);
+bool Route::must_release(const engine::Region& region, const Peer& p) {
+  auto it = granted_.find(region.id);
   if (it == granted_.end()) return false;
-  const bool granted = it->second.erase(peer) > 0;
+  const bool granted = it->second.erase(p.incarnation) > 0;
   if (it->second.empty()) granted_.erase(it);
   return granted;
 }

@@ -43,14 +43,14 @@ class Route final : public engine::Route {
 
   const char* name() const override { return "cma"; }
   bool advertised() const override { return on_; }
-  bool reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) const override;
+  bool reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) override;
   bool take(engine::Transfer& t) override;
   bool poll() override;
   bool idle() const override { return !copies_ || !copies_->ended(); }
   void on_message(engine::Peer& p, std::string_view body) override;
   void peer_failed(engine::Peer& p) override;
   void release(uint64_t peer, uint64_t region) override;
-  bool must_release(uint64_t region, uint64_t peer) override;
+  bool must_release(const engine::Region& region, const engine::Peer& p) override;
   void stop() override { copies_.reset(); }
 
  private:
@@ -69,6 +69,8 @@ class Route final : public engine::Route {
     return {peer, r.id, r.key.empty() ? 0 : r.key[0]};
   }
 
+  // reaches(), for host memory of this engine whatever its device.
+  bool peer_reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) const;
   bool owner_allows(const engine::Peer& p) const;
   void answer(engine::Peer& p, uint64_t region, uint64_t key);
   void on_grant(engine::Peer& p, uint64_t region, uint64_t key, Grant grant);
@@ -80,6 +82,7 @@ class Route final : public engine::Route {
   engine::RouteHost& host_;
   const uint8_t id_;
   const std::string host_id_;
+  const bool engine_memory_;  // this engine's own memory is host memory the route may move
   bool on_ = false;
   std::unique_ptr<Copies> copies_;
   // Initiator side.

@@ -1,0 +1,121 @@
+#include "routes/cuda_ipc/mappings.h"
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace p2p::ipc {
+
+Mappings::Mappings(std::unique_ptr<Memory> memory) : memory_(std::move(memory)) {}
+
+Mappings::~Mappings() {
+  memory_->done(last_ticket_);  // the memory's destructor waits for the stream
+  for (auto& [key, a] : allocations_)
+    if (!a.own) memory_->close(a.base);
+  memory_.reset();
+}
+
+void Mappings::map(uint64_t peer, bool same_process, const engine::RemoteRegion& region) {
+  if (auto known = regions_.find({peer, region.id}); known != regions_.end()) {
+    // The same region through another handle (views share one; a tampered one may not).
+    P2P_CHECK(region.nbytes <= known->second.bytes, ErrorKind::Value, "region ", region.id, " of peer ", hex(peer),
+              " claims ", region.nbytes, " bytes; its mapping holds ", known->second.bytes);
+    return;
+  }
+  P2P_CHECK(region.ipc.exported(), ErrorKind::Value, "region ", region.id, " is not exported for CUDA IPC");
+  const AllocationKey key{peer, region.ipc.handle};
+  auto it = allocations_.find(key);
+  if (it == allocations_.end()) {
+    Allocation a;
+    if (same_process) {
+      // An engine of this process owns it: its pointer works as it is.
+      P2P_CHECK(memory_->owns(region.ipc.ptr, region.nbytes), ErrorKind::Value, "region ", region.id,
+                " names memory this process does not have");
+      a.base = reinterpret_cast<void*>(region.ipc.ptr - region.ipc.offset);
+      a.size = region.ipc.offset + region.nbytes;
+      a.own = true;
+    } else {
+      a.base = memory_->open(region.ipc.handle, a.size);
+    }
+    it = allocations_.emplace(key, a).first;
+  }
+  Allocation& a = it->second;
+  // A handle that claims more than its allocation holds would let a copy fault the GPU.
+  if (region.ipc.offset > a.size || region.nbytes > a.size - region.ipc.offset) {
+    if (a.regions == 0) {
+      if (!a.own) memory_->close(a.base);
+      allocations_.erase(it);
+    }
+    P2P_THROW(ErrorKind::Value, "region ", region.id, " of peer ", hex(peer), " claims ", region.nbytes,
+              " bytes at offset ", region.ipc.offset, " of an allocation of ", a.size);
+  }
+  ++a.regions;
+  regions_[{peer, region.id}] = {key, static_cast<uint8_t*>(a.base) + region.ipc.offset, a.size - region.ipc.offset};
+}
+
+uint64_t Mappings::copy(uint64_t peer, const std::vector<const engine::RemoteRegion*>& regions,
+                     const std::vector<engine::Run>& runs, const std::vector<engine::PageRuns>& pages,
+                     const std::vector<int64_t>& page_ids, bool write, void* after) {
+  std::vector<uint8_t*> starts;
+  for (const engine::RemoteRegion* r : regions) starts.push_back(regions_.at({peer, r->id}).start);
+  spans_.clear();
+  for (const engine::Run& run : runs) {
+    void* local = reinterpret_cast<void*>(run.local);
+    void* remote = starts[run.rreg] + run.remote;
+    spans_.push_back(write ? engine::CopySpan{remote, local, run.len} : engine::CopySpan{local, remote, run.len});
+  }
+  pages_.clear();
+  for (const engine::PageRuns& p : pages) {
+    void* local = reinterpret_cast<void*>(p.local);
+    void* remote = starts[p.rreg] + p.remote;
+    const int64_t* lids = page_ids.data() + p.first;
+    const int64_t* rids = lids + p.n;
+    pages_.push_back(write ? engine::CopyPages{remote, local, p.remote_stride, p.local_stride, rids, lids, p.bytes, p.n}
+                           : engine::CopyPages{local, remote, p.local_stride, p.remote_stride, lids, rids, p.bytes, p.n});
+  }
+  last_ticket_ = memory_->copy(spans_, pages_, after);
+  return last_ticket_;
+}
+
+void Mappings::release(uint64_t peer, uint64_t region) {
+  if (!mapped(peer, region)) return;
+  deferred_.push_back({last_ticket_, [this, peer, region] { unmap(peer, region); }});
+  poll();
+}
+
+void Mappings::forget(uint64_t peer) {
+  std::vector<uint64_t> ids;
+  for (auto it = regions_.lower_bound({peer, 0}); it != regions_.end() && it->first.first == peer; ++it)
+    ids.push_back(it->first.second);
+  for (uint64_t id : ids) release(peer, id);
+}
+
+void Mappings::unmap(uint64_t peer, uint64_t region) {
+  auto it = regions_.find({peer, region});
+  if (it == regions_.end()) return;
+  auto a = allocations_.find(it->second.allocation);
+  regions_.erase(it);
+  if (--a->second.regions > 0) return;
+  if (!a->second.own) memory_->close(a->second.base);
+  P2P_LOG(Debug, "unmapped an allocation of peer ", hex(peer));
+  allocations_.erase(a);
+}
+
+bool Mappings::poll() {
+  size_t kept = 0;
+  for (auto& d : deferred_) {
+    if (memory_->done(d.first)) {
+      d.second();
+    } else {
+      deferred_[kept++] = std::move(d);
+    }
+  }
+  deferred_.resize(kept);
+  return kept > 0;
+}
+
+#ifndef WITH_CUDA
+// A build without CUDA has no memory to share: the worker leaves the route off.
+std::unique_ptr<Memory> make_memory(int, uint64_t) { return nullptr; }
+#endif
+
+}  // namespace p2p::ipc
