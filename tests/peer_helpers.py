@@ -10,6 +10,7 @@ Times that cross processes are time.monotonic(): one clock for every process of 
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -120,6 +121,33 @@ def native_threads() -> int:
 
 
 # -- functions that run in Peer children ------------------------------------------------------
+
+def forbid_ptrace(state) -> None:
+    """Makes this process one that others may not copy from or into without CAP_SYS_PTRACE
+    (not dumpable), as a hardened service may be."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
+
+
+def drop_ptrace_capability(state) -> None:
+    """Drops CAP_SYS_PTRACE from this thread and the threads it starts later (a root process
+    otherwise copies any process's memory)."""
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    data[0].effective &= ~(1 << 19)  # CAP_SYS_PTRACE
+    data[0].permitted &= ~(1 << 19)
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
 
 def start_engine(state, provider: str, **kwargs) -> bytes:
     state["engine"] = p2p.Engine("cpu", **engine_kwargs(provider, **kwargs))

@@ -123,6 +123,29 @@ def test_cma_peer_killed_with_32_large_pushes_in_flight():
         assert closed < 10, f"close() took {closed:.1f} s"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops CAP_SYS_PTRACE, which only root has")
+def test_cma_refused_by_the_os_takes_the_fabric(capfd):
+    """The OS may keep one process from another's memory: here the owner b is not dumpable and
+    the initiator a lacks CAP_SYS_PTRACE, so process_vm_readv/writev fail with EPERM. The cma
+    route finds out from its first probe of b, logs it once, and a's transfers to b take the
+    fabric with their bytes right; engine.route() then names the fabric."""
+    with Peer() as a, Peer() as b:
+        b.call(ph.forbid_ptrace)
+        b.call(ph.start_engine, "cma")
+        rb = b.call(ph.target, "t", 1 << 20)
+        a.call(ph.drop_ptrace_capability)
+        a.call(ph.start_engine, "cma")
+        a.call(ph.local, "src", 1 << 20, 3)
+        assert a.call(ph.route_to, rb) == "cma"  # nothing is known before the first probe
+        for _ in range(3):
+            a.call(ph.write, "src", rb, 20)
+            assert b.call(ph.checksum, "t") == a.call(ph.checksum, "src")
+            a.call(ph.local, "src", 1 << 20, 4)
+        assert a.call(ph.route_to, rb) == "direct"
+    said = capfd.readouterr().err.count("is not allowed")
+    assert said == 1, f"the refusal was logged {said} times"
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.xfail(SHM_1, strict=True, reason=SHM_SPIN)
 def test_dead_shm_peer_holding_its_lock():
