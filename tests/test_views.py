@@ -6,6 +6,8 @@ with the message that names the view at fault, as a call taken view by view does
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -49,18 +51,14 @@ def _move(link, write: bool, pairs, locals_=1, remotes=1, local_shape=(ROWS, COL
         for f in futures:
             p2p.wait(f, timeout=60)
         got_remote = [link.fetch(name) for name, _ in named]
-        if write:
-            expected = [helpers.poisoned(remote_shape, torch.float32) for _ in range(remotes)]
-            for src, dst in zip(*pairs(bases, expected)):
-                helpers.bits(dst).copy_(helpers.bits(src))
-            for got, want in zip(got_remote, expected):
-                helpers.assert_same_bits(got, want)
-        else:
-            expected = [helpers.poisoned(local_shape, torch.float32) for _ in range(locals_)]
-            for dst, src in zip(*pairs(expected, got_remote)):
-                helpers.bits(dst).copy_(helpers.bits(src))
-            for got, want in zip(bases, expected):
-                helpers.assert_same_bits(got, want)
+        # The same pairs applied to poisoned copies of the destination side, view by view.
+        shape, count = (remote_shape, remotes) if write else (local_shape, locals_)
+        expected = [helpers.poisoned(shape, torch.float32) for _ in range(count)]
+        for mine, theirs in zip(*(pairs(bases, expected) if write else pairs(expected, got_remote))):
+            dst, src = (theirs, mine) if write else (mine, theirs)
+            helpers.bits(dst).copy_(helpers.bits(src))
+        for got, want in zip(got_remote if write else bases, expected):
+            helpers.assert_same_bits(got, want)
     finally:
         for r in regions:
             r.close()
@@ -152,10 +150,17 @@ def _distinct_multirow(L, R):
 
 # -- refusals: the message names the view at fault ----------------------------------------------
 
-def test_dtype_mismatch_names_the_view(link):
-    _, remote = link.remote((ROWS, COLS))
+@contextlib.contextmanager
+def registered_source(link, access="rw"):
+    """A registered random [ROWS, COLS] source and a remote target of that shape."""
+    _, remote = link.remote((ROWS, COLS), access=access)
     src = helpers.random_tensor((ROWS, COLS), torch.float32, 1)
     with link.engine.register(src):
+        yield src, remote
+
+
+def test_dtype_mismatch_names_the_view(link):
+    with registered_source(link) as (src, remote):
         ints = src.view(torch.int32)
         views = [src[i] if k != 5 else ints[i] for k, i in enumerate(MINE)]
         with pytest.raises(ValueError, match="^source view 5 is Int but its RemoteTensor is Float$"):
@@ -167,9 +172,7 @@ def test_dtype_mismatch_names_the_view(link):
 
 
 def test_shape_mismatch_names_the_view(link):
-    _, remote = link.remote((ROWS, COLS))
-    src = helpers.random_tensor((ROWS, COLS), torch.float32, 1)
-    with link.engine.register(src):
+    with registered_source(link) as (src, remote):
         with pytest.raises(ValueError, match=r"^source view 0 has shape \[32\] but its RemoteTensor has shape \[16\]$"):
             link.engine.write_slices([src[i] for i in MINE], [remote[j, :16] for j in THEIRS])
         with pytest.raises(ValueError, match=r"^source view 7 has shape \[16\] but its RemoteTensor has shape \[32\]$"):
@@ -198,17 +201,13 @@ def test_overlapping_destination_elements_refused(link):
 
 
 def test_access_refused_for_pages_of_views(link):
-    _, remote = link.remote((ROWS, COLS), access="r")
-    src = helpers.random_tensor((ROWS, COLS), torch.float32, 1)
-    with link.engine.register(src):
+    with registered_source(link, access="r") as (src, remote):
         with pytest.raises(ValueError, match="does not accept remote writes"):
             link.engine.write_slices([src[i] for i in MINE], [remote[j] for j in THEIRS])
 
 
 def test_bad_items_raise_as_before(link):
-    _, remote = link.remote((ROWS, COLS))
-    src = helpers.random_tensor((ROWS, COLS), torch.float32, 1)
-    with link.engine.register(src):
+    with registered_source(link) as (src, remote):
         with pytest.raises(TypeError, match="^local view 3 is a int, not a tensor$"):
             link.engine.write_slices([src[0], src[1], src[2], 7], [remote[j] for j in range(4)])
         with pytest.raises(TypeError, match="^remote 2 is a Tensor, not a RemoteTensor$"):
