@@ -1,24 +1,32 @@
-// Route: a way for a transfer's bytes to move other than the fabric's RMA, owned by the worker
-// and kept in its own folder under csrc/routes/ with its own state. The worker offers each
-// transfer to its routes in turn (routes/registry.h) before the fabric; a route that takes it
-// owns its bytes until it calls RouteHost::done().
+// Route: a way for a transfer's bytes to move other than the worker's direct RMA, kept in its
+// own folder under csrc/routes/ with its own state. The worker offers each transfer to its
+// routes in turn (routes/registry.h) and to direct RMA last; a route that takes it owns its
+// bytes until it calls RouteHost::done().
 //
 // A route reaches back into the worker only through RouteHost: its peers' control channel,
-// transfer start and completion, the fabric fallback, region lookup, process watching and the
-// worker's wake-up. Every method runs on the worker thread, except RouteHost::wake(), which any
-// thread may call.
+// transfer start and completion, the fabric (rails, op generation, the fallback to direct
+// RMA), the copier, region lookup, peer and process watching and the worker's wake-up. Every
+// method runs on the worker thread, except RouteHost::wake(), which any thread may call.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
 
 #include "common/error.h"
+#include "common/wire.h"
 #include "core/address.h"
+#include "core/config.h"
+#include "core/copier.h"
+#include "core/messages.h"
+#include "core/ops.h"
 #include "core/peer.h"
 #include "core/region.h"
+#include "core/striper.h"
 #include "core/transfer.h"
+#include "fabric/rail.h"
 
 namespace p2p::engine {
 
@@ -37,12 +45,18 @@ class RouteHost {
   virtual ~RouteHost() = default;
   // Sends `body` to the same route of peer `p` (its Route::on_message).
   virtual void send(Peer& p, uint8_t route, std::string body) = 0;
+  // Sends a control message of the wire's own types (core/messages.h; Route::on_control).
+  virtual void post_control(Peer& p, ByteWriter&& w) = 0;
+  virtual uint64_t incarnation() const = 0;  // ours, for encode_message
   // t is route `route`'s from now on (its work counted in t.pending): marks it so and answers
   // the streams waiting on its order (Route::stream_order). Before anything may finish t.
   virtual void started(Transfer& t, uint8_t route) = 0;
   // One unit of work the route counted in t.pending is over, with its final status (a
   // failure here is the transfer's answer: no check of the peer follows); t may be gone after.
   virtual void done(Transfer& t, const Status& status) = 0;
+  // As done(), for a unit that an op's completion ended: a failure that may be the peer's
+  // (Peer, Remote) is told once a check of the peer says which.
+  virtual void transfer_op_done(Transfer& t, const Status& status) = 0;
   // The route cannot move t after all: it goes to the fabric (t.pending as it was given).
   virtual void fall_back(Transfer& t) = 0;
   virtual void fail_peer(Peer& p, Status why) = 0;
@@ -52,6 +66,23 @@ class RouteHost {
   virtual void watch_process(Peer& p) = 0;
   // Ends the worker's sleep, if it sleeps: from any thread.
   virtual void wake() = 0;
+  // p has work of ours in flight that its disconnect waits for, until end_work().
+  virtual void begin_work(Peer& p) = 0;
+  virtual void end_work(Peer& p) = 0;
+  virtual const Config& config() const = 0;
+  // Whether this engine's own memory goes through staging slots (no FI_HMEM, or data_path).
+  virtual bool staged_memory() const = 0;
+  virtual Copier& copier() = 0;
+
+  // The fabric, for routes that move bytes with RMA ops of their own.
+  virtual size_t rails() const = 0;
+  virtual fabric::Rail& rail(size_t i) = 0;
+  virtual Striper& striper() = 0;
+  // Makes ops of `kind` for `owner` to peer p while more() holds, on the striper's rail pairs:
+  // fill(op, pair) adds each op's segments, then it is queued on its rail. False when a rail's
+  // queue or the op pool is full: call again once ops complete.
+  virtual bool make_ops(Peer& p, OpKind kind, OpOwner* owner, const std::function<bool()>& more,
+                        const std::function<void(Op&, const RailPair&)>& fill) = 0;
 };
 
 class Route {
@@ -77,6 +108,11 @@ class Route {
   virtual bool idle() const = 0;
   // A message from the same route of peer `p`.
   virtual void on_message(Peer& p, std::string_view body) = 0;
+  // A control message of the wire's own types that the worker does not handle itself; true
+  // if the route took it. May throw an Error for a malformed one.
+  virtual bool on_control(Peer& p, Message& m) { return false; }
+  // The worker's timers ran (about every 10 ms).
+  virtual void tick() {}
   // Peer `p` failed: its transfers were failed; the route lets go of its state for them.
   virtual void peer_failed(Peer& p) = 0;
   // Nothing of ours flows into region `region` of `peer` any more (the owner closes it).
@@ -84,7 +120,8 @@ class Route {
   // We are closing `region`: true if peer `p` may still reach it through this route, so that
   // deregistration waits for its release.
   virtual bool must_release(const Region& region, const Peer& p) = 0;
-  // Before the worker stops: waits for the route's own work (nothing of it is reported).
+  // Before the worker closes its rails: waits for the route's own work (nothing of it is
+  // reported) and lets go of its registrations. The route is destroyed after the rails.
   virtual void stop() = 0;
 };
 

@@ -34,7 +34,6 @@ enum class TransferKind : uint8_t { Write, Read, Message };
 // How its bytes move, decided once its regions and its peer are known.
 enum class TransferRoute : uint8_t {
   Direct,  // RMA between registered memory
-  Staged,  // through pinned slots (staging.cpp): one side's memory is not registered
   Routed,  // a route of the registry (core/route.h, Transfer::routed_by) moves it, no ops
 };
 
@@ -60,9 +59,8 @@ const char* name(TransferStep step);
 
 // What generating a queued transfer achieved this turn.
 enum class Gen : uint8_t {
-  Done,     // every op or job exists
+  Done,     // every op exists
   Blocked,  // out of ops or queue room: retry next turn, keep the queue's order
-  Parked,   // waiting for a staging slot: moved to the slot waiters
 };
 
 // The call, as the engine made it: all a transfer needs to start. A prepared call keeps one
@@ -115,6 +113,8 @@ struct Transfer final : OpOwner, TransferCall {
   TransferStep next_step(bool needs_fence) const;
   // Moves to `to`; a move the diagram above does not allow is a bug (asserted).
   void enter(TransferState to);
+  // The pages as byte runs after the plain runs, for the paths that move runs.
+  void pages_to_runs();
 
   void op_done(Worker& worker, Op& op, const Status& status) override;
   bool abandoned() const override { return reported(); }

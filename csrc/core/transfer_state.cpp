@@ -87,6 +87,12 @@ TransferStep Transfer::next_step(bool needs_fence) const {
   }
 }
 
+void Transfer::pages_to_runs() {
+  for (const PageRuns& p : pages) append_page_runs(p, page_ids.data(), runs);
+  pages = {};
+  page_ids = {};
+}
+
 void Transfer::enter(TransferState to) {
   using S = TransferState;
   bool allowed = false;

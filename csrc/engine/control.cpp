@@ -39,11 +39,12 @@ void Worker::on_message(const char* data, size_t len) {
     struct Dispatch {
       Worker& w;
       Peer& p;
+      Message& body;
       void operator()(const UserFragment& m) { w.on_user(p, m); }
       void operator()(const UserAck& m) { w.on_user_ack(p, m); }
       void operator()(const Notify& m) { w.on_notify(m); }
-      void operator()(StageRequest& m) { w.on_stage_request(p, std::move(m)); }
-      void operator()(const StageAck& m) { w.on_stage_ack(m); }
+      void operator()(const StageRequest&) { w.to_routes(p, body); }
+      void operator()(const StageAck&) { w.to_routes(p, body); }
       void operator()(const Fence& m) { w.on_fence(p, m); }
       void operator()(const FenceAck& m) { w.acknowledged(p, m.id); }
       void operator()(const RegionClosed& m) { w.on_region_closed(p, m.id); }
@@ -55,10 +56,16 @@ void Worker::on_message(const char* data, size_t len) {
       void operator()(const HelloAck&) {}
       void operator()(const Bye&) {}
     };
-    std::visit(Dispatch{*this, p}, m.body);
+    std::visit(Dispatch{*this, p, m.body}, m.body);
   } catch (const Error& e) {
     P2P_LOG(Warn, "dropped a malformed control message: ", e.what());
   }
+}
+
+// A message of a type a route owns (the staged route's requests and answers).
+void Worker::to_routes(Peer& p, Message& m) {
+  for (auto& r : routes_)
+    if (r->on_control(p, m)) return;
 }
 
 }  // namespace p2p::engine

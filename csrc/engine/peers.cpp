@@ -11,7 +11,6 @@
 
 #include "common/log.h"
 #include "engine/worker.h"
-#include "routes/staged/staging.h"
 
 namespace p2p::engine {
 namespace {
@@ -256,10 +255,10 @@ void Worker::peer_ready(Peer& p) {
 
 // A peer's failure is one event that each part keeping something of the peer reacts to, in this
 // order: the peer's record (failed from now on), then what waits on it and reports (connects,
-// transfers, the staged jobs serving them, whose failure reports into their transfers, the
-// posted ops), then what only remembers it (the rail threads, the region table's pending
-// releases, the routes' state, the record's messages and process watch), and last a
-// disconnect that a death completes.
+// transfers, the routes' work for it (the staged route's jobs report into their transfers),
+// the posted ops), then what only remembers it (the rail threads, the region table's pending
+// releases, the record's messages and process watch), and last a disconnect that a death
+// completes.
 void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   assert_on_worker();
   if (p.failed()) return;
@@ -268,11 +267,10 @@ void Worker::fail_peer(Peer& p, Status why, PeerState state) {
   p.mark_failed(why, state);
   fail_waiters_of(f);
   fail_transfers_of(f);
-  fail_jobs_of(f);
+  for (auto& r : routes_) r->peer_failed(p);  // the staged route's jobs report into their transfers
   orphan_ops_of(f);
   for (auto& d : drivers_) forgets_.push_back({d.get(), &p});  // at the rail threads' next turn
   regions_.forget_peer(p.incarnation);
-  for (auto& r : routes_) r->peer_failed(p);
   p.forget();
   end_disconnect_of(f);
 }

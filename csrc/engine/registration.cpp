@@ -20,40 +20,37 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
   region->staged = region_staged(spec.cuda_device >= 0);
   region->piece_bytes = config_.piece_bytes;
 
-  if (region->staged) {
-    ensure_slots();  // peers' requests are served from slots
-  } else {
-    const uint64_t access = FI_READ | FI_WRITE | ((spec.access & kRemoteRead) ? FI_REMOTE_READ : 0) |
-                            ((spec.access & kRemoteWrite) ? FI_REMOTE_WRITE : 0);
-    try {
+  auto remote = std::make_shared<RemoteRegion>();
+  try {
+    if (!region->staged) {
+      const uint64_t access = FI_READ | FI_WRITE | ((spec.access & kRemoteRead) ? FI_REMOTE_READ : 0) |
+                              ((spec.access & kRemoteWrite) ? FI_REMOTE_WRITE : 0);
       for (uint64_t off = 0; off < spec.nbytes; off += region->piece_bytes) {
         const uint64_t len = std::min<uint64_t>(region->piece_bytes, spec.nbytes - off);
         for (auto& rs : rails_)
           region->mrs.push_back(rs.rail->register_memory(spec.ptr + off, len, access, spec.cuda_device));
       }
-    } catch (...) {
-      deregister_mrs(*region);
-      throw;
     }
+    remote->owner = address_;
+    remote->incarnation = incarnation_;
+    remote->id = region->id;
+    remote->nbytes = spec.nbytes;
+    remote->access = spec.access;
+    remote->staged = region->staged;
+    remote->device_type = spec.cuda_device >= 0 ? 1 : 0;
+    remote->device_index = static_cast<int16_t>(spec.cuda_device);
+    remote->piece_bytes = region->piece_bytes;
+    remote->rails = static_cast<uint16_t>(rails_.size());
+    for (const auto& mr : region->mrs) {
+      remote->base.push_back(mr.base);
+      remote->key.push_back(mr.key);
+    }
+    for (auto& r : routes_) r->describe(*region, *remote);  // the staged route's slots, an IPC export
+  } catch (...) {
+    deregister_mrs(*region);
+    throw;
   }
   regions_.add(region);
-
-  auto remote = std::make_shared<RemoteRegion>();
-  remote->owner = address_;
-  remote->incarnation = incarnation_;
-  remote->id = region->id;
-  remote->nbytes = spec.nbytes;
-  remote->access = spec.access;
-  remote->staged = region->staged;
-  remote->device_type = spec.cuda_device >= 0 ? 1 : 0;
-  remote->device_index = static_cast<int16_t>(spec.cuda_device);
-  remote->piece_bytes = region->piece_bytes;
-  remote->rails = static_cast<uint16_t>(rails_.size());
-  for (const auto& mr : region->mrs) {
-    remote->base.push_back(mr.base);
-    remote->key.push_back(mr.key);
-  }
-  for (auto& r : routes_) r->describe(*region, *remote);
   return remote;
 }
 

@@ -1,10 +1,9 @@
 // Transfers: a write_slices / read_slices / send call from the moment the worker owns it.
-// Direct transfers become RMA ops here; staged ones become slot jobs (staging.cpp).
+// The routes (routes/registry.h) take theirs; the rest become direct RMA ops here.
 #include <algorithm>
 
 #include "common/log.h"
 #include "engine/worker.h"
-#include "routes/staged/staging.h"
 
 namespace p2p::engine {
 
@@ -21,11 +20,8 @@ void Worker::start(Transfer* raw) {
   for (uint64_t id : t.local_ids) {
     std::shared_ptr<Region> region = regions_.find(id);
     if (!region) return fail(t, Status::error(ErrorKind::Closed, cat("region ", id, " was deregistered")));
-    if (region->staged) t.route = TransferRoute::Staged;
     t.local.push_back(std::move(region));
   }
-  for (const auto& r : t.remote)
-    if (r->staged) t.route = TransferRoute::Staged;
   try {
     t.peer = peer_for(t.peer_address, Contact::Implicit);
   } catch (const Error& e) {
@@ -99,14 +95,12 @@ std::string Worker::route(const std::string& address, const RemoteRegion* region
   const EngineAddress a = EngineAddress::decode(address);
   for (auto& r : routes_)
     if (r->reaches(a, region)) return r->name();
-  return region_staged(config_.cuda_device >= 0) || (region && region->staged) ? "staged" : "direct";
+  return "direct";
 }
 
-// The fabric routes move runs.
+// Direct RMA moves runs.
 void Worker::fall_back(Transfer& t) {
-  for (const PageRuns& p : t.pages) append_page_runs(p, t.page_ids.data(), t.runs);
-  t.pages = {};
-  t.page_ids = {};
+  t.pages_to_runs();
   uint64_t total = 0;
   for (const Run& r : t.runs) total += r.len;
   t.chunk = striper_.chunk(total, Striper::pairs(rails_.size(), t.peer->remote_rails()));
@@ -118,14 +112,6 @@ void Worker::fall_back(Transfer& t) {
 
 bool Worker::generate() {
   bool any = false;
-  // Jobs first: they hold slots, and finishing them frees slots for the transfers behind.
-  while (!job_gen_queue_.empty()) {
-    SlotJob& job = *job_gen_queue_.front();
-    if (!generate_job_ops(job)) break;
-    job_gen_queue_.pop_front();
-    any = true;
-    if (job.ops_left == 0) advance(job);
-  }
   while (!gen_queue_.empty()) {
     Transfer& t = *gen_queue_.front();
     if (t.reported()) {
@@ -134,20 +120,12 @@ bool Worker::generate() {
       maybe_free(t);
       continue;
     }
-    // The direct path must not read memory before the caller's stream has written it.
-    if (t.cuda_event && t.route != TransferRoute::Staged && !copier_->event_done(t.cuda_event)) break;
-    Gen g;
-    if (t.kind == TransferKind::Message) {
-      g = generate_message(t);
-    } else if (t.route == TransferRoute::Staged) {
-      g = generate_staged(t);
-    } else {
-      g = generate_direct(t) ? Gen::Done : Gen::Blocked;
-    }
+    // Direct RMA must not read memory before the caller's stream has written it.
+    if (t.cuda_event && !copier_->event_done(t.cuda_event)) break;
+    const Gen g = t.kind == TransferKind::Message ? generate_message(t) : generate_direct(t) ? Gen::Done : Gen::Blocked;
     any = true;
     if (g == Gen::Blocked) break;
     gen_queue_.pop_front();
-    if (g == Gen::Parked) continue;  // moved to the slot waiters, still queued
     t.queued = false;
     t.enter(TransferState::Running);
     advance(t);  // may free t
@@ -155,37 +133,51 @@ bool Worker::generate() {
   return any;
 }
 
-bool Worker::generate_direct(Transfer& t) {
-  Peer& p = *t.peer;
+template <typename More, typename Fill>
+bool Worker::generate_ops(Peer& p, OpKind kind, OpOwner* owner, const More& more, const Fill& fill) {
   const size_t L = rails_.size(), R = p.remote_rails();
-  const OpKind kind = t.kind == TransferKind::Write ? OpKind::Write : OpKind::Read;
-  auto local = [&](uint32_t i) { return Extent{reinterpret_cast<uint64_t>(t.local[i]->ptr), t.local[i]->piece_bytes}; };
-  auto remote = [&](uint32_t i) { return Extent{0, t.remote[i]->piece_bytes}; };
-  while (!t.at.at_end(t.runs)) {
+  while (more()) {
     const RailPair pair = striper_.pair(L, R);
     RailState& rs = rails_[pair.local];
     if (rs.pending.size() >= 2 * rs.depth) return false;
-    Op* op = new_op(kind, pair.local, &t, &p);
+    Op* op = new_op(kind, pair.local, owner, &p);
     if (!op) return false;
     op->dest = p.fi[pair.address(R)];
-    Segment segs[kMaxIov];
-    const size_t n = Striper::fill(t.at, t.runs, local, remote, t.chunk, std::min(rs.rail->max_iov(), kMaxIov), segs);
-    for (size_t i = 0; i < n; ++i) {
-      const Segment& s = segs[i];
-      const Run& run = t.runs[s.run];
-      const Region& lr = *t.local[run.lreg];
-      const RemoteRegion& rr = *t.remote[run.rreg];
-      const size_t rkey = mr_index(s.rpiece, R, pair.remote);
-      op->region = t.local[run.lreg].get();
-      op->device = lr.cuda_device >= 0;
-      op->add(reinterpret_cast<uint8_t*>(run.local + s.offset), s.len, lr.mrs[mr_index(s.lpiece, L, pair.local)].desc,
-              rr.base[rkey] + s.rpiece_offset, rr.key[rkey]);
-    }
+    fill(*op, pair);
     rs.pending.push_back(op);
-    ++t.pending;
     striper_.next();
   }
   return true;
+}
+
+bool Worker::make_ops(Peer& p, OpKind kind, OpOwner* owner, const std::function<bool()>& more,
+                      const std::function<void(Op&, const RailPair&)>& fill) {
+  return generate_ops(p, kind, owner, more, fill);
+}
+
+bool Worker::generate_direct(Transfer& t) {
+  const size_t L = rails_.size(), R = t.peer->remote_rails();
+  auto local = [&](uint32_t i) { return Extent{reinterpret_cast<uint64_t>(t.local[i]->ptr), t.local[i]->piece_bytes}; };
+  auto remote = [&](uint32_t i) { return Extent{0, t.remote[i]->piece_bytes}; };
+  return generate_ops(
+      *t.peer, t.kind == TransferKind::Write ? OpKind::Write : OpKind::Read, &t, [&] { return !t.at.at_end(t.runs); },
+      [&](Op& op, const RailPair& pair) {
+        Segment segs[kMaxIov];
+        const size_t max_iov = std::min(rails_[pair.local].rail->max_iov(), kMaxIov);
+        const size_t n = Striper::fill(t.at, t.runs, local, remote, t.chunk, max_iov, segs);
+        for (size_t i = 0; i < n; ++i) {
+          const Segment& s = segs[i];
+          const Run& run = t.runs[s.run];
+          const Region& lr = *t.local[run.lreg];
+          const RemoteRegion& rr = *t.remote[run.rreg];
+          const size_t rkey = mr_index(s.rpiece, R, pair.remote);
+          op.region = t.local[run.lreg].get();
+          op.device = lr.cuda_device >= 0;
+          op.add(reinterpret_cast<uint8_t*>(run.local + s.offset), s.len, lr.mrs[mr_index(s.lpiece, L, pair.local)].desc,
+                 rr.base[rkey] + s.rpiece_offset, rr.key[rkey]);
+        }
+        ++t.pending;
+      });
 }
 
 Gen Worker::generate_message(Transfer& t) {

@@ -89,7 +89,6 @@ void Worker::run(std::promise<void>& ready) {
   while (!stopping_.load(std::memory_order_relaxed)) {
     bool busy = drain_commands();
     busy |= poll_rails();
-    poll_copies();
     for (auto& r : routes_) busy |= r->poll();
     poll_fences();
     busy |= generate();
@@ -160,7 +159,7 @@ void Worker::idle_wait() {
   for (auto& d : drivers_) can_sleep = can_sleep && !d->has_events();
   for (auto& r : routes_) can_sleep = can_sleep && r->idle();
   // Nothing wakes us when a CUDA copy or the caller's stream event completes: keep polling.
-  can_sleep = can_sleep && copying_.empty() && fences_.empty() &&
+  can_sleep = can_sleep && fences_.empty() &&
               (gen_queue_.empty() || !gen_queue_.front()->cuda_event);
   bool all_fds = true;
   for (auto& rs : rails_) all_fds &= rs.driver || rs.rail->wait_fd() >= 0;
@@ -202,7 +201,7 @@ void Worker::tick() {
 
   check_peers();
   check_processes();
-  poke_abandoned_jobs();
+  for (auto& r : routes_) r->tick();
 
   regions_.finish(now(), [this](Region& r) { deregister_mrs(r); });
 }
@@ -264,8 +263,7 @@ void Worker::say_goodbye() {
 void Worker::release_registrations() {
   orphan_pins_.clear();
   regions_.clear([this](Region& r) { deregister_mrs(r); });
-  for (auto& slot : slots_)
-    for (size_t r = 0; r < slot->mrs.size(); ++r) rails_[r].rail->deregister(slot->mrs[r]);
+  for (auto& r : routes_) r->stop();  // their copies end; their registrations go before the rails
   control_.close(*rails_[0].rail);
 }
 
@@ -276,10 +274,10 @@ void Worker::close_rails() {
   rails_.clear();  // closes the endpoints: nothing posted completes after this
 }
 
-// What outlives the rails: the routes' copies and mappings, CUDA events (transfers' stream
-// events, peers' unanswered fences), process fds, staging memory.
+// What outlives the rails: the routes (their mappings, staging memory), CUDA events
+// (transfers' stream events, peers' unanswered fences), process fds.
 void Worker::release_held_resources() {
-  for (auto& r : routes_) r->stop();  // before the transfers' memory may go
+  routes_.clear();
   for (auto& [id, t] : transfers_)
     if (t->cuda_event) copier_->release_event(t->cuda_event);
   transfers_.clear();
@@ -288,9 +286,6 @@ void Worker::release_held_resources() {
   for (const PendingFence& f : fences_)
     if (f.event) copier_->release_event(f.event);
   fences_.clear();
-  jobs_.clear();
-  if (slot_memory_) copier_->free_pinned(slot_memory_);
-  slots_.clear();
 }
 
 // Commands queued after the loop's last turn run with closed=true: they only report failure.

@@ -51,10 +51,6 @@ struct RailFacts {
   bool wait_fd;
 };
 
-struct SlotJob;
-struct StageRequest;
-struct Slot;
-
 class Worker final : public RouteHost {
  public:
   // Finished transfers go back to `transfers` (the engine's).
@@ -73,13 +69,13 @@ class Worker final : public RouteHost {
   void stop();
 
   const std::string& address() const { return address_; }
-  uint64_t incarnation() const { return incarnation_; }
+  uint64_t incarnation() const override { return incarnation_; }
   const std::string& provider() const { return provider_; }
   bool hmem() const { return hmem_; }
   bool delivery_complete() const { return delivery_complete_; }
   bool auto_progress() const { return auto_progress_; }
   const std::vector<RailFacts>& rail_facts() const { return rail_facts_; }
-  const Config& config() const { return config_; }
+  const Config& config() const override { return config_; }
   bool region_staged(bool cuda) const;
 
   // Worker thread ---------------------------------------------------------------------------
@@ -108,13 +104,12 @@ class Worker final : public RouteHost {
   std::string route(const std::string& address, const RemoteRegion* region);
 
   // Used by op owners (worker thread).
-  void transfer_op_done(Transfer& t, const Status& status);
+  void transfer_op_done(Transfer& t, const Status& status) override;
   bool needs_fence(const Transfer& t) const;
   void send_fence(Transfer& t);
   void on_fence(Peer& p, const Fence& m);
   void acknowledged(Peer& p, uint64_t transfer);
   void poll_fences();
-  void job_op_done(SlotJob& job, const Status& status);
   double now() const;
   // Gives operation `id` its result. Results leave at the end of the loop's turn, together:
   // one wake of the dispatcher for all that completed in a turn.
@@ -122,6 +117,7 @@ class Worker final : public RouteHost {
 
   // RouteHost (core/route.h): what the routes of the registry reach back for.
   void send(Peer& p, uint8_t route, std::string body) override;
+  void post_control(Peer& p, ByteWriter&& w) override { send_control(p, std::move(w)); }
   void started(Transfer& t, uint8_t route) override;
   void done(Transfer& t, const Status& status) override;
   void fall_back(Transfer& t) override;
@@ -129,6 +125,15 @@ class Worker final : public RouteHost {
   std::shared_ptr<Region> region(uint64_t id) const override { return regions_.find(id); }
   void watch_process(Peer& p) override;
   void wake() override;
+  void begin_work(Peer& p) override;
+  void end_work(Peer& p) override;
+  bool staged_memory() const override { return region_staged(config_.cuda_device >= 0); }
+  Copier& copier() override { return *copier_; }
+  size_t rails() const override { return rails_.size(); }
+  fabric::Rail& rail(size_t i) override { return *rails_[i].rail; }
+  Striper& striper() override { return striper_; }
+  bool make_ops(Peer& p, OpKind kind, OpOwner* owner, const std::function<bool()>& more,
+                const std::function<void(Op&, const RailPair&)>& fill) override;
 
  private:
   struct RailState {
@@ -186,6 +191,9 @@ class Worker final : public RouteHost {
   // transfers.cpp: turning transfers into ops, finishing them.
   bool generate();
   bool generate_direct(Transfer& t);
+  // The one op generation of the fabric (direct RMA here, a route's through make_ops()).
+  template <typename More, typename Fill>
+  bool generate_ops(Peer& p, OpKind kind, OpOwner* owner, const More& more, const Fill& fill);
   Gen generate_message(Transfer& t);
   // finish() gives the future its result; maybe_free() drops the transfer once nothing refers
   // to it. fail() is both, for callers that are done with the transfer.
@@ -218,8 +226,6 @@ class Worker final : public RouteHost {
   void end_disconnect_of(const PeerFailure& f);
   void check_peers();
   void check(Peer& p, double deadline);
-  void begin_work(Peer& p);
-  void end_work(Peer& p);
   void check_processes();  // of the peers watch_process() watches
 
   // control.cpp: the control channel.
@@ -231,6 +237,7 @@ class Worker final : public RouteHost {
   void send_control(Peer& p, ByteWriter&& w, OpOwner* owner = nullptr, bool farewell = false);
   bool flush_outbox();
   void on_message(const char* data, size_t len);
+  void to_routes(Peer& p, Message& m);
 
   // user_messages.cpp: user messages and notifications received.
   void on_user(Peer& p, const UserFragment& m);
@@ -241,31 +248,6 @@ class Worker final : public RouteHost {
   void on_region_closed(Peer& p, uint64_t region);
   void deregister_mrs(Region& region);
   void release_regions(Peer& p);
-
-  // slots.cpp: the staging slot pool.
-  void ensure_slots();
-  Slot* take_slot(bool serve);
-  void give_slot(Slot* slot);
-  void rekey(Slot& slot);
-
-  // staging.cpp: the staged path on both sides.
-  Gen generate_staged(Transfer& t);
-  void start_job(SlotJob& job);
-  uint64_t start_copy(SlotJob& job, bool pack);
-  void send_request(SlotJob& job);
-  void send_ack(Peer& p, uint64_t request, const Status& status);
-  size_t request_run_limit(const Peer& p) const;
-  void poke_abandoned_jobs();
-  void advance(SlotJob& job);
-  bool generate_job_ops(SlotJob& job);
-  bool run_step(SlotJob& job);
-  bool run_copy(SlotJob& job);
-  void finish_job(SlotJob& job);
-  void on_stage_request(Peer& p, StageRequest req);
-  void serve(Peer& p, StageRequest req, std::shared_ptr<Region> region);
-  void on_stage_ack(const StageAck& m);
-  void poll_copies();
-  void fail_jobs_of(const PeerFailure& f);
 
   Config config_;
   std::thread::id worker_thread_;  // set as the thread starts
@@ -319,7 +301,8 @@ class Worker final : public RouteHost {
   double next_tick_ = 0;
   double idle_since_ = 0;
 
-  // The routes of the registry (routes/registry.h), offered each transfer before the fabric.
+  std::unique_ptr<Copier> copier_;  // CUDA copies and events (the routes' too: declared before them)
+  // The routes of the registry (routes/registry.h), offered each transfer before direct RMA.
   std::vector<std::unique_ptr<Route>> routes_;
   std::string host_;  // host_identity()
   // stream_order() answers due once their transfer (by id) takes its route or ends.
@@ -327,23 +310,12 @@ class Worker final : public RouteHost {
   StreamOrder order_of(const Transfer& t);
   void answer_orders(const Transfer& t);
 
-  // Staging (slots.cpp, staging.cpp).
-  std::unique_ptr<Copier> copier_;
-  std::vector<std::unique_ptr<Slot>> slots_;
-  std::vector<Slot*> free_slots_[2];  // [serve]
-  std::unordered_map<uint64_t, std::unique_ptr<SlotJob>> jobs_;
-  Ring<uint64_t> serve_queue_;        // ids of requests waiting for a serve slot
-  Ring<Transfer*> slot_waiters_;      // staged transfers waiting for an initiator slot
-  std::vector<SlotJob*> copying_;
   struct PendingFence {
     void* event;  // after the provider's copies (Copier::record_provider_event)
     uint64_t peer;
     uint64_t transfer;
   };
   std::vector<PendingFence> fences_;  // peers' Fences, answered when their event is done
-  Ring<SlotJob*> job_gen_queue_;
-  uint64_t next_request_ = 1;
-  void* slot_memory_ = nullptr;
 };
 
 template <typename R>

@@ -2,6 +2,7 @@
 
 #include "routes/cuda_ipc/route.h"
 #include "routes/host_cma/route.h"
+#include "routes/staged/route.h"
 
 namespace p2p::routes {
 
@@ -10,6 +11,7 @@ std::vector<std::unique_ptr<engine::Route>> make_routes(engine::RouteHost& host,
   std::vector<std::unique_ptr<engine::Route>> routes;
   routes.push_back(std::make_unique<ipc::Route>(host, 0, config, host_id));
   routes.push_back(std::make_unique<cma::Route>(host, 1, config, host_id));
+  routes.push_back(std::make_unique<staged::Route>(host, 2));
   return routes;
 }
 

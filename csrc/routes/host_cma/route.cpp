@@ -87,11 +87,10 @@ bool Route::peer_reaches(const engine::EngineAddress& a, const RemoteRegion* reg
 }
 
 bool Route::take(Transfer& t) {
-  if (t.kind == engine::TransferKind::Message || t.route == engine::TransferRoute::Staged || t.cuda_event ||
-      !peer_reaches(t.peer->address, nullptr))
-    return false;  // staged: data_path="staged" asked for the slots
-  for (const auto& r : t.local)
-    if (r->cuda_device >= 0) return false;
+  if (t.kind == engine::TransferKind::Message || t.cuda_event || !peer_reaches(t.peer->address, nullptr))
+    return false;
+  for (const auto& r : t.local)  // staged: data_path="staged" asked for the slots
+    if (r->cuda_device >= 0 || r->staged) return false;
   for (const auto& r : t.remote)
     if (!peer_reaches(t.peer->address, r.get())) return false;
   Peer& p = *t.peer;

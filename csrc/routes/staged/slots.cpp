@@ -5,22 +5,23 @@
 #include <algorithm>
 
 #include "common/log.h"
-#include "engine/worker.h"
-#include "routes/staged/staging.h"
+#include "routes/staged/route.h"
 
-namespace p2p::engine {
+namespace p2p::staged {
+
+using namespace engine;
 namespace {
 
 constexpr uint64_t kSlotAccess = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
 
 }  // namespace
 
-void Worker::ensure_slots() {
+void Route::ensure_slots() {
   if (!slots_.empty()) return;
-  const uint64_t slot_bytes = slot_size(config_.slot_bytes);
-  const size_t n = std::max<size_t>(2, config_.staging_bytes / slot_bytes);
+  const uint64_t slot_bytes = slot_size(host_.config().slot_bytes);
+  const size_t n = std::max<size_t>(2, host_.config().staging_bytes / slot_bytes);
   const uint64_t span_bytes = round_page(kMaxJobRuns * sizeof(CopySpan));
-  auto* base = static_cast<uint8_t*>(copier_->alloc_pinned(n * (slot_bytes + span_bytes)));
+  auto* base = static_cast<uint8_t*>(host_.copier().alloc_pinned(n * (slot_bytes + span_bytes)));
   slot_memory_ = base;
   for (size_t i = 0; i < n; ++i) {
     auto slot = std::make_unique<Slot>();
@@ -28,14 +29,15 @@ void Worker::ensure_slots() {
     slot->bytes = slot_bytes;
     slot->spans = reinterpret_cast<CopySpan*>(base + n * slot_bytes + i * span_bytes);
     slot->serve = i >= n / 2;
-    for (auto& rs : rails_) slot->mrs.push_back(rs.rail->register_memory(slot->ptr, slot_bytes, kSlotAccess, -1));
+    for (size_t r = 0; r < host_.rails(); ++r)
+      slot->mrs.push_back(host_.rail(r).register_memory(slot->ptr, slot_bytes, kSlotAccess, -1));
     free_slots_[slot->serve].push_back(slot.get());
     slots_.push_back(std::move(slot));
   }
   P2P_LOG(Info, "staging: ", n, " slots of ", slot_bytes, " bytes (", n - n / 2, " for serving peers)");
 }
 
-Slot* Worker::take_slot(bool serve) {
+Slot* Route::take_slot(bool serve) {
   auto& free = free_slots_[serve];
   if (free.empty()) return nullptr;
   Slot* slot = free.back();
@@ -43,32 +45,25 @@ Slot* Worker::take_slot(bool serve) {
   return slot;
 }
 
-void Worker::give_slot(Slot* slot) {
+void Route::give_slot(Slot* slot) {
   free_slots_[slot->serve].push_back(slot);
-  if (slot->serve) {
-    while (!serve_queue_.empty() && !free_slots_[1].empty()) {
-      auto it = jobs_.find(serve_queue_.front());
-      serve_queue_.pop_front();
-      if (it == jobs_.end()) continue;  // its peer failed while it waited
-      it->second->slot = take_slot(true);
-      start_job(*it->second);
-    }
-    return;
-  }
-  // A transfer parked for want of a slot resumes ahead of newer ones.
-  if (!slot_waiters_.empty()) {
-    gen_queue_.push_front(slot_waiters_.front());
-    slot_waiters_.pop_front();
+  if (!slot->serve) return;  // a transfer waiting for one takes it at the route's next poll
+  while (!serve_queue_.empty() && !free_slots_[1].empty()) {
+    auto it = jobs_.find(serve_queue_.front());
+    serve_queue_.pop_front();
+    if (it == jobs_.end()) continue;  // its peer failed while it waited
+    it->second->slot = take_slot(true);
+    start_job(*it->second);
   }
 }
 
 // A slot whose job failed with its peer unreachable may still be named in a peer's posted
 // RMA; a new key makes the provider refuse it.
-void Worker::rekey(Slot& slot) {
-  for (size_t r = 0; r < rails_.size(); ++r) {
-    rails_[r].rail->deregister(slot.mrs[r]);
-    slot.mrs[r] = rails_[r].rail->register_memory(slot.ptr, slot.bytes, kSlotAccess, -1);
+void Route::rekey(Slot& slot) {
+  for (size_t r = 0; r < host_.rails(); ++r) {
+    host_.rail(r).deregister(slot.mrs[r]);
+    slot.mrs[r] = host_.rail(r).register_memory(slot.ptr, slot.bytes, kSlotAccess, -1);
   }
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::staged

@@ -4,11 +4,11 @@
 #include <cstring>
 
 #include "common/log.h"
-#include "engine/worker.h"
+#include "routes/staged/route.h"
 
 namespace p2p::engine {
 
-void SlotJob::op_done(Worker& worker, Op&, const Status& status) { worker.job_op_done(*this, status); }
+void SlotJob::op_done(Worker&, Op&, const Status& status) { route->job_op_done(*this, status); }
 
 const char* name(SlotJobState state) {
   switch (state) {
@@ -22,32 +22,96 @@ const char* name(SlotJobState state) {
   return "?";
 }
 
-size_t Worker::request_run_limit(const Peer&) const {
+}  // namespace p2p::staged
+
+namespace p2p::staged {
+
+using namespace engine;
+
+size_t Route::request_run_limit() const {
   // Header, fixed fields, one (base, key) per local rail, then 12 bytes a run.
-  const size_t fixed = kHeaderBytes + 8 + 1 + 8 + 8 + 2 + 16 * rails_.size() + 2;
+  const size_t fixed = kHeaderBytes + 8 + 1 + 8 + 8 + 2 + 16 * host_.rails() + 2;
   return std::min(kMaxJobRuns, (kMessageBytes - fixed) / 12);
+}
+
+// After the worker's rails are closed (stop() let go of the slots' registrations).
+Route::~Route() {
+  jobs_.clear();
+  if (slot_memory_) host_.copier().free_pinned(slot_memory_);
+}
+
+void Route::stop() {
+  for (auto& slot : slots_)
+    for (size_t r = 0; r < slot->mrs.size(); ++r) host_.rail(r).deregister(slot->mrs[r]);
+  for (auto& slot : slots_) slot->mrs.clear();
+}
+
+// Transfers of this engine's memory to `a` take the route if either end is staged.
+bool Route::reaches(const EngineAddress&, const RemoteRegion* region) {
+  return host_.staged_memory() || (region && region->staged);
+}
+
+void Route::describe(Region& region, RemoteRegion&) {
+  if (region.staged) ensure_slots();  // peers' requests are served from slots
 }
 
 // ---------------------------------------------------------------------------------------------
 // Initiator side.
 
-Gen Worker::generate_staged(Transfer& t) {
+bool Route::take(Transfer& t) {
+  if (t.kind == TransferKind::Message) return false;
+  const bool staged = std::any_of(t.local.begin(), t.local.end(), [](auto& r) { return r->staged; }) ||
+                      std::any_of(t.remote.begin(), t.remote.end(), [](auto& r) { return r->staged; });
+  if (!staged) return false;
+  t.pages_to_runs();
+  ++t.pending;  // until every job of it is made (generate())
+  host_.started(t, id_);
+  t.enter(TransferState::Queued);
+  queue_.push_back(&t);
+  return true;
+}
+
+bool Route::poll() {
+  poll_copies();
+  return generate();
+}
+
+// Jobs' ops first: they hold slots, and finishing them frees slots for the transfers behind.
+bool Route::generate() {
+  bool any = false;
+  while (!job_gen_queue_.empty()) {
+    SlotJob& job = *job_gen_queue_.front();
+    if (!generate_job_ops(job)) break;
+    job_gen_queue_.pop_front();
+    any = true;
+    if (job.ops_left == 0) advance(job);
+  }
+  while (!queue_.empty()) {
+    Transfer& t = *queue_.front();
+    if (!t.reported() && !make_jobs(t)) break;  // waits for a slot, ahead of newer transfers
+    queue_.pop_front();
+    any = true;
+    if (!t.reported()) t.enter(TransferState::Running);
+    host_.done(t, {});  // every job is made (or t ended while it waited)
+  }
+  return any;
+}
+
+bool Route::make_jobs(Transfer& t) {
   ensure_slots();
   const bool write = t.kind == TransferKind::Write;
   while (!t.at.at_end(t.runs)) {
     Slot* slot = take_slot(false);
-    if (!slot) {
-      slot_waiters_.push_back(&t);
-      return Gen::Parked;
-    }
+    if (!slot) return false;
     auto owned = std::make_unique<SlotJob>();
     SlotJob& job = *owned;
     job.id = next_request_++;
+    job.route = this;
     job.transfer = &t;
     job.peer = t.peer;
     job.slot = slot;
     const bool remote_staged = t.remote[t.runs[t.at.run].rreg]->staged;
-    const size_t max_runs = remote_staged ? request_run_limit(*t.peer) : kMaxJobRuns;
+    const size_t max_runs = remote_staged ? request_run_limit() : kMaxJobRuns;
     job.bytes = Striper::fill_slot(t.at, t.runs, max_runs, slot->bytes, job.runs);
     if (remote_staged) {
       job.steps[0] = write ? Step::Pack : Step::Request;
@@ -61,10 +125,10 @@ Gen Worker::generate_staged(Transfer& t) {
     jobs_.emplace(job.id, std::move(owned));
     start_job(job);
   }
-  return Gen::Done;
+  return true;
 }
 
-void Worker::send_request(SlotJob& job) {
+void Route::send_request(SlotJob& job) {
   Transfer& t = *job.transfer;
   StageRequest req;
   req.request = job.id;
@@ -76,10 +140,10 @@ void Worker::send_request(SlotJob& job) {
     req.key.push_back(mr.key);
   }
   req.runs = job.runs;
-  send_control(*job.peer, message(req, *job.peer));
+  host_.post_control(*job.peer, encode_message(req, host_.incarnation(), job.peer->incarnation));
 }
 
-void Worker::on_stage_ack(const StageAck& m) {
+void Route::on_stage_ack(const StageAck& m) {
   auto it = jobs_.find(m.id);
   if (it == jobs_.end() || !it->second->transfer || it->second->step() != Step::Request) return;
   SlotJob& job = *it->second;
@@ -92,7 +156,7 @@ void Worker::on_stage_ack(const StageAck& m) {
 // ---------------------------------------------------------------------------------------------
 // Both sides: the step machine.
 
-void Worker::start_job(SlotJob& job) {
+void Route::start_job(SlotJob& job) {
   job.cur = 0;
   job.state = SlotJobState::Ready;
   advance(job);
@@ -100,7 +164,7 @@ void Worker::start_job(SlotJob& job) {
 
 // Host runs are copied here and now; GPU runs go to the copier's stream. Returns its ticket,
 // or 0 (always done) when there was nothing for the GPU.
-uint64_t Worker::start_copy(SlotJob& job, bool pack) {
+uint64_t Route::start_copy(SlotJob& job, bool pack) {
   Slot& slot = *job.slot;
   size_t n = 0;
   uint64_t offset = 0;
@@ -116,11 +180,10 @@ uint64_t Worker::start_copy(SlotJob& job, bool pack) {
     slot.spans[n++] = pack ? CopySpan{in_slot, mem, run.len} : CopySpan{mem, in_slot, run.len};
   }
   if (n == 0) return 0;
-  return copier_->copy(slot.spans, n, job.transfer ? job.transfer->cuda_event : nullptr);
+  return host_.copier().copy(slot.spans, n, job.transfer ? job.transfer->cuda_event : nullptr);
 }
 
-void Worker::advance(SlotJob& job) {
-  assert_on_worker();
+void Route::advance(SlotJob& job) {
   while (true) {
     if (job.status.ok() && job.transfer && job.transfer->reported())
       job.status = Status::error(ErrorKind::Cancelled, "the transfer ended");
@@ -138,7 +201,7 @@ void Worker::advance(SlotJob& job) {
 }
 
 // Begins or continues the job's current step; true once the step is complete.
-bool Worker::run_step(SlotJob& job) {
+bool Route::run_step(SlotJob& job) {
   switch (job.step()) {
     case Step::Pack:
     case Step::Unpack:
@@ -168,78 +231,71 @@ bool Worker::run_step(SlotJob& job) {
 }
 
 // A pack or unpack: started on the first call, complete once the copier is done with it.
-bool Worker::run_copy(SlotJob& job) {
+bool Route::run_copy(SlotJob& job) {
   if (job.state == SlotJobState::Ready) {
     job.ticket = start_copy(job, job.step() == Step::Pack);
     job.state = SlotJobState::Copied;
-    if (!copier_->done(job.ticket)) {
+    if (!host_.copier().done(job.ticket)) {
       job.state = SlotJobState::Copying;
       copying_.push_back(&job);  // poll_copies comes back
     }
   }
   if (job.state == SlotJobState::Copying) return false;
-  if (const std::string err = copier_->error(); !err.empty()) {
+  if (const std::string err = host_.copier().error(); !err.empty()) {
     job.status = Status::error(ErrorKind::Generic, cat("staging copy failed: ", err));
     return false;
   }
   return true;
 }
 
-bool Worker::generate_job_ops(SlotJob& job) {
+bool Route::generate_job_ops(SlotJob& job) {
   if (!job.status.ok()) {
     job.state = SlotJobState::Moving;
     return true;
   }
   Peer& p = *job.peer;
-  const size_t L = rails_.size(), R = p.remote_rails();
-  const uint64_t chunk = striper_.chunk(job.bytes, Striper::pairs(L, R));
-  const OpKind kind = job.write_out ? OpKind::Write : OpKind::Read;
+  const size_t R = p.remote_rails();
+  const uint64_t chunk = host_.striper().chunk(job.bytes, Striper::pairs(host_.rails(), R));
   // The local side is the slot, one registration; the remote side is the requester's slot
   // (serving) or the runs of a directly registered region.
   const bool to_slot = job.step() == Step::RmaSlot;
   const Run whole_slot{0, 0, job.bytes, 0, 0};
   const RunView runs = to_slot ? RunView(&whole_slot, 1) : RunView(job.runs);
   auto remote = [&](uint32_t i) { return to_slot ? Extent{} : Extent{0, job.transfer->remote[i]->piece_bytes}; };
-  while (!job.gen.at_end(runs)) {
-    const RailPair pair = striper_.pair(L, R);
-    RailState& rs = rails_[pair.local];
-    if (rs.pending.size() >= 2 * rs.depth) return false;
-    Op* op = new_op(kind, pair.local, &job, &p);
-    if (!op) return false;
-    Segment s{};
-    Striper::fill(job.gen, runs, [](uint32_t) { return Extent{}; }, remote, chunk, 1, &s);
-    uint64_t remote_addr, key;
-    if (to_slot) {
-      remote_addr = job.peer_base[pair.remote] + s.offset;
-      key = job.peer_key[pair.remote];
-    } else {
-      const RemoteRegion& rr = *job.transfer->remote[runs[s.run].rreg];
-      remote_addr = rr.base[mr_index(s.rpiece, R, pair.remote)] + s.rpiece_offset;
-      key = rr.key[mr_index(s.rpiece, R, pair.remote)];
-    }
-    op->add(job.slot->ptr + job.gen_slot, s.len, job.slot->mrs[pair.local].desc, remote_addr, key);
-    op->dest = p.fi[pair.address(R)];
-    rs.pending.push_back(op);
-    ++job.ops_left;
-    striper_.next();
-    job.gen_slot += s.len;
-  }
+  const bool made = host_.make_ops(
+      p, job.write_out ? OpKind::Write : OpKind::Read, &job, [&] { return !job.gen.at_end(runs); },
+      [&](Op& op, const RailPair& pair) {
+        Segment s{};
+        Striper::fill(job.gen, runs, [](uint32_t) { return Extent{}; }, remote, chunk, 1, &s);
+        uint64_t remote_addr, key;
+        if (to_slot) {
+          remote_addr = job.peer_base[pair.remote] + s.offset;
+          key = job.peer_key[pair.remote];
+        } else {
+          const RemoteRegion& rr = *job.transfer->remote[runs[s.run].rreg];
+          remote_addr = rr.base[mr_index(s.rpiece, R, pair.remote)] + s.rpiece_offset;
+          key = rr.key[mr_index(s.rpiece, R, pair.remote)];
+        }
+        op.add(job.slot->ptr + job.gen_slot, s.len, job.slot->mrs[pair.local].desc, remote_addr, key);
+        ++job.ops_left;
+        job.gen_slot += s.len;
+      });
+  if (!made) return false;
   job.state = SlotJobState::Moving;
   return true;
 }
 
-void Worker::job_op_done(SlotJob& job, const Status& status) {
-  assert_on_worker();
+void Route::job_op_done(SlotJob& job, const Status& status) {
   P2P_ASSERT(job.ops_left > 0);
   --job.ops_left;
   if (!status.ok() && job.status.ok()) job.status = status;
   if (job.state == SlotJobState::Moving && job.ops_left == 0) advance(job);
 }
 
-void Worker::poll_copies() {
+void Route::poll_copies() {
   for (size_t i = 0; i < copying_.size();) {
     SlotJob* job = copying_[i];
-    if (!copier_->done(job->ticket)) {
+    if (!host_.copier().done(job->ticket)) {
       ++i;
       continue;
     }
@@ -250,16 +306,15 @@ void Worker::poll_copies() {
   }
 }
 
-void Worker::finish_job(SlotJob& job) {
+void Route::finish_job(SlotJob& job) {
   const uint64_t id = job.id;
   Slot* slot = job.slot;
   const ErrorKind kind = job.status.kind;
   if (job.transfer) {
-    Transfer& t = *job.transfer;
-    transfer_op_done(t, job.status);  // a job is one pending unit of its transfer
+    host_.transfer_op_done(*job.transfer, job.status);  // a job is one pending unit of its transfer
   } else {
     if (!job.status.ok()) send_ack(*job.peer, job.request, job.status);
-    end_work(*job.peer);
+    host_.end_work(*job.peer);
   }
   jobs_.erase(id);
   if (slot) {
@@ -268,15 +323,15 @@ void Worker::finish_job(SlotJob& job) {
   }
 }
 
-void Worker::fail_jobs_of(const PeerFailure& f) {
+void Route::peer_failed(Peer& p) {
   std::vector<uint64_t> ids;
   for (auto& [id, job] : jobs_)
-    if (job->peer == &f.peer) ids.push_back(id);
+    if (job->peer == &p) ids.push_back(id);
   for (uint64_t id : ids) {
     auto it = jobs_.find(id);
     if (it == jobs_.end()) continue;
     SlotJob& job = *it->second;
-    if (job.status.ok()) job.status = f.why;
+    if (job.status.ok()) job.status = p.failure;
     if (!job.slot) {
       finish_job(job);  // a request still waiting for a serve slot
       continue;
@@ -286,7 +341,7 @@ void Worker::fail_jobs_of(const PeerFailure& f) {
 }
 
 // A job waiting for the owner's answer learns of its transfer's end (timeout, cancel) here.
-void Worker::poke_abandoned_jobs() {
+void Route::tick() {
   std::vector<uint64_t> ids;
   for (auto& [id, job] : jobs_)
     if (job->transfer && job->transfer->reported() && job->step() == Step::Request) ids.push_back(id);
@@ -296,4 +351,4 @@ void Worker::poke_abandoned_jobs() {
   }
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::staged

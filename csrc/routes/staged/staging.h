@@ -30,6 +30,13 @@ struct Region;
 struct Transfer;
 struct Peer;
 class Worker;
+}  // namespace p2p::engine
+
+namespace p2p::staged {
+class Route;
+}  // namespace p2p::staged
+
+namespace p2p::engine {
 
 // Runs per slot job: bounded by what a StageReq carries and by the copy kernel's span list.
 constexpr size_t kMaxJobRuns = 512;
@@ -52,12 +59,12 @@ enum class Step : uint8_t {
   Done,
 };
 
-// Where a job stands within its current step; Worker::advance(SlotJob&) moves it.
+// Where a job stands within its current step; staged::Route::advance moves it.
 enum class SlotJobState : uint8_t {
   Ready,       // the step has not begun
-  Copying,     // a pack or unpack runs on the copier (the job is in the worker's copying_ list)
+  Copying,     // a pack or unpack runs on the copier (the job is in the route's copying_ list)
   Copied,      // that copy has finished; its error is checked next
-  Generating,  // waits in the worker's job_gen_queue_ for room to make its RMA ops
+  Generating,  // waits in the route's job_gen_queue_ for room to make its RMA ops
   Moving,      // every RMA op is made; ops_left of them are in flight
   Requesting,  // StageReq sent; on_stage_ack moves on
 };
@@ -75,7 +82,8 @@ struct SlotJob final : OpOwner {
   std::vector<Run> runs;   // local address <-> remote offset; slot offsets follow run order
   uint64_t bytes = 0;
   Peer* peer = nullptr;
-  Transfer* transfer = nullptr;  // initiator side
+  staged::Route* route = nullptr;  // its owner
+  Transfer* transfer = nullptr;    // initiator side
 
   // Serving side: the request.
   uint64_t request = 0;

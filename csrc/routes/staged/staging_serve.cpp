@@ -1,8 +1,7 @@
 // The serving side of the staged path (staging.h): a peer's StageReq is checked as the
 // provider would check direct RMA, then served by a slot job from the serve half of the pool.
 #include "common/log.h"
-#include "engine/worker.h"
-#include "routes/staged/staging.h"
+#include "routes/staged/route.h"
 
 namespace p2p::engine {
 
@@ -27,25 +26,45 @@ std::string stage_request_refusal(StageRequest& req, const Region* region, uint6
   return {};
 }
 
-void Worker::send_ack(Peer& p, uint64_t request, const Status& status) {
+}  // namespace p2p::engine
+
+namespace p2p::staged {
+
+using namespace engine;
+
+void Route::send_ack(Peer& p, uint64_t request, const Status& status) {
   if (p.failed()) return;
-  send_control(p, message(StageAck{request, status.kind, status.message}, p));
+  host_.post_control(p, encode_message(StageAck{request, status.kind, status.message}, host_.incarnation(), p.incarnation));
 }
 
-void Worker::on_stage_request(Peer& p, StageRequest req) {
+bool Route::on_control(Peer& p, Message& m) {
+  if (auto* req = std::get_if<StageRequest>(&m)) {
+    on_stage_request(p, std::move(*req));
+    return true;
+  }
+  if (const auto* ack = std::get_if<StageAck>(&m)) {
+    on_stage_ack(*ack);
+    return true;
+  }
+  return false;
+}
+
+void Route::on_stage_request(Peer& p, StageRequest req) {
   if (req.base.size() != p.remote_rails())
     throw Error(ErrorKind::Value, "invalid control message: bad stage request");
-  std::shared_ptr<Region> region = regions_.find(req.region_id);
-  if (const std::string why = stage_request_refusal(req, region.get(), slot_size(config_.slot_bytes)); !why.empty())
+  std::shared_ptr<Region> region = host_.region(req.region_id);
+  if (const std::string why = stage_request_refusal(req, region.get(), slot_size(host_.config().slot_bytes));
+      !why.empty())
     return send_ack(p, req.request, Status::error(ErrorKind::Remote, why));
   serve(p, std::move(req), std::move(region));
 }
 
 // A job for a request that passed the checks; it waits for a serve slot if none is free.
-void Worker::serve(Peer& p, StageRequest req, std::shared_ptr<Region> region) {
+void Route::serve(Peer& p, StageRequest req, std::shared_ptr<Region> region) {
   auto owned = std::make_unique<SlotJob>();
   SlotJob& job = *owned;
   job.id = next_request_++;
+  job.route = this;
   job.request = req.request;
   job.peer = &p;
   job.region = std::move(region);
@@ -63,7 +82,7 @@ void Worker::serve(Peer& p, StageRequest req, std::shared_ptr<Region> region) {
     job.steps[1] = Step::RmaSlot;
   }
   job.steps[2] = Step::Ack;
-  begin_work(p);
+  host_.begin_work(p);
   jobs_.emplace(job.id, std::move(owned));
   ensure_slots();
   job.slot = take_slot(true);
@@ -74,4 +93,4 @@ void Worker::serve(Peer& p, StageRequest req, std::shared_ptr<Region> region) {
   start_job(job);
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::staged
