@@ -82,6 +82,7 @@ import torch_p2p as p2p  # noqa: E402
 
 METHODS = ["local", "local-pinned", "remote-pageable", "remote-pinned", "remote-staged", "remote-direct"]
 DEFAULT_SIZES = "1e4,1e5,1e6,1e7,1e8,4e8"
+DRY_RUN_SIZES = "1e4,1e5,1e6,1e7,1e8"  # the default with the server on the CPU
 SERVER_DATA_PATH = {"remote-pageable": None, "remote-pinned": None, "remote-staged": "staged",
                     "remote-direct": "direct"}
 SAMPLE = 4096  # random indices checked per run above --check-all
@@ -591,8 +592,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
-                   help=f"float32 elements per array, comma-separated (default {DEFAULT_SIZES}); "
+    p.add_argument("--sizes", type=parse_sizes, default=None,
+                   help=f"float32 elements per array, comma-separated (default {DEFAULT_SIZES}, "
+                        f"{DRY_RUN_SIZES} in a dry run); "
                         "memory: 3 arrays of 4 B each on the client, the server host and each GPU")
     p.add_argument("--methods", type=parse_methods, default=list(METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
@@ -610,7 +612,7 @@ def parse_args(argv=None):
                    help="check every element up to N elements, else 4096 random ones (default 1e6)")
     p.add_argument("--server-device", "--server-gpu", default=None,
                    help="the server's device: cuda:N, or cpu for a dry run (default cuda:1 with 2 GPUs, "
-                        "else cuda:0)")
+                        "else cuda:0, and cpu without CUDA)")
     p.add_argument("--local-device", default="cuda:0" if cuda else None,
                    help="the client's GPU for the local methods (default cuda:0; cpu: a dry run)")
     p.add_argument("--provider", default="tcp", help="libfabric provider (default tcp)")
@@ -623,9 +625,10 @@ def parse_args(argv=None):
     p.add_argument("-v", "--verbose", action="store_true", help="the engines' log on stderr")
     args = p.parse_args(argv)
     if args.server_device is None:
-        if not cuda:
-            p.error("no CUDA here: pass --server-device cpu for a dry run of the protocol")
-        args.server_device = "cuda:1" if cuda >= 2 else "cuda:0"
+        # Without CUDA, the protocol runs on host memory: a dry run (said in the header).
+        args.server_device = "cuda:1" if cuda >= 2 else "cuda:0" if cuda else "cpu"
+    if args.sizes is None:
+        args.sizes = parse_sizes(DRY_RUN_SIZES if args.server_device == "cpu" else DEFAULT_SIZES)
     for name in ("server_device", "local_device"):
         dev = getattr(args, name)
         if dev is None:

@@ -14,6 +14,7 @@
 #include "core/striper.h"
 #include "core/transfer.h"
 #include "engine/remote_view.h"
+#include "routes/host_cma/copies.h"
 
 namespace py = pybind11;
 using namespace p2p::engine;
@@ -222,6 +223,15 @@ void copy_rows(torch::Tensor dst, const std::vector<int64_t>& dst_ids, torch::Te
   for (size_t i = 0; i < dst_ids.size(); ++i) std::memcpy(d + dst_ids[i] * row, s + src_ids[i] * row, row);
 }
 
+// The cma route's copy of (local address, remote address, bytes) spans into (write) or out of
+// process `pid`, on this thread: its errno, 0 when every byte moved.
+int cma_copy(int pid, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& spans, bool write) {
+  std::vector<cma::Span> s;
+  for (const auto& [local, remote, len] : spans) s.push_back({reinterpret_cast<uint8_t*>(local), remote, len});
+  py::gil_scoped_release release;
+  return cma::copy_spans(pid, s.data(), s.size(), write);
+}
+
 // (type, from, to, fields, the bytes the message encodes back to).
 py::tuple decode_message_fields(const py::bytes& data) {
   const std::string bytes(data);
@@ -239,6 +249,7 @@ void bind_parts(py::module_& m) {
   // The control messages' wire format (tests/test_messages.py).
   m.def("_decode_message", &decode_message_fields);
   m.def("_copy_rows", &copy_rows, py::arg("dst"), py::arg("dst_ids"), py::arg("src"), py::arg("src_ids"));
+  m.def("_cma_copy", &cma_copy, py::arg("pid"), py::arg("spans"), py::arg("write"));
   // The striper (tests/test_striper.py).
   m.def("_stripe", &stripe);
   m.def("_stripe_slots", &stripe_slots);

@@ -2,6 +2,7 @@
 (csrc/routes/cuda_ipc). The GPU tests run one process per GPU where there are two (both on cuda:0
 otherwise), with whatever libfabric is installed: the IPC route needs none of its CUDA support."""
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -48,6 +49,24 @@ def test_host_engines_take_the_fabric_or_cma(provider):
             a.route(b"x" * 40)
         with pytest.raises(TypeError):
             a.route(7)
+
+
+def test_cma_copies_past_the_kernels_limit_per_call():
+    """The kernel moves at most about 2 GiB per process_vm_writev / readv and returns a short
+    count past that: the cma route's copy goes on where a call stopped. Five spans of the same
+    512 MiB (2.5 GiB in all, into this process) move every byte; a span that runs past the end
+    of a mapping is a fault, not a hang."""
+    src = torch.arange(1 << 27, dtype=torch.int32)  # 512 MiB
+    dst = torch.zeros_like(src)
+    nbytes = src.numel() * 4
+    spans = [(src.data_ptr(), dst.data_ptr(), nbytes)] * 5
+    assert _C._cma_copy(os.getpid(), spans, True) == 0
+    assert torch.equal(dst, src)
+    dst.zero_()
+    assert _C._cma_copy(os.getpid(), [(dst.data_ptr(), src.data_ptr(), 0)] + spans, False) == 0
+    assert torch.equal(dst, src)
+    small = torch.zeros(1024, dtype=torch.uint8)
+    assert _C._cma_copy(os.getpid(), [(small.data_ptr(), 4096, 1024)], True) == errno.EFAULT
 
 
 def test_ipc_setting_is_checked(monkeypatch):

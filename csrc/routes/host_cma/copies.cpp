@@ -10,23 +10,44 @@ namespace p2p::cma {
 
 int copy_spans(pid_t pid, const Span* spans, size_t n, bool write) {
   constexpr size_t kBatch = IOV_MAX;  // the most iovecs one call takes (1024 on Linux)
+  // The kernel moves at most MAX_RW_COUNT (about 2 GiB) a call and returns a short count past
+  // it; a call stops short too at the first run it cannot reach. So calls take at most 1 GiB,
+  // a short count resumes where it stopped, and a call that moves nothing is the fault.
+  constexpr uint64_t kCallBytes = 1ull << 30;
   iovec local[kBatch], remote[kBatch];
-  for (size_t first = 0; first < n; first += kBatch) {
-    const size_t m = std::min(kBatch, n - first);
+  size_t i = 0;
+  uint64_t done = 0;  // bytes of spans[i] already moved
+  for (;;) {
+    while (i < n && spans[i].len == done) {
+      ++i;
+      done = 0;
+    }
+    if (i == n) return 0;
+    size_t m = 0;
     uint64_t bytes = 0;
-    for (size_t i = 0; i < m; ++i) {
-      const Span& s = spans[first + i];
-      local[i] = {s.local, s.len};
-      remote[i] = {reinterpret_cast<void*>(s.remote), s.len};
-      bytes += s.len;
+    for (size_t k = i; k < n && m < kBatch && bytes < kCallBytes; ++k) {
+      const uint64_t skip = k == i ? done : 0;
+      const uint64_t len = std::min(spans[k].len - skip, kCallBytes - bytes);
+      if (len == 0) continue;
+      local[m] = {spans[k].local + skip, len};
+      remote[m] = {reinterpret_cast<void*>(spans[k].remote + skip), len};
+      bytes += len;
+      ++m;
     }
     const ssize_t moved = write ? process_vm_writev(pid, local, m, remote, m, 0)
                                 : process_vm_readv(pid, local, m, remote, m, 0);
     if (moved < 0) return errno;
-    // The kernel stops at the first run it cannot reach and never splits a run.
-    if (static_cast<uint64_t>(moved) != bytes) return EFAULT;
+    if (moved == 0) return EFAULT;
+    for (uint64_t left = static_cast<uint64_t>(moved); left > 0;) {
+      const uint64_t step = std::min(left, spans[i].len - done);
+      done += step;
+      left -= step;
+      if (done == spans[i].len) {
+        ++i;
+        done = 0;
+      }
+    }
   }
-  return 0;
 }
 
 Copies::Copies(size_t threads, std::function<void()> wake) : wake_(std::move(wake)) {

@@ -1,6 +1,6 @@
 // Copies: moves byte runs between this process and another one on the same host with
 // cross-memory attach (process_vm_readv / process_vm_writev): the kernel copies, one system
-// call per 1024 runs, with no buffer in between. Small copies run at once on the caller's
+// call per 1024 runs or 1 GiB, with no buffer in between. Small copies run at once on the caller's
 // thread; larger ones are cut into shards that a few threads copy side by side.
 //
 // Thread model: submit() and poll() on the worker thread; the threads only run shards and

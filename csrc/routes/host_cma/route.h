@@ -1,7 +1,7 @@
 // Route: the same-host host-memory route. A transfer between host memory of two engines on one
 // host (same boot id and pid namespace, both with the route on) skips the fabric: the initiator
 // moves the whole call with process_vm_writev / process_vm_readv (copies.h), the kernel copying
-// straight between the two processes, one system call per 1024 runs, large calls split over a
+// straight between the two processes, one system call per 1024 runs (or 1 GiB), large calls split over a
 // few threads.
 //
 // The owner decides what a peer may reach. Before its first transfer to a region, the
