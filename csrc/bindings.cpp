@@ -583,11 +583,7 @@ PYBIND11_MODULE(_C, m) {
     for (const fabric::Profile& p : fabric::profiles()) names.push_back(p.name);
     return names;
   }, "The providers the profile table knows.");
-  m.def("default_providers", [] {
-    std::vector<std::string> names;
-    for (const char* n : fabric::default_providers()) names.push_back(n);
-    return names;
-  }, "What Engine(provider=None) tries, in order.");
+  m.def("default_providers", &fabric::default_providers, "What Engine(provider=None) tries, in order.");
 
   m.def("checked_ids", &checked_ids, py::arg("ids"), py::arg("count"), py::arg("unique"),
         "A list or tuple of ints in [0, count) (distinct with unique) as an int64 tensor; else None.");

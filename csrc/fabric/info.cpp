@@ -122,13 +122,9 @@ Limits limits(const fi_info& info) {
 
 Offer query(const std::string& provider, bool want_hmem, const QueryOptions& options) {
   std::vector<std::string> candidates{provider};
-  std::string tried;
   if (provider.empty()) {
-    candidates.clear();
-    for (const char* name : default_providers()) {
-      candidates.push_back(name);
-      tried += (tried.empty() ? "" : ", ") + candidates.back();
-    }
+    const std::vector<const char*> names = default_providers();
+    candidates.assign(names.begin(), names.end());
   }
   const uint32_t version = api_version(options);
   for (const auto& name : candidates) {
@@ -159,10 +155,13 @@ Offer query(const std::string& provider, bool want_hmem, const QueryOptions& opt
       }
     }
   }
-  if (provider.empty())
+  if (provider.empty()) {
+    std::string tried;
+    for (const auto& name : candidates) tried += (tried.empty() ? "" : ", ") + name;
     P2P_THROW(ErrorKind::Value,
               "no libfabric provider with RDM endpoints and RMA found (tried ", tried, "); "
               "this machine offers: ", available_providers(options));
+  }
   P2P_THROW(ErrorKind::Value, "libfabric provider '", provider,
             "' is not available with RDM endpoints and RMA; this machine offers: ",
             available_providers(options));

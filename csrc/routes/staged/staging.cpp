@@ -41,9 +41,10 @@ Route::~Route() {
 }
 
 void Route::stop() {
-  for (auto& slot : slots_)
+  for (auto& slot : slots_) {
     for (size_t r = 0; r < slot->mrs.size(); ++r) host_.rail(r).deregister(slot->mrs[r]);
-  for (auto& slot : slots_) slot->mrs.clear();
+    slot->mrs.clear();
+  }
 }
 
 // Transfers of this engine's memory to `a` take the route if either end is staged.
