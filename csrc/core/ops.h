@@ -16,7 +16,7 @@
 namespace p2p::engine {
 
 struct Op;
-class Worker;
+class RouteHost;
 struct Peer;
 struct Region;
 
@@ -24,7 +24,7 @@ struct Region;
 // Control messages sent for the worker itself (HELLO, acknowledgements) have no owner.
 struct OpOwner {
   virtual ~OpOwner() = default;
-  virtual void op_done(Worker& worker, Op& op, const Status& status) = 0;
+  virtual void op_done(RouteHost& host, Op& op, const Status& status) = 0;
   // An abandoned owner (failed, timed out) wants its queued ops dropped, not posted.
   virtual bool abandoned() const = 0;
 };

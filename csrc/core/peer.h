@@ -51,7 +51,7 @@ struct Peer {
   std::unordered_map<uint32_t, uint64_t> unacked;     // our messages to it: id -> transfer
 
   bool region_gone(uint64_t id) const;
-  // Its own reactions to its failure (Worker::fail_peer): failed from the event's start, so that
+  // Its own reactions to its failure (Peers::fail): failed from the event's start, so that
   // nothing sends to it or waits on it; what it keeps of messages and its process, at the end.
   void mark_failed(const Status& why, PeerState state) {
     live.fail(state);
@@ -64,7 +64,7 @@ struct Peer {
   bool waits() const { return live.waits(); }  // new transfers wait for its answer
 };
 
-// A peer's failure, as each part that keeps something of the peer hears it (Worker::fail_peer).
+// A peer's failure, as each part that keeps something of the peer hears it (Peers::fail).
 struct PeerFailure {
   Peer& peer;
   const Status& why;

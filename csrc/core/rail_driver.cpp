@@ -7,17 +7,11 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include <chrono>
-
+#include "common/clock.h"
 #include "common/log.h"
 
 namespace p2p::engine {
 namespace {
-
-double seconds() {
-  using namespace std::chrono;
-  return duration<double>(steady_clock::now().time_since_epoch()).count();
-}
 
 void wake(int fd) {
   const uint64_t one = 1;
@@ -68,14 +62,14 @@ void RailDriver::kick() {
 }
 
 void RailDriver::run() {
-  double idle_since = seconds();
+  double idle_since = now();
   while (!stop_.load(std::memory_order_relaxed)) {
     bool busy = false;
     Op* op;
     while (in_.pop(op)) busy |= take(op);
     busy |= post_pending();
     busy |= poll();
-    const double t = seconds();
+    const double t = now();
     // NOTE: completions that the provider's progress thread writes do not always wake a
     // driver sleeping on the CQ's fd (a staged GPU transfer, a chain of dependent round trips,
     // runs at 7 Gbps instead of 45 then): a driver with ops out keeps polling.

@@ -23,6 +23,7 @@
 #include "core/messages.h"
 #include "core/ops.h"
 #include "core/peer.h"
+#include "core/rails.h"
 #include "core/region.h"
 #include "core/striper.h"
 #include "core/transfer.h"
@@ -74,15 +75,8 @@ class RouteHost {
   virtual bool staged_memory() const = 0;
   virtual Copier& copier() = 0;
 
-  // The fabric, for routes that move bytes with RMA ops of their own.
-  virtual size_t rails() const = 0;
-  virtual fabric::Rail& rail(size_t i) = 0;
-  virtual Striper& striper() = 0;
-  // Makes ops of `kind` for `owner` to peer p while more() holds, on the striper's rail pairs:
-  // fill(op, pair) adds each op's segments, then it is queued on its rail. False when a rail's
-  // queue or the op pool is full: call again once ops complete.
-  virtual bool make_ops(Peer& p, OpKind kind, OpOwner* owner, const std::function<bool()>& more,
-                        const std::function<void(Op&, const RailPair&)>& fill) = 0;
+  // The fabric, for routes that move bytes with RMA ops of their own (Rails::make_ops).
+  virtual Rails& rails() = 0;
 };
 
 class Route {

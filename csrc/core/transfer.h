@@ -109,14 +109,14 @@ struct Transfer final : OpOwner, TransferCall {
 
   bool reported() const { return state == TransferState::Reported; }
   // Decides advance()'s next move; needs_fence: the peer must confirm that the provider's
-  // copies are done (Worker::needs_fence).
+  // copies are done (needs_fence in engine/transfers.cpp).
   TransferStep next_step(bool needs_fence) const;
   // Moves to `to`; a move the diagram above does not allow is a bug (asserted).
   void enter(TransferState to);
   // The pages as byte runs after the plain runs, for the paths that move runs.
   void pages_to_runs();
 
-  void op_done(Worker& worker, Op& op, const Status& status) override;
+  void op_done(RouteHost& host, Op& op, const Status& status) override;
   bool abandoned() const override { return reported(); }
   // Back to a new transfer's state, keeping the buffers' capacity (TransferPool).
   void recycle();

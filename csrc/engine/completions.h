@@ -20,6 +20,21 @@ struct Completion {
   std::string address;  // recv: the sender's engine address
 };
 
+class CompletionQueue;
+
+// What the worker reports in one turn of its loop: handed over together at its end (one wake
+// of the dispatcher for all that completed in a turn). Worker thread only.
+class Reports {
+ public:
+  void add(uint64_t id, Status status, std::string payload = {}, std::string address = {}) {
+    items_.push_back({id, std::move(status), std::move(payload), std::move(address)});
+  }
+  void hand_over(CompletionQueue& queue);
+
+ private:
+  std::vector<Completion> items_;
+};
+
 class CompletionQueue {
  public:
   void push(Completion c) {
@@ -69,5 +84,7 @@ class CompletionQueue {
   std::vector<Completion> items_;
   bool closed_ = false;
 };
+
+inline void Reports::hand_over(CompletionQueue& queue) { queue.push_all(items_); }
 
 }  // namespace p2p::engine

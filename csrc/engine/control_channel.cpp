@@ -26,11 +26,11 @@ void ControlChannel::queue(Peer& p, ByteWriter&& message, OpOwner* owner, bool f
   outbox_.push_back({&p, std::move(message.str()), owner, farewell});
 }
 
-bool ControlChannel::flush(const std::function<Op*(Peer*, OpOwner*)>& new_op, Ring<Op*>& pending) {
+bool ControlChannel::flush(Rails& rails) {
   bool any = false;
   while (!outbox_.empty() && !free_send_.empty()) {
     Outgoing& out = outbox_.front();
-    Op* op = new_op(out.peer, out.owner);
+    Op* op = rails.new_op(OpKind::Send, 0, out.owner, out.peer);
     if (!op) break;
     const int32_t buf = free_send_.back();
     free_send_.pop_back();
@@ -43,7 +43,7 @@ bool ControlChannel::flush(const std::function<Op*(Peer*, OpOwner*)>& new_op, Ri
     op->hello = type_of(out.bytes) == MsgType::Hello;
     // A HELLO or BYE must reach a peer that is not (or no longer) Ready; everything else to
     // a failed peer is dropped when it is posted.
-    pending.push_back(op);
+    rails.queue(0).push_back(op);
     outbox_.pop_front();
     any = true;
   }

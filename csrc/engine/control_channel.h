@@ -12,6 +12,7 @@
 #include "core/messages.h"
 #include "core/ops.h"
 #include "core/peer.h"
+#include "core/rails.h"
 #include "fabric/rail.h"
 
 namespace p2p::engine {
@@ -25,9 +26,9 @@ class ControlChannel {
   // BYE, sent although p has left.
   void queue(Peer& p, ByteWriter&& message, OpOwner* owner, bool farewell);
   bool idle() const { return outbox_.empty(); }
-  // Moves queued messages into free send buffers, each with an op from new_op (null: none
-  // free, try again later), onto `pending`. True if any moved.
-  bool flush(const std::function<Op*(Peer*, OpOwner*)>& new_op, Ring<Op*>& pending);
+  // Moves queued messages into free send buffers, each with an op from the rails' pool, onto
+  // rail 0's queue (no op free: later). True if any moved.
+  bool flush(Rails& rails);
   // A send op is done with its buffer.
   void release(const Op& op) {
     if (op.buffer >= 0) free_send_.push_back(op.buffer);

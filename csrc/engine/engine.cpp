@@ -93,7 +93,7 @@ void Engine::run(uint64_t id, const Prepared& prepared) {
     for (uint64_t rid : t->local_ids)
       P2P_CHECK(open(rid), ErrorKind::Closed, "region ", rid, " of this prepared call is deregistered");
     for (const auto& r : t->remote)
-      P2P_CHECK(r->owner != worker_->address() || open(r->id), ErrorKind::Closed, "region ", r->id,
+      P2P_CHECK(r->owner != address() || open(r->id), ErrorKind::Closed, "region ", r->id,
                 " of this prepared call is deregistered");
   }
   start(id, std::move(t), prepared.cuda);
@@ -158,7 +158,7 @@ bool Engine::build(TransferCall& t, bool write, const std::vector<at::Tensor>& l
     P2P_CHECK(rr.owner == owner, ErrorKind::Value, "all RemoteTensors of one call must belong to one "
               "peer; RemoteTensor ", i, " belongs to another");
     // Our own region: we know whether it is still there.
-    P2P_CHECK(rr.owner != worker_->address() || open(rr.id), ErrorKind::Closed, "RemoteTensor ", i,
+    P2P_CHECK(rr.owner != address() || open(rr.id), ErrorKind::Closed, "RemoteTensor ", i,
               " names region ", rr.id, " of this engine, which is deregistered");
     const bool added = local_pages[i] || remote_pages[mirror ? 0 : i]
                            ? add_pages(t, e, mirror, local_pages[i], remote_pages[mirror ? 0 : i], checked)

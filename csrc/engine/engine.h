@@ -27,12 +27,12 @@ class Engine {
   explicit Engine(Setup setup);
   ~Engine();
 
-  const std::string& address() const { return worker_->address(); }
-  const std::string& provider() const { return worker_->provider(); }
+  const std::string& address() const { return worker_->facts().address; }
+  const std::string& provider() const { return worker_->facts().provider; }
   std::string data_path() const;
-  const std::vector<RailFacts>& rails() const { return worker_->rail_facts(); }
-  bool delivery_complete() const { return worker_->delivery_complete(); }
-  bool auto_progress() const { return worker_->auto_progress(); }
+  const std::vector<RailFacts>& rails() const { return worker_->facts().rails; }
+  bool delivery_complete() const { return worker_->facts().delivery_complete; }
+  bool auto_progress() const { return worker_->facts().auto_progress; }
   bool closed() const { return closed_; }
 
   // Registers the tensor's whole storage; returns the region id and a view of the tensor.

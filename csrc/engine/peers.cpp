@@ -1,6 +1,5 @@
-// Peers: connection by introduction, disconnection, liveness checks and failure (the control
-// channel is control.cpp, user messages user_messages.cpp). No world: a peer is whoever we were given an address of, or whoever
-// introduced itself.
+#include "engine/peers.h"
+
 #include <poll.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -9,8 +8,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "common/clock.h"
 #include "common/log.h"
-#include "engine/worker.h"
 
 namespace p2p::engine {
 namespace {
@@ -32,6 +31,26 @@ void take_live_regions(Peer& p, const LiveRegions& live) {
 
 }  // namespace
 
+Peers::~Peers() {
+  for (auto& [inc, p] : peers_)
+    if (p->pidfd >= 0) ::close(p->pidfd);
+}
+
+void Peers::open(Rails& rails, ControlChannel& control, const RegionTable& regions, std::string provider,
+                 std::string address, uint64_t incarnation) {
+  rails_ = &rails;
+  control_ = &control;
+  regions_ = &regions;
+  provider_ = std::move(provider);
+  address_ = std::move(address);
+  incarnation_ = incarnation;
+}
+
+Peer* Peers::find(uint64_t incarnation) {
+  auto it = peers_.find(incarnation);
+  return it == peers_.end() ? nullptr : it->second.get();
+}
+
 // Finds or creates the peer behind an engine address. A new peer gets its rails inserted in
 // every local rail's address vector, then a HELLO; transfers to it wait for the answer.
 // An incarnation is one process, at one set of rails. Once it has answered from its rails, an
@@ -41,7 +60,7 @@ void take_live_regions(Peer& p, const LiveRegions& live) {
 // attempt at a time: thousands of addresses of one incarnation at dead ports, each starting a
 // HELLO, would keep rail 0's send buffers busy and hold up a real peer's introduction past
 // peer_timeout.
-Peer* Worker::peer_for(const std::string& address_bytes, Contact how) {
+Peer* Peers::peer_for(const std::string& address_bytes, Contact how) {
   // Every transfer names its peer by address: the same bytes as the last peer's, of a peer that
   // has not failed, find it without decoding them (which allocates). Peers are never erased.
   if (last_peer_ && !last_peer_->failed() && last_peer_->address_bytes == address_bytes) return last_peer_;
@@ -49,7 +68,7 @@ Peer* Worker::peer_for(const std::string& address_bytes, Contact how) {
   return last_peer_;
 }
 
-Peer* Worker::find_peer(const std::string& address_bytes, Contact how) {
+Peer* Peers::find_peer(const std::string& address_bytes, Contact how) {
   EngineAddress a = EngineAddress::decode(address_bytes);
   P2P_CHECK(a.provider == provider_, ErrorKind::Value, "the peer uses provider ", a.provider,
             " but this engine uses ", provider_, "; both ends need the same provider");
@@ -78,39 +97,35 @@ Peer* Worker::find_peer(const std::string& address_bytes, Contact how) {
   return &p;
 }
 
-void Worker::readdress(Peer& p, EngineAddress a, const std::string& address_bytes) {
-  std::vector<fi_addr_t> fi;
-  fi.reserve(rails_.size() * a.rails.size());
-  for (auto& rs : rails_)
-    for (const std::string& rail : a.rails) fi.push_back(rs.rail->insert(rail));
-  p.fi = std::move(fi);
+void Peers::readdress(Peer& p, EngineAddress a, const std::string& address_bytes) {
+  p.fi = rails_->insert(a.rails);
   p.address = std::move(a);
   p.address_bytes = address_bytes;
 }
 
-void Worker::revive(Peer& p) {
+void Peers::revive(Peer& p) {
   p.live.connect(now());
   p.failure = Status{};
   p.revivable = false;
   send_hello(p);
 }
 
-void Worker::send_hello(Peer& p) {
-  send_control(p, message(Hello{address_, regions_.live()}, p));
+void Peers::send_hello(Peer& p) {
+  send(p, message(Hello{address_, regions_->live()}, p));
 }
 
 // Asks a Ready peer to introduce itself again, after one of our ops to it failed (a refusal
 // or a lost connection) or after a silence: the answer says whether it is still there and
 // still the same process. A HELLO rather than a ping, since a process that replaced it at
 // its address does not know us and can answer only a message that carries our address.
-void Worker::check(Peer& p, double deadline) {
+void Peers::check(Peer& p, double deadline) {
   if (p.live.start_check(deadline)) send_hello(p);
 }
 
 // A HELLO lost while the connection under it is torn down (tcp;ofi_rxm drops a connection
 // whose RMA the owner refused) is sent again after a pause (Liveness::hello_failed); any
 // other failure is final.
-void Worker::on_hello_failed(Peer& p, int err, int prov_errno, const Status& status) {
+void Peers::hello_failed(Peer& p, int err, int prov_errno, const Status& status) {
   const auto tearing_down = [](int e) { return e == FI_ENOTCONN || e == EPIPE || e == FI_ECONNRESET || e == FI_ECONNABORTED; };
   const bool transient = tearing_down(err) || (err == FI_ECANCELED && tearing_down(prov_errno));
   const double t = now();
@@ -118,82 +133,77 @@ void Worker::on_hello_failed(Peer& p, int err, int prov_errno, const Status& sta
     case Liveness::Retry::Ignore:
       return;
     case Liveness::Retry::GiveUp:
-      return fail_peer(p, status);
+      return fail(p, status);
     case Liveness::Retry::Later:
       P2P_LOG(Info, "introducing ourselves to ", describe(p), " again in ", p.live.retry_at() - t,
               " s after: ", status.message);
   }
 }
 
-void Worker::connect(uint64_t id, const std::string& address) {
-  assert_on_worker();
+void Peers::connect(uint64_t id, const std::string& address) {
   Peer* p;
   try {
     p = peer_for(address, Contact::Connect);
   } catch (const Error& e) {
-    return report(id, Status::error(e.kind(), e.what()));
+    return reports_.add(id, Status::error(e.kind(), e.what()));
   }
-  if (p->state() == PeerState::Ready) return report(id, Status{});
-  if (p->failed()) return report(id, p->failure);  // it closed: that process is gone
+  if (p->state() == PeerState::Ready) return reports_.add(id, Status{});
+  if (p->failed()) return reports_.add(id, p->failure);  // it closed: that process is gone
   p->connect_waiters.push_back(id);
 }
 
-void Worker::disconnect(uint64_t id, const std::string& address) {
-  assert_on_worker();
+void Peers::disconnect(uint64_t id, const std::string& address) {
   EngineAddress a;
   try {
     a = EngineAddress::decode(address);
   } catch (const Error& e) {
-    return report(id, Status::error(e.kind(), e.what()));
+    return reports_.add(id, Status::error(e.kind(), e.what()));
   }
   auto it = peers_.find(a.incarnation);
-  if (it == peers_.end() || it->second->failed()) return report(id, Status{});
+  if (it == peers_.end() || it->second->failed()) return reports_.add(id, Status{});
   Peer& p = *it->second;
-  if (p.disconnect_id) return report(id, Status::error(ErrorKind::Value, "a disconnect from this peer is already under way"));
+  if (p.disconnect_id) return reports_.add(id, Status::error(ErrorKind::Value, "a disconnect from this peer is already under way"));
   p.disconnect_id = id;
   // A clean leave: what is in flight to the peer finishes first.
   if (p.busy == 0) finish_disconnect(p);
 }
 
-void Worker::finish_disconnect(Peer& p) {
+void Peers::finish_disconnect(Peer& p) {
   const uint64_t id = p.disconnect_id;
   p.disconnect_id = 0;
   if (p.state() == PeerState::Ready || p.state() == PeerState::Connecting)
-    send_control(p, bye(p, false), nullptr, true);
-  fail_peer(p, Status::error(ErrorKind::Peer, cat(describe(p), " was disconnected by this engine")),
-            PeerState::Left);
+    send(p, message(Bye{false}, p), nullptr, true);
+  fail(p, Status::error(ErrorKind::Peer, cat(describe(p), " was disconnected by this engine")), PeerState::Left);
   p.revivable = true;
-  report(id, Status{});
+  reports_.add(id, Status{});
 }
 
 // ---------------------------------------------------------------------------------------------
-
-ByteWriter Worker::bye(const Peer& to, bool closing) const { return message(Bye{closing}, to); }
 
 // The peer leaves us, or closes. A closed peer must never be sent anything again, not even our
 // BYE (usable()) or a HELLO to reconnect: shm (libfabric 1.17) stalls every later completion
 // of our endpoint behind a command that a closed peer never answers. That happens when a
 // disconnect() crosses the peer's close(), or when a write would reconnect to a peer that
 // closed after we disconnected from it.
-void Worker::on_bye(Peer& p, bool closing) {
+void Peers::on_bye(Peer& p, bool closing) {
   p.closed |= closing;
   const Status left =
       Status::error(ErrorKind::Peer, cat(describe(p), closing ? " left: its engine closed" : " left"));
   if (p.failed())
     p.failure = left;
   else
-    fail_peer(p, left, PeerState::Left);
+    fail(p, left, PeerState::Left);
 }
 
 // The answer to our HELLO: the peer is there, and still the process we meant, or a new one.
-void Worker::on_hello_ack(const MsgHeader& h, const HelloAck& m) {
+void Peers::on_hello_ack(const MsgHeader& h, const HelloAck& m) {
   EngineAddress a = sender_address(h, m.address);
   auto it = peers_.find(m.expected);
   if (it == peers_.end() || !it->second->waits()) return;
   Peer& p = *it->second;
   if (h.from != m.expected) {
     if (a.rails[0] != p.address.rails[0]) return;  // from an address it no longer has
-    return fail_peer(p, Status::error(ErrorKind::Peer,
+    return fail(p, Status::error(ErrorKind::Peer,
                                       cat(describe(p), " restarted: the process at its address is now "
                                           "incarnation ", hex(h.from),
                                           "; handles from the old process are void")));
@@ -204,15 +214,15 @@ void Worker::on_hello_ack(const MsgHeader& h, const HelloAck& m) {
   }
   take_live_regions(p, m.live);
   p.live.heard(now());
-  peer_ready(p);
+  ready(p);
 }
 
 // A HELLO: the sender introduces itself. An older process at the same address is gone.
-void Worker::on_hello(const MsgHeader& h, const Hello& m) {
+void Peers::on_hello(const MsgHeader& h, const Hello& m) {
   const EngineAddress a = sender_address(h, m.address);
   for (auto& [inc, q] : peers_) {
     if (inc != a.incarnation && !q->failed() && q->address.rails[0] == a.rails[0])
-      fail_peer(*q, Status::error(ErrorKind::Peer, cat(describe(*q), " restarted (a new process now "
+      fail(*q, Status::error(ErrorKind::Peer, cat(describe(*q), " restarted (a new process now "
                                                            "answers at its address)")));
   }
   Peer* p;
@@ -224,88 +234,38 @@ void Worker::on_hello(const MsgHeader& h, const Hello& m) {
   }
   p->live.heard(now());
   take_live_regions(*p, m.live);
-  send_control(*p, message(HelloAck{address_, h.to, regions_.live()}, *p));
-  if (p->waits()) peer_ready(*p);
+  send(*p, message(HelloAck{address_, h.to, regions_->live()}, *p));
+  if (p->waits()) ready(*p);
 }
 
-// The peer answered as itself: what waited on that goes on, and transfers held for a check
-// report their own failure (the peer did not restart).
-void Worker::peer_ready(Peer& p) {
+// The peer answered as itself: what waited on that goes on.
+void Peers::ready(Peer& p) {
   p.live.answered();
   p.confirmed = true;
-  for (uint64_t id : p.connect_waiters) report(id, Status{});
+  for (uint64_t id : p.connect_waiters) reports_.add(id, Status{});
   p.connect_waiters.clear();
-  std::vector<Transfer*> held;
-  for (auto& [id, t] : transfers_)
-    if (t->peer == &p && t->held) held.push_back(t.get());
-  for (Transfer* t : held) {
-    t->held = false;
-    fail(*t, t->status);
-  }
-  std::vector<Transfer*> waiting;
-  waiting.swap(p.waiting);
-  for (Transfer* t : waiting) {
-    if (Status s = check_remote(*t); !s.ok()) {
-      fail(*t, std::move(s));
-      continue;
-    }
-    ready_to_generate(*t);
-  }
+  events_.peer_ready(p);
 }
 
 // A peer's failure is one event that each part keeping something of the peer reacts to, in this
-// order: the peer's record (failed from now on), then what waits on it and reports (connects,
-// transfers, the routes' work for it (the staged route's jobs report into their transfers),
-// the posted ops), then what only remembers it (the rail threads, the region table's pending
-// releases, the record's messages and process watch), and last a disconnect that a death
-// completes.
-void Worker::fail_peer(Peer& p, Status why, PeerState state) {
-  assert_on_worker();
+// order: the peer's record (failed from now on), its connects, then the worker's parts
+// (PeerEvents::peer_failed: transfers, the routes' work, posted ops, rail threads, the region
+// table's pending releases), then the record's messages and process watch, and last a
+// disconnect that a death completes.
+void Peers::fail(Peer& p, Status why, PeerState state) {
   if (p.failed()) return;
   P2P_LOG(Info, "peer ", hex(p.incarnation), " is gone: ", why.message);
   const PeerFailure f{p, why, state};
   p.mark_failed(why, state);
-  fail_waiters_of(f);
-  fail_transfers_of(f);
-  for (auto& r : routes_) r->peer_failed(p);  // the staged route's jobs report into their transfers
-  orphan_ops_of(f);
-  for (auto& d : drivers_) forgets_.push_back({d.get(), &p});  // at the rail threads' next turn
-  regions_.forget_peer(p.incarnation);
+  for (uint64_t id : p.connect_waiters) reports_.add(id, why);
+  p.connect_waiters.clear();
+  events_.peer_failed(f);
   p.forget();
-  end_disconnect_of(f);
-}
-
-void Worker::fail_waiters_of(const PeerFailure& f) {
-  for (uint64_t id : f.peer.connect_waiters) report(id, f.why);
-  f.peer.connect_waiters.clear();
-}
-
-void Worker::fail_transfers_of(const PeerFailure& f) {
-  std::vector<Transfer*> affected;
-  for (auto& [id, t] : transfers_)
-    if (t->peer == &f.peer && !t->reported()) affected.push_back(t.get());
-  for (Transfer* t : affected) {
-    if (t->held) t->status = f.why;  // what the check found out is the answer
-    fail(*t, f.why);
+  // A disconnect under way is done once the peer is dead (a clean leave finishes it itself).
+  if (p.disconnect_id && state == PeerState::Dead) {
+    reports_.add(p.disconnect_id, Status{});
+    p.disconnect_id = 0;
   }
-}
-
-// Posted ops to a dead peer may never complete (shm): their owners hear now and the credits
-// return; a completion that still arrives only frees the op.
-void Worker::orphan_ops_of(const PeerFailure& f) {
-  pool_->for_each_in_use([&](Op& op) {
-    if (op.peer != &f.peer || !op.posted || op.orphaned || op.kind == OpKind::Recv) return;
-    op.orphaned = true;
-    --rails_[op.rail].inflight;
-    if (op.region) {
-      auto& pin = orphan_pins_[op.region];
-      if (!pin.first) pin.first = op.region->shared_from_this();
-      ++pin.second;
-    }
-    OpOwner* owner = op.owner;
-    op.owner = nullptr;
-    if (owner) owner->op_done(*this, op, f.why);
-  });
 }
 
 void Peer::forget() {
@@ -317,27 +277,24 @@ void Peer::forget() {
   }
 }
 
-// A disconnect under way is done once the peer is dead (a clean leave finishes it itself).
-void Worker::end_disconnect_of(const PeerFailure& f) {
-  Peer& p = f.peer;
-  if (p.disconnect_id && f.state == PeerState::Dead) {
-    report(p.disconnect_id, Status{});
-    p.disconnect_id = 0;
-  }
+// One of our ops to p failed. That does not say whether p is gone: the owner may have refused an
+// RMA (and tcp;ofi_rxm then drops the connection), or a new process may have taken its address.
+// A HELLO finds out (check()); p is dead if that fails or goes unanswered.
+void Peers::op_failed(Peer& p, bool hello, int err, int prov_errno, const Status& status) {
+  if (hello) return hello_failed(p, err, prov_errno, status);
+  check(p, now() + config_.peer_timeout_s);
 }
 
-// Something now waits on the peer: a transfer, a job serving it, or a message.
-void Worker::begin_work(Peer& p) {
+void Peers::begin_work(Peer& p) {
   if (p.busy++ == 0) p.live.watch_from(now());
 }
 
-// That work is over; a disconnect() waiting for it goes on.
-void Worker::end_work(Peer& p) {
+void Peers::end_work(Peer& p) {
   P2P_ASSERT(p.busy > 0);
   if (--p.busy == 0 && p.disconnect_id) finish_disconnect(p);
 }
 
-void Worker::check_peers() {
+void Peers::tick() {
   const double t = now(), timeout = config_.peer_timeout_s;
   std::vector<std::pair<Peer*, Status>> dead;
   for (auto& [inc, owned] : peers_) {
@@ -351,13 +308,13 @@ void Worker::check_peers() {
       dead.push_back({&p, Status::error(ErrorKind::Peer, cat(describe(p), " was silent for ", timeout,
                                                               " s (peer_timeout): a check went unanswered"))});
   }
-  for (auto& [p, why] : dead) fail_peer(*p, why);
+  for (auto& [p, why] : dead) fail(*p, why);
+  check_processes();
 }
 
-// A peer whose memory a same-host route reaches is watched through a pidfd: its exit fails its
-// transfers at once, where the fabric would only notice its silence (such routes need nothing
-// from the peer's process).
-void Worker::watch_process(Peer& p) {
+// NOTE: a same-host route needs nothing from the peer's process, so the fabric would notice
+// its exit only by its silence; the pidfd tells at once.
+void Peers::watch_process(Peer& p) {
   if (p.pidfd >= 0 || p.address.pid == 0 || p.address.pid == static_cast<uint32_t>(getpid())) return;
 #ifdef SYS_pidfd_open
   p.pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(p.address.pid), 0));
@@ -365,7 +322,7 @@ void Worker::watch_process(Peer& p) {
 #endif
 }
 
-void Worker::check_processes() {
+void Peers::check_processes() {
   std::vector<Peer*> exited;
   for (auto& [inc, p] : peers_) {
     if (p->pidfd < 0 || p->failed()) continue;
@@ -373,8 +330,26 @@ void Worker::check_processes() {
     if (::poll(&fd, 1, 0) > 0) exited.push_back(p.get());
   }
   for (Peer* p : exited)
-    fail_peer(*p, Status::error(ErrorKind::Peer, cat("peer ", hex(p->incarnation), " is dead: its process (pid ",
+    fail(*p, Status::error(ErrorKind::Peer, cat("peer ", hex(p->incarnation), " is dead: its process (pid ",
                                                      p->address.pid, ") exited")));
+}
+
+// Closing: connects in flight end with `closed`; disconnects succeed.
+void Peers::close(const Status& closed) {
+  for (auto& [inc, p] : peers_) {
+    for (uint64_t id : p->connect_waiters) reports_.add(id, closed);
+    p->connect_waiters.clear();
+    if (p->disconnect_id) reports_.add(p->disconnect_id, Status{});
+    p->disconnect_id = 0;
+  }
+}
+
+void Peers::say_goodbye() {
+  for (auto& [inc, p] : peers_) {
+    // Also to peers that left us, or that we left: alive, they may reconnect (on_bye()).
+    if (p->state() == PeerState::Ready || (p->state() == PeerState::Left && !p->closed))
+      send(*p, message(Bye{true}, *p), nullptr, true);
+  }
 }
 
 }  // namespace p2p::engine

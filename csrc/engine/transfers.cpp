@@ -2,14 +2,42 @@
 // The routes (routes/registry.h) take theirs; the rest become direct RMA ops here.
 #include <algorithm>
 
+#include "common/clock.h"
 #include "common/log.h"
 #include "engine/worker.h"
 
 namespace p2p::engine {
+namespace {
 
-void Transfer::op_done(Worker& worker, Op&, const Status& status) {
-  worker.transfer_op_done(*this, status);
+// Refuses handles the owner told us are stale (before anything is posted to it).
+Status check_remote(const Transfer& t) {
+  const Peer& p = *t.peer;
+  for (const auto& r : t.remote) {
+    if (r->rails != p.remote_rails())
+      return Status::error(ErrorKind::Value, "a RemoteTensor's key table does not match its owner's rails");
+    if (p.region_gone(r->id))
+      return Status::error(ErrorKind::Closed, cat("region ", r->id, " of peer ", hex(p.incarnation),
+                                                  " was deregistered by its owner"));
+  }
+  return Status{};
 }
+
+// NOTE: shm's CUDA IPC path (libfabric 2.6) completes an RMA once the target has queued its
+// cudaMemcpy, which CUDA runs asynchronously for device-to-device copies. On the GPU
+// machine, 256 MiB at a time, 25-58% of a read has landed at its completion, and a writer
+// reusing its buffer at once changes 28-77% of what the target gets (libfabric issue 11231).
+// So the transfer completes only when the peer answers a Fence, which it does once the copies
+// its provider queued before it are done; the Fence comes after the RMA in the peer's command
+// queue.
+bool needs_fence(const Transfer& t, bool provider_ipc) {
+  if (t.kind == TransferKind::Message || t.route != TransferRoute::Direct || !provider_ipc) return false;
+  if (t.runs.empty()) return false;  // nothing was written
+  return std::any_of(t.local.begin(), t.local.end(), [](const auto& r) { return r->cuda_device >= 0; });
+}
+
+}  // namespace
+
+void Transfer::op_done(RouteHost& host, Op&, const Status& status) { host.transfer_op_done(*this, status); }
 
 void Worker::start(Transfer* raw) {
   assert_on_worker();
@@ -23,12 +51,12 @@ void Worker::start(Transfer* raw) {
     t.local.push_back(std::move(region));
   }
   try {
-    t.peer = peer_for(t.peer_address, Contact::Implicit);
+    t.peer = peers_.peer_for(t.peer_address, Peers::Contact::Implicit);
   } catch (const Error& e) {
     return fail(t, Status::error(e.kind(), e.what()));
   }
   Peer& p = *t.peer;
-  begin_work(p);
+  peers_.begin_work(p);
   if (p.failed()) return fail(t, p.failure);
   if (p.waits()) {
     t.enter(TransferState::WaitingForPeer);
@@ -37,19 +65,6 @@ void Worker::start(Transfer* raw) {
   }
   if (Status s = check_remote(t); !s.ok()) return fail(t, std::move(s));
   ready_to_generate(t);
-}
-
-// Refuses handles the owner told us are stale (before anything is posted to it).
-Status Worker::check_remote(const Transfer& t) const {
-  const Peer& p = *t.peer;
-  for (const auto& r : t.remote) {
-    if (r->rails != p.remote_rails())
-      return Status::error(ErrorKind::Value, "a RemoteTensor's key table does not match its owner's rails");
-    if (p.region_gone(r->id))
-      return Status::error(ErrorKind::Closed, cat("region ", r->id, " of peer ", hex(p.incarnation),
-                                                  " was deregistered by its owner"));
-  }
-  return Status{};
 }
 
 void Worker::ready_to_generate(Transfer& t) {
@@ -103,7 +118,7 @@ void Worker::fall_back(Transfer& t) {
   t.pages_to_runs();
   uint64_t total = 0;
   for (const Run& r : t.runs) total += r.len;
-  t.chunk = striper_.chunk(total, Striper::pairs(rails_.size(), t.peer->remote_rails()));
+  t.chunk = rails_->striper().chunk(total, Striper::pairs(rails_->size(), t.peer->remote_rails()));
   t.enter(TransferState::Queued);
   answer_orders(t);
   t.queued = true;
@@ -133,37 +148,15 @@ bool Worker::generate() {
   return any;
 }
 
-template <typename More, typename Fill>
-bool Worker::generate_ops(Peer& p, OpKind kind, OpOwner* owner, const More& more, const Fill& fill) {
-  const size_t L = rails_.size(), R = p.remote_rails();
-  while (more()) {
-    const RailPair pair = striper_.pair(L, R);
-    RailState& rs = rails_[pair.local];
-    if (rs.pending.size() >= 2 * rs.depth) return false;
-    Op* op = new_op(kind, pair.local, owner, &p);
-    if (!op) return false;
-    op->dest = p.fi[pair.address(R)];
-    fill(*op, pair);
-    rs.pending.push_back(op);
-    striper_.next();
-  }
-  return true;
-}
-
-bool Worker::make_ops(Peer& p, OpKind kind, OpOwner* owner, const std::function<bool()>& more,
-                      const std::function<void(Op&, const RailPair&)>& fill) {
-  return generate_ops(p, kind, owner, more, fill);
-}
-
 bool Worker::generate_direct(Transfer& t) {
-  const size_t L = rails_.size(), R = t.peer->remote_rails();
+  const size_t L = rails_->size(), R = t.peer->remote_rails();
   auto local = [&](uint32_t i) { return Extent{reinterpret_cast<uint64_t>(t.local[i]->ptr), t.local[i]->piece_bytes}; };
   auto remote = [&](uint32_t i) { return Extent{0, t.remote[i]->piece_bytes}; };
-  return generate_ops(
+  return rails_->generate(
       *t.peer, t.kind == TransferKind::Write ? OpKind::Write : OpKind::Read, &t, [&] { return !t.at.at_end(t.runs); },
       [&](Op& op, const RailPair& pair) {
         Segment segs[kMaxIov];
-        const size_t max_iov = std::min(rails_[pair.local].rail->max_iov(), kMaxIov);
+        const size_t max_iov = std::min(rails_->rail(pair.local).max_iov(), kMaxIov);
         const size_t n = Striper::fill(t.at, t.runs, local, remote, t.chunk, max_iov, segs);
         for (size_t i = 0; i < n; ++i) {
           const Segment& s = segs[i];
@@ -193,8 +186,8 @@ Gen Worker::generate_message(Transfer& t) {
   do {
     const uint64_t len = std::min<uint64_t>(total - offset, kUserFragmentBytes);
     ++t.pending;
-    send_control(*t.peer, message(UserFragment{id, total, offset, std::string_view(t.payload).substr(offset, len)}, *t.peer),
-                 &t);
+    peers_.send(*t.peer, peers_.message(UserFragment{id, total, offset, std::string_view(t.payload).substr(offset, len)}, *t.peer),
+                &t);
     offset += len;
   } while (offset < total);
   t.payload.clear();
@@ -222,10 +215,9 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
   advance(t);
 }
 
-// Does what the transfer's facts call for next (Transfer::next_step); t may be gone after.
 void Worker::advance(Transfer& t) {
   assert_on_worker();
-  switch (t.next_step(needs_fence(t))) {
+  switch (t.next_step(needs_fence(t, rails_->rail(0).cuda_ipc()))) {
     case TransferStep::Wait:
       break;
     case TransferStep::AwaitAck:  // sent, not yet acknowledged (acknowledged())
@@ -233,7 +225,7 @@ void Worker::advance(Transfer& t) {
       return;
     case TransferStep::Fence:
       t.enter(TransferState::AwaitingAck);  // a failing peer or the deadline fails it meanwhile
-      send_fence(t);
+      peers_.send(*t.peer, peers_.message(Fence{t.id}, *t.peer));
       return;
     case TransferStep::Report:
       finish(t, t.status);
@@ -242,44 +234,6 @@ void Worker::advance(Transfer& t) {
   maybe_free(t);
 }
 
-// NOTE: shm's CUDA IPC path (libfabric 2.6) completes an RMA once the target has queued its
-// cudaMemcpy, which CUDA runs asynchronously for device-to-device copies. On the GPU
-// machine, 256 MiB at a time, 25-58% of a read has landed at its completion, and a writer
-// reusing its buffer at once changes 28-77% of what the target gets (libfabric issue 11231). So the transfer completes only when the peer answers a Fence, which it does
-// once the copies its provider queued before it are done; the Fence comes after the RMA in
-// the peer's command queue.
-bool Worker::needs_fence(const Transfer& t) const {
-  if (t.kind == TransferKind::Message || t.route != TransferRoute::Direct || !rails_[0].rail->cuda_ipc()) return false;
-  if (t.runs.empty()) return false;  // nothing was written
-  return std::any_of(t.local.begin(), t.local.end(), [](const auto& r) { return r->cuda_device >= 0; });
-}
-
-void Worker::send_fence(Transfer& t) {
-  send_control(*t.peer, message(Fence{t.id}, *t.peer));
-}
-
-void Worker::on_fence(Peer& p, const Fence& m) {
-  fences_.push_back({copier_->record_provider_event(), p.incarnation, m.id});
-}
-
-void Worker::poll_fences() {
-  for (size_t i = 0; i < fences_.size();) {
-    PendingFence& f = fences_[i];
-    if (f.event && !copier_->event_done(f.event)) {
-      ++i;
-      continue;
-    }
-    if (f.event) copier_->release_event(f.event);
-    auto it = peers_.find(f.peer);
-    if (it != peers_.end() && !it->second->failed()) {
-      send_control(*it->second, message(FenceAck{f.transfer}, *it->second));
-    }
-    fences_[i] = fences_.back();
-    fences_.pop_back();
-  }
-}
-
-// The peer answered a Fence, or acknowledged a message (on_user_ack).
 void Worker::acknowledged(Peer& p, uint64_t transfer) {
   auto it = transfers_.find(transfer);
   if (it == transfers_.end() || it->second->peer != &p) return;
@@ -297,14 +251,14 @@ void Worker::finish(Transfer& t, Status status) {
   if (t.notify && t.state != TransferState::Notifying && peer_alive) {
     // The receiver's notification completes with this status. On success the future waits
     // for the notice to leave, so "future done" implies "notice sent".
-    ByteWriter w = message(Notify{t.tag, t.status.kind, t.status.message}, *p);
+    ByteWriter w = peers_.message(Notify{t.tag, t.status.kind, t.status.message}, *p);
     if (t.status.ok()) {
       t.enter(TransferState::Notifying);
       ++t.pending;
-      send_control(*p, std::move(w), &t);
+      peers_.send(*p, std::move(w), &t);
       return;
     }
-    send_control(*p, std::move(w));
+    peers_.send(*p, std::move(w));
   }
   if (p && t.state == TransferState::WaitingForPeer) {
     auto& w = p->waiting;
@@ -312,7 +266,7 @@ void Worker::finish(Transfer& t, Status status) {
   }
   t.enter(TransferState::Reported);
   answer_orders(t);
-  report(t.id, t.status);
+  reports_.add(t.id, t.status);
 }
 
 void Worker::fail(Transfer& t, Status status) {
@@ -329,7 +283,68 @@ void Worker::maybe_free(Transfer& t) {
   transfers_.erase(it);
   if (!p) return;
   if (!p->to_release.empty()) release_regions(*p);
-  end_work(*p);
+  peers_.end_work(*p);
+}
+
+void Worker::cancel(uint64_t id) {
+  assert_on_worker();
+  if (inbox_.cancel(id)) return;
+  auto it = transfers_.find(id);
+  if (it != transfers_.end()) fail(*it->second, Status::error(ErrorKind::Cancelled, "cancelled"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// A peer answered or failed (PeerEvents): its transfers go on, or end.
+
+// Transfers held for a check report their own failure (the peer did not restart); those that
+// waited for the peer take their route.
+void Worker::peer_ready(Peer& p) {
+  std::vector<Transfer*> held;
+  for (auto& [id, t] : transfers_)
+    if (t->peer == &p && t->held) held.push_back(t.get());
+  for (Transfer* t : held) {
+    t->held = false;
+    fail(*t, t->status);
+  }
+  std::vector<Transfer*> waiting;
+  waiting.swap(p.waiting);
+  for (Transfer* t : waiting) {
+    if (Status s = check_remote(*t); !s.ok()) {
+      fail(*t, std::move(s));
+      continue;
+    }
+    ready_to_generate(*t);
+  }
+}
+
+// The peer's transfers fail; the routes let go of their work for it (the staged route's jobs
+// report into their transfers); posted ops to it may never complete (shm), so their owners hear
+// now and the credits return (a completion that still arrives only frees the op); the rail
+// threads and the region table forget it.
+void Worker::peer_failed(const PeerFailure& f) {
+  std::vector<Transfer*> affected;
+  for (auto& [id, t] : transfers_)
+    if (t->peer == &f.peer && !t->reported()) affected.push_back(t.get());
+  for (Transfer* t : affected) {
+    if (t->held) t->status = f.why;  // what the check found out is the answer
+    fail(*t, f.why);
+  }
+  for (auto& r : routes_) r->peer_failed(f.peer);
+  rails_->pool().for_each_in_use([&](Op& op) {
+    if (op.peer != &f.peer || !op.posted || op.orphaned || op.kind == OpKind::Recv) return;
+    op.orphaned = true;
+    rails_->uncount(op);
+    if (op.region) {
+      auto& pin = orphan_pins_[op.region];
+      if (!pin.first) pin.first = op.region->shared_from_this();
+      ++pin.second;
+    }
+    OpOwner* owner = op.owner;
+    op.owner = nullptr;
+    if (owner) owner->op_done(*this, op, f.why);
+  });
+  rails_->forget(&f.peer);
+  regions_.forget_peer(f.peer.incarnation);
 }
 
 }  // namespace p2p::engine

@@ -1,15 +1,84 @@
 #include "engine/worker.h"
 
-#include <sys/epoll.h>
+#include <pthread.h>
+#include <rdma/fi_errno.h>
+#include <sched.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
+#include <cerrno>
+#include <cstring>
 
+#include "common/clock.h"
 #include "common/log.h"
-#include "routes/staged/staging.h"
+#include "core/host.h"
+#include "routes/registry.h"
 
 namespace p2p::engine {
+namespace {
+
+// Moves the calling thread onto the configured core's NUMA node (config.node_cpus), where the
+// rails, libfabric's memory and CUDA's will then land; returns the node's cores.
+cpu_set_t move_to_node(const Config& config) {
+  cpu_set_t process_cpus, node_cpus;
+  sched_getaffinity(0, sizeof process_cpus, &process_cpus);
+  node_cpus = process_cpus;
+  if (config.cpu >= 0 && !config.node_cpus.empty()) {
+    CPU_ZERO(&node_cpus);
+    for (int c : config.node_cpus)
+      if (c >= 0 && c < CPU_SETSIZE && CPU_ISSET(c, &process_cpus)) CPU_SET(c, &node_cpus);
+    if (!CPU_ISSET(config.cpu, &node_cpus)) node_cpus = process_cpus;
+  }
+  if (config.cpu >= 0) pthread_setaffinity_np(pthread_self(), sizeof node_cpus, &node_cpus);
+  return node_cpus;
+}
+
+void pin_to_core(int cpu) {
+  if (cpu < 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  if (const int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set))
+    P2P_LOG(Warn, "could not pin the progress thread to cpu ", cpu, ": ", std::strerror(rc));
+}
+
+bool is_connection_errno(int err) {
+  switch (err) {
+    case FI_ECONNREFUSED:
+    case FI_ECONNRESET:
+    case FI_ECONNABORTED:
+    case FI_ENOTCONN:
+    case FI_EHOSTUNREACH:
+    case FI_ETIMEDOUT:
+    case EPIPE:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// What a failed op says about its peer. Providers report a refused key or range in different
+// ways (tcp: FI_ECANCELED with the errno of the cause in prov_errno), so only connection
+// errors count as the peer's; the rest is the owner refusing the access.
+ErrorKind classify(int err, int prov_errno) {
+  if (is_connection_errno(err)) return ErrorKind::Peer;
+  if (err == FI_ECANCELED) return is_connection_errno(prov_errno) ? ErrorKind::Peer : ErrorKind::Remote;
+  if (err == FI_EACCES || err == FI_EINVAL || err == FI_ENOKEY || err == FI_EKEYREJECTED || err == FI_EPERM)
+    return ErrorKind::Remote;
+  return ErrorKind::Generic;
+}
+
+const char* op_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::Write: return "RMA write";
+    case OpKind::Read: return "RMA read";
+    case OpKind::Send: return "message";
+    default: return "op";
+  }
+}
+
+}  // namespace
 
 Worker::Worker(Setup setup, CompletionQueue* completions, TransferPool* transfers)
     : config_(std::move(setup.config)), offer_(std::move(setup.offer)), completions_(completions), finished_(transfers) {
@@ -24,49 +93,71 @@ Worker::Worker(Setup setup, CompletionQueue* completions, TransferPool* transfer
   }
 }
 
-Worker::~Worker() {
-  stop();
-  if (wake_fd_ >= 0) close(wake_fd_);
-}
-
-void Worker::post(Command command) {
-  {
-    std::lock_guard<std::mutex> lock(commands_mu_);
-    P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
-    commands_.push_back(std::move(command));
-  }
-  wake();
-}
-
-void Worker::wake() {
-  if (sleeping_.load(std::memory_order_acquire)) {
-    const uint64_t one = 1;
-    (void)!write(wake_fd_, &one, sizeof one);
-  }
-}
+Worker::~Worker() { stop(); }
 
 void Worker::stop() {
   if (!thread_.joinable()) return;
   stopping_.store(true);
-  const uint64_t one = 1;
-  (void)!write(wake_fd_, &one, sizeof one);
+  mailbox_.ring();
   thread_.join();
 }
 
-double Worker::now() const {
-  using namespace std::chrono;
-  return duration<double>(steady_clock::now().time_since_epoch()).count();
-}
-
-void Worker::report(uint64_t id, Status status, std::string payload, std::string address) {
-  reports_.push_back({id, std::move(status), std::move(payload), std::move(address)});
-}
-
-void Worker::hand_over_reports() { completions_->push_all(reports_); }
-
 bool Worker::region_staged(bool cuda) const {
   if (config_.data_path == DataPath::Staged) return true;
-  return cuda && !hmem_;
+  return cuda && !facts_.hmem;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Start-up, as named steps. Everything opens on the worker core's NUMA node, so that libfabric's
+// and CUDA's memory lands there, and only then is the worker narrowed to its core. NOTE: threads
+// inherit their creator's affinity: providers' own threads (tcp runs one per rail) and the rail
+// threads, created meanwhile, get the node, not one core.
+
+void Worker::open() {
+  const cpu_set_t node_cpus = move_to_node(config_);
+  copier_ = make_copier(config_.cuda_device);
+  facts_.host = host_identity();
+  routes_ = routes::make_routes(*this, config_, facts_.host);
+  const fabric::Offer& offer = *offer_;
+  facts_.provider = offer.provider;
+  facts_.hmem = offer.hmem;
+  facts_.delivery_complete = offer.delivery_complete;
+  facts_.auto_progress = offer.auto_progress;
+  P2P_CHECK(!(config_.cuda() && config_.data_path == DataPath::Direct && !facts_.hmem), ErrorKind::Value,
+            "data_path='direct' needs a provider with FI_HMEM (GPUDirect RDMA), but ", facts_.provider,
+            " here has none; use data_path='staged' or None");
+  rails_ = std::make_unique<Rails>(config_, offer, node_cpus, mailbox_.wake_fd(), mailbox_.sleeping());
+  facts_.rails = rails_->facts();
+  if (config_.cuda_device >= 0 && facts_.hmem && config_.data_path == DataPath::Auto) probe_hmem();
+
+  while (facts_.incarnation == 0) (void)!getrandom(&facts_.incarnation, sizeof facts_.incarnation, 0);
+  EngineAddress me{facts_.provider, facts_.incarnation, {}, facts_.host, static_cast<uint32_t>(getpid())};
+  for (size_t i = 0; i < rails_->size(); ++i) me.rails.push_back(rails_->rail(i).address());
+  for (size_t i = 0; i < routes_.size(); ++i) me.routes |= routes_[i]->advertised() << i;
+  facts_.address = me.encode();
+  peers_.open(*rails_, control_, regions_, facts_.provider, facts_.address, facts_.incarnation);
+
+  // Control messages use rail 0 only: receive buffers, then send buffers.
+  control_.open(rails_->rail(0), config_.recv_buffers, config_.send_buffers);
+  for (Op& op : control_.receive_ops()) rails_->post_receive(&op, *this);
+  for (int fd : rails_->wait_fds()) mailbox_.watch(fd);
+  pthread_setname_np(pthread_self(), "p2p-worker");
+  pin_to_core(config_.cpu);
+}
+
+// Some builds grant FI_HMEM and then refuse CUDA memory (Ubuntu's libfabric 1.17 shm). Trying one
+// small registration decides the automatic data path honestly, before any user memory.
+void Worker::probe_hmem() {
+  void* probe = copier_->alloc_device(1 << 16);
+  try {
+    fabric::MrHandle mr = rails_->rail(0).register_memory(probe, 1 << 16, FI_READ | FI_WRITE, config_.cuda_device);
+    rails_->rail(0).deregister(mr);
+  } catch (const Error& e) {
+    facts_.hmem = false;
+    P2P_LOG(Warn, "provider ", facts_.provider, " offers FI_HMEM but cannot register CUDA memory here (", e.what(),
+            "); GPU memory takes the staged path");
+  }
+  copier_->free_device(probe);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -75,31 +166,33 @@ bool Worker::region_staged(bool cuda) const {
 void Worker::run(std::promise<void>& ready) {
   worker_thread_ = std::this_thread::get_id();
   try {
-    open(ready);
+    open();
   } catch (...) {
-    drivers_.clear();
-    rails_.clear();
+    rails_.reset();
     ready.set_exception(std::current_exception());
     return;
   }
+  ready.set_value();
   // NOTE: a pinned worker owns its core and busy-polls; an unpinned one
   // (host engines, CI) spins for spin_us after the last event and then sleeps.
   const bool always_spin = config_.spin_us < 0;
   idle_since_ = now();
   while (!stopping_.load(std::memory_order_relaxed)) {
     bool busy = drain_commands();
-    busy |= poll_rails();
+    busy |= rails_->poll(*this);
     for (auto& r : routes_) busy |= r->poll();
-    poll_fences();
+    fences_.poll(*copier_, [this](uint64_t peer, uint64_t transfer) {
+      if (Peer* p = peers_.find(peer); p && !p->failed()) peers_.send(*p, peers_.message(FenceAck{transfer}, *p));
+    });
     busy |= generate();
-    busy |= flush_outbox();
-    busy |= post_ops();
+    busy |= control_.flush(*rails_);
+    busy |= rails_->post(*this);
     const double t = now();
     if (t >= next_tick_) {
       tick();
       next_tick_ = t + 0.005;
     }
-    hand_over_reports();
+    reports_.hand_over(*completions_);
     if (busy || always_spin)
       idle_since_ = t;
     else if ((t - idle_since_) * 1e6 > config_.spin_us)
@@ -111,11 +204,7 @@ void Worker::run(std::promise<void>& ready) {
 bool Worker::drain_commands() {
   assert_on_worker();
   draining_.clear();  // empty, unless a command threw past the handler below
-  {
-    std::lock_guard<std::mutex> lock(commands_mu_);
-    if (commands_.empty()) return false;
-    draining_.swap(commands_);  // the queue keeps the emptied buffer: post() need not allocate
-  }
+  if (!mailbox_.take(draining_)) return false;
   for (auto& command : draining_) {
     try {
       execute(command, false);
@@ -131,15 +220,16 @@ void Worker::execute(Command& command, bool closed) {
   struct Run {
     Worker& w;
     bool closed;
-    void refuse(uint64_t id) { w.report(id, Status::error(ErrorKind::Closed, "the engine was closed")); }
+    static double at(double timeout_s) { return timeout_s > 0 ? now() + timeout_s : 0; }
+    void refuse(uint64_t id) { w.reports_.add(id, Status::error(ErrorKind::Closed, "the engine was closed")); }
     void operator()(StartTransfer& c) {
       if (closed) return refuse(c.transfer->id);
       w.start(c.transfer.release());  // the worker owns it from here
     }
-    void operator()(Connect& c) { closed ? refuse(c.id) : w.connect(c.id, c.address); }
-    void operator()(Disconnect& c) { closed ? refuse(c.id) : w.disconnect(c.id, c.address); }
-    void operator()(Receive& c) { closed ? refuse(c.id) : w.recv(c.id, c.timeout_s); }
-    void operator()(AwaitNotification& c) { closed ? refuse(c.id) : w.notification(c.id, c.tag, c.timeout_s); }
+    void operator()(Connect& c) { closed ? refuse(c.id) : w.peers_.connect(c.id, c.address); }
+    void operator()(Disconnect& c) { closed ? refuse(c.id) : w.peers_.disconnect(c.id, c.address); }
+    void operator()(Receive& c) { closed ? refuse(c.id) : w.inbox_.recv(c.id, at(c.timeout_s)); }
+    void operator()(AwaitNotification& c) { closed ? refuse(c.id) : w.inbox_.await(c.id, c.tag, at(c.timeout_s)); }
     void operator()(Cancel& c) {
       if (!closed) w.cancel(c.id);
     }
@@ -149,26 +239,149 @@ void Worker::execute(Command& command, bool closed) {
 }
 
 void Worker::idle_wait() {
-  sleeping_.store(true, std::memory_order_release);
-  bool pending;
-  {
-    std::lock_guard<std::mutex> lock(commands_mu_);
-    pending = !commands_.empty();
+  const bool fds = rails_->all_wait_fds();
+  const int timeout_ms = std::clamp(static_cast<int>((next_tick_ - now()) * 1000) + 1, 1, 10);
+  mailbox_.sleep(fds, timeout_ms, [&] {
+    if (stopping_.load() || rails_->events_waiting()) return false;
+    for (auto& r : routes_)
+      if (!r->idle()) return false;
+    // Nothing wakes us when a CUDA copy or the caller's stream event completes: keep polling.
+    if (!fences_.empty() || (!gen_queue_.empty() && gen_queue_.front()->cuda_event)) return false;
+    // With wait fds, sleep only if no rail has events pending (trywait); without, nap.
+    return !fds || rails_->trywait();
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// How ops end (OpSink).
+
+void Worker::completed(Op* op, size_t len) {
+  if (!op) return;
+  if (op->kind == OpKind::Forget) return rails_->pool().release(op);
+  if (op->kind == OpKind::Recv) {
+    on_message(static_cast<const char*>(op->local()), len);
+    rails_->post_receive(op, *this);
+    return;
   }
-  bool can_sleep = !pending && !stopping_.load();
-  for (auto& d : drivers_) can_sleep = can_sleep && !d->has_events();
-  for (auto& r : routes_) can_sleep = can_sleep && r->idle();
-  // Nothing wakes us when a CUDA copy or the caller's stream event completes: keep polling.
-  can_sleep = can_sleep && fences_.empty() &&
-              (gen_queue_.empty() || !gen_queue_.front()->cuda_event);
-  bool all_fds = true;
-  for (auto& rs : rails_) all_fds &= rs.driver || rs.rail->wait_fd() >= 0;
-  // With wait fds, sleep only if no rail has events pending (trywait); without, nap.
-  if (can_sleep && all_fds)
-    for (auto& rs : rails_) can_sleep = can_sleep && (rs.driver || rs.rail->trywait());
-  if (can_sleep)
-    doze(all_fds ? epoll_fd_ : -1, wake_fd_, std::clamp(static_cast<int>((next_tick_ - now()) * 1000) + 1, 1, 10));
-  sleeping_.store(false, std::memory_order_release);
+  complete(op, Status{});
+}
+
+void Worker::failed(Op* op, int err, int prov_errno, const std::string& message) {
+  if (op->kind == OpKind::Recv) {
+    if (stopping_.load()) return;
+    P2P_LOG(Warn, "a control message was not received: ", message);
+    rails_->post_receive(op, *this);
+    return;
+  }
+  Peer* peer = op->peer;
+  std::string who = peer ? cat(" to peer ", hex(peer->incarnation)) : std::string();
+  Status status = Status::error(classify(err, prov_errno), cat(op_name(op->kind), who, " failed: ", message));
+  const bool hello = op->hello, orphaned = op->orphaned;
+  complete(op, status);
+  if (peer && !orphaned && !stopping_.load()) peers_.op_failed(*peer, hello, err, prov_errno, status);
+}
+
+void Worker::complete(Op* op, const Status& status) {
+  control_.release(*op);
+  if (op->orphaned) {  // its owner heard already, when the peer was declared dead
+    if (op->region) {
+      auto pin = orphan_pins_.find(op->region);
+      if (--pin->second.second == 0) orphan_pins_.erase(pin);
+    }
+    rails_->pool().release(op);
+    return;
+  }
+  if (op->posted) rails_->uncount(*op);
+  if (status.ok() && op->peer) op->peer->live.heard(now());
+  if (OpOwner* owner = op->owner) owner->op_done(*this, *op, status);
+  rails_->pool().release(op);
+}
+
+bool Worker::usable(Op* op) {
+  if (op->peer && op->peer->failed() && (!op->farewell || op->peer->closed)) {
+    complete(op, op->peer->failure);
+    return false;
+  }
+  if (op->owner && op->owner->abandoned()) {
+    complete(op, Status::error(ErrorKind::Cancelled, "abandoned"));
+    return false;
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Control messages: hellos come first (they introduce a sender we may not know yet), then what
+// is meant for this process from a known peer; a goodbye is taken even from a failed peer.
+
+void Worker::send(Peer& p, uint8_t route, std::string body) { peers_.send(p, peers_.message(RouteMessage{route, body}, p)); }
+
+void Worker::on_message(const char* data, size_t len) {
+  try {
+    Received m = decode_message(std::string_view(data, len));
+    const MsgHeader& h = m.header;
+    if (const auto* hello = std::get_if<Hello>(&m.body)) return peers_.on_hello(h, *hello);
+    if (const auto* ack = std::get_if<HelloAck>(&m.body)) return peers_.on_hello_ack(h, *ack);
+    if (h.to != facts_.incarnation) return;  // meant for an earlier process at this address: its
+                                             // sender finds out by a check
+    Peer* from = peers_.find(h.from);
+    if (!from) return;  // never introduced: drop
+    Peer& p = *from;
+    if (const auto* bye = std::get_if<Bye>(&m.body)) return peers_.on_bye(p, bye->closing);
+    if (p.failed()) return;
+    p.live.heard(now());
+    struct Dispatch {
+      Worker& w;
+      Peer& p;
+      Message& body;
+      void to_routes() {  // a type a route owns (the staged route's requests and answers)
+        for (auto& r : w.routes_)
+          if (r->on_control(p, body)) return;
+      }
+      void operator()(const UserFragment& m) { w.on_user(p, m); }
+      void operator()(const UserAck& m) {
+        auto entry = p.unacked.find(m.id);
+        if (entry == p.unacked.end()) return;
+        const uint64_t transfer = entry->second;
+        p.unacked.erase(entry);
+        w.acknowledged(p, transfer);
+      }
+      void operator()(const Notify& m) { w.inbox_.notified(m); }
+      void operator()(const StageRequest&) { to_routes(); }
+      void operator()(const StageAck&) { to_routes(); }
+      void operator()(const Fence& m) { w.fences_.add(*w.copier_, p.incarnation, m.id); }
+      void operator()(const FenceAck& m) { w.acknowledged(p, m.id); }
+      void operator()(const RegionClosed& m) { w.on_region_closed(p, m.id); }
+      void operator()(const RegionReleased& m) { w.regions_.released(m.id, p.incarnation); }
+      void operator()(const RouteMessage& m) {
+        if (m.route < w.routes_.size()) w.routes_[m.route]->on_message(p, m.body);
+      }
+      void operator()(const Hello&) {}  // taken above
+      void operator()(const HelloAck&) {}
+      void operator()(const Bye&) {}
+    };
+    std::visit(Dispatch{*this, p, m.body}, m.body);
+  } catch (const Error& e) {
+    P2P_LOG(Warn, "dropped a malformed control message: ", e.what());
+  }
+}
+
+// A user message's fragment. Fragments arrive in order (send-after-send), so each continues the
+// last.
+void Worker::on_user(Peer& p, const UserFragment& m) {
+  std::string& buf = p.partial[m.id];
+  if (m.offset != buf.size() || m.offset + m.part.size() > m.total) {
+    p.partial.erase(m.id);
+    throw Error(ErrorKind::Value, "invalid control message: message fragment out of order");
+  }
+  if (buf.empty()) buf.reserve(m.total);
+  buf.append(m.part);
+  if (buf.size() < m.total) return;
+  std::string payload = std::move(buf);
+  p.partial.erase(m.id);
+  // Acknowledged here, in the step that takes it: a close() that the delivery itself triggers
+  // (a recv callback) comes later and sends this first.
+  peers_.send(p, peers_.message(UserAck{m.id}, p));
+  inbox_.deliver(p.address_bytes, std::move(payload));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -183,27 +396,12 @@ void Worker::tick() {
     const char* what = tr->kind == TransferKind::Write ? "write_slices"
                        : tr->kind == TransferKind::Read ? "read_slices" : "send";
     fail(*tr, Status::error(ErrorKind::Timeout,
-                              cat(what, " to peer ", hex(tr->peer ? tr->peer->incarnation : 0), " timed out after ", tr->timeout_s, " s")));
+                            cat(what, " to peer ", hex(tr->peer ? tr->peer->incarnation : 0), " timed out after ", tr->timeout_s, " s")));
   }
-
-  auto expire = [&](std::vector<Waiter>& waiters, const char* what) {
-    for (size_t i = 0; i < waiters.size();) {
-      if (waiters[i].deadline > 0 && t > waiters[i].deadline) {
-        report(waiters[i].id, Status::error(ErrorKind::Timeout, cat(what, " timed out")));
-        waiters.erase(waiters.begin() + i);
-      } else {
-        ++i;
-      }
-    }
-  };
-  expire(recv_waiters_, "recv");
-  for (auto& [tag, state] : notify_) expire(state.waiters, "notification");
-
-  check_peers();
-  check_processes();
+  inbox_.expire(t);
+  peers_.tick();
   for (auto& r : routes_) r->tick();
-
-  regions_.finish(now(), [this](Region& r) { deregister_mrs(r); });
+  regions_.finish(now(), [this](Region& r) { rails_->deregister(r.mrs); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -214,15 +412,20 @@ void Worker::shutdown() {
   fail_everything(closed);
   // Out before anything below, which may wait (for a stream, for peers): threads waiting on
   // these futures (stream_wait among them) hear at once.
-  hand_over_reports();
+  reports_.hand_over(*completions_);
   say_goodbye();
   release_registrations();
-  close_rails();
+  rails_->close();  // nothing posted completes after this
   release_held_resources();
-  refuse_late_commands();
-  hand_over_reports();
-  if (epoll_fd_ >= 0) close(epoll_fd_);
-  // wake_fd_ stays open until the destructor: post() may still write to it.
+  // Commands queued after the loop's last turn only report failure.
+  for (auto& command : mailbox_.close()) {
+    try {
+      execute(command, true);
+    } catch (const std::exception& e) {
+      P2P_LOG(Debug, "a command was dropped at close: ", e.what());
+    }
+  }
+  reports_.hand_over(*completions_);
 }
 
 // Transfers, receives, notifications and connects in flight end with `closed`; disconnects
@@ -231,78 +434,37 @@ void Worker::fail_everything(const Status& closed) {
   std::vector<Transfer*> live;
   for (auto& [id, t] : transfers_) live.push_back(t.get());
   for (Transfer* t : live) finish(*t, closed);
-  for (auto& w : recv_waiters_) report(w.id, closed);
-  recv_waiters_.clear();
-  for (auto& [tag, state] : notify_)
-    for (auto& w : state.waiters) report(w.id, closed);
-  notify_.clear();
-  for (auto& [inc, p] : peers_) {
-    for (uint64_t id : p->connect_waiters) report(id, closed);
-    p->connect_waiters.clear();
-    if (p->disconnect_id) report(p->disconnect_id, Status{});
-    p->disconnect_id = 0;
-  }
+  inbox_.close(closed);
+  peers_.close(closed);
 }
 
 void Worker::say_goodbye() {
-  for (auto& [inc, p] : peers_) {
-    // Also to peers that left us, or that we left: alive, they may reconnect (on_bye()).
-    if (p->state() == PeerState::Ready || (p->state() == PeerState::Left && !p->closed))
-      send_control(*p, bye(*p, true), nullptr, true);
-  }
+  peers_.say_goodbye();
   // Give the goodbyes up to a second to be taken, answering meanwhile what peers sent before
-  // they took ours: on shm a command left unanswered stalls its sender's endpoint (on_bye()).
+  // they took ours: on shm a command left unanswered stalls its sender's endpoint (Peers::on_bye).
   const double until = now() + 1.0;
-  while (now() < until && (!control_.idle() || pool_->in_use() > 0)) {
-    flush_outbox();
-    post_ops();
-    poll_rails();
+  while (now() < until && (!control_.idle() || rails_->pool().in_use() > 0)) {
+    control_.flush(*rails_);
+    rails_->post(*this);
+    rails_->poll(*this);
   }
 }
 
 void Worker::release_registrations() {
   orphan_pins_.clear();
-  regions_.clear([this](Region& r) { deregister_mrs(r); });
+  regions_.clear([this](Region& r) { rails_->deregister(r.mrs); });
   for (auto& r : routes_) r->stop();  // their copies end; their registrations go before the rails
-  control_.close(*rails_[0].rail);
-}
-
-void Worker::close_rails() {
-  for (auto& d : drivers_) d->drain([](const RailDriver::Event& e) { delete e.message; });
-  drivers_.clear();  // joins the rail threads before their rails go
-  for (auto& rs : rails_) rs.driver = nullptr;
-  rails_.clear();  // closes the endpoints: nothing posted completes after this
+  control_.close(rails_->rail(0));
 }
 
 // What outlives the rails: the routes (their mappings, staging memory), CUDA events
-// (transfers' stream events, peers' unanswered fences), process fds.
+// (transfers' stream events, peers' unanswered fences).
 void Worker::release_held_resources() {
   routes_.clear();
   for (auto& [id, t] : transfers_)
     if (t->cuda_event) copier_->release_event(t->cuda_event);
   transfers_.clear();
-  for (auto& [inc, p] : peers_)
-    if (p->pidfd >= 0) close(p->pidfd);
-  for (const PendingFence& f : fences_)
-    if (f.event) copier_->release_event(f.event);
-  fences_.clear();
-}
-
-// Commands queued after the loop's last turn run with closed=true: they only report failure.
-void Worker::refuse_late_commands() {
-  std::vector<Command> late;
-  {
-    std::lock_guard<std::mutex> lock(commands_mu_);
-    closed_ = true;
-    late.swap(commands_);
-  }
-  for (auto& command : late) {
-    try {
-      execute(command, true);
-    } catch (const std::exception& e) {
-      P2P_LOG(Debug, "a command was dropped at close: ", e.what());
-    }
-  }
+  fences_.release(*copier_);
 }
 
 }  // namespace p2p::engine

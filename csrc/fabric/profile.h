@@ -28,7 +28,7 @@ struct Profile {
   // domain, unless TORCH_P2P_SHM_FAST=1. On that path an op takes one remote segment.
   bool unchecked_fast_rma;
   // FI_HMEM_DEVICE_ONLY registrations make the provider move GPU memory by CUDA IPC, whose RMA
-  // completes before the data lands: GPU writes need the engine's fence (Worker::needs_fence).
+  // completes before the data lands: GPU writes need the engine's fence (needs_fence in engine/transfers.cpp).
   bool cuda_ipc_rma;
   // The provider names an endpoint's file after the process id, and a killed process leaves
   // it behind for the next process with that pid: the engine names its endpoints itself.

@@ -29,8 +29,8 @@ void Route::ensure_slots() {
     slot->bytes = slot_bytes;
     slot->spans = reinterpret_cast<CopySpan*>(base + n * slot_bytes + i * span_bytes);
     slot->serve = i >= n / 2;
-    for (size_t r = 0; r < host_.rails(); ++r)
-      slot->mrs.push_back(host_.rail(r).register_memory(slot->ptr, slot_bytes, kSlotAccess, -1));
+    for (size_t r = 0; r < host_.rails().size(); ++r)
+      slot->mrs.push_back(host_.rails().rail(r).register_memory(slot->ptr, slot_bytes, kSlotAccess, -1));
     free_slots_[slot->serve].push_back(slot.get());
     slots_.push_back(std::move(slot));
   }
@@ -60,9 +60,9 @@ void Route::give_slot(Slot* slot) {
 // A slot whose job failed with its peer unreachable may still be named in a peer's posted
 // RMA; a new key makes the provider refuse it.
 void Route::rekey(Slot& slot) {
-  for (size_t r = 0; r < host_.rails(); ++r) {
-    host_.rail(r).deregister(slot.mrs[r]);
-    slot.mrs[r] = host_.rail(r).register_memory(slot.ptr, slot.bytes, kSlotAccess, -1);
+  for (size_t r = 0; r < host_.rails().size(); ++r) {
+    host_.rails().rail(r).deregister(slot.mrs[r]);
+    slot.mrs[r] = host_.rails().rail(r).register_memory(slot.ptr, slot.bytes, kSlotAccess, -1);
   }
 }
 

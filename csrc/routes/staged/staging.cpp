@@ -8,7 +8,7 @@
 
 namespace p2p::engine {
 
-void SlotJob::op_done(Worker&, Op&, const Status& status) { route->job_op_done(*this, status); }
+void SlotJob::op_done(RouteHost&, Op&, const Status& status) { route->job_op_done(*this, status); }
 
 const char* name(SlotJobState state) {
   switch (state) {
@@ -30,7 +30,7 @@ using namespace engine;
 
 size_t Route::request_run_limit() const {
   // Header, fixed fields, one (base, key) per local rail, then 12 bytes a run.
-  const size_t fixed = kHeaderBytes + 8 + 1 + 8 + 8 + 2 + 16 * host_.rails() + 2;
+  const size_t fixed = kHeaderBytes + 8 + 1 + 8 + 8 + 2 + 16 * host_.rails().size() + 2;
   return std::min(kMaxJobRuns, (kMessageBytes - fixed) / 12);
 }
 
@@ -42,7 +42,7 @@ Route::~Route() {
 
 void Route::stop() {
   for (auto& slot : slots_) {
-    for (size_t r = 0; r < slot->mrs.size(); ++r) host_.rail(r).deregister(slot->mrs[r]);
+    for (size_t r = 0; r < slot->mrs.size(); ++r) host_.rails().rail(r).deregister(slot->mrs[r]);
     slot->mrs.clear();
   }
 }
@@ -256,14 +256,14 @@ bool Route::generate_job_ops(SlotJob& job) {
   }
   Peer& p = *job.peer;
   const size_t R = p.remote_rails();
-  const uint64_t chunk = host_.striper().chunk(job.bytes, Striper::pairs(host_.rails(), R));
+  const uint64_t chunk = host_.rails().striper().chunk(job.bytes, Striper::pairs(host_.rails().size(), R));
   // The local side is the slot, one registration; the remote side is the requester's slot
   // (serving) or the runs of a directly registered region.
   const bool to_slot = job.step() == Step::RmaSlot;
   const Run whole_slot{0, 0, job.bytes, 0, 0};
   const RunView runs = to_slot ? RunView(&whole_slot, 1) : RunView(job.runs);
   auto remote = [&](uint32_t i) { return to_slot ? Extent{} : Extent{0, job.transfer->remote[i]->piece_bytes}; };
-  const bool made = host_.make_ops(
+  const bool made = host_.rails().make_ops(
       p, job.write_out ? OpKind::Write : OpKind::Read, &job, [&] { return !job.gen.at_end(runs); },
       [&](Op& op, const RailPair& pair) {
         Segment s{};

@@ -107,7 +107,7 @@ struct SlotJob final : OpOwner {
     return state == SlotJobState::Copying || state == SlotJobState::Generating ||
            (state == SlotJobState::Moving && ops_left > 0);
   }
-  void op_done(Worker& worker, Op& op, const Status& status) override;
+  void op_done(RouteHost& host, Op& op, const Status& status) override;
   bool abandoned() const override { return !status.ok(); }
 };
 

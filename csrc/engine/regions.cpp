@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "common/clock.h"
 #include "common/log.h"
 #include "engine/worker.h"
 
@@ -25,14 +26,10 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
     if (!region->staged) {
       const uint64_t access = FI_READ | FI_WRITE | ((spec.access & kRemoteRead) ? FI_REMOTE_READ : 0) |
                               ((spec.access & kRemoteWrite) ? FI_REMOTE_WRITE : 0);
-      for (uint64_t off = 0; off < spec.nbytes; off += region->piece_bytes) {
-        const uint64_t len = std::min<uint64_t>(region->piece_bytes, spec.nbytes - off);
-        for (auto& rs : rails_)
-          region->mrs.push_back(rs.rail->register_memory(spec.ptr + off, len, access, spec.cuda_device));
-      }
+      rails_->register_memory(spec.ptr, spec.nbytes, region->piece_bytes, access, spec.cuda_device, region->mrs);
     }
-    remote->owner = address_;
-    remote->incarnation = incarnation_;
+    remote->owner = facts_.address;
+    remote->incarnation = facts_.incarnation;
     remote->id = region->id;
     remote->nbytes = spec.nbytes;
     remote->access = spec.access;
@@ -40,14 +37,14 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
     remote->device_type = spec.cuda_device >= 0 ? 1 : 0;
     remote->device_index = static_cast<int16_t>(spec.cuda_device);
     remote->piece_bytes = region->piece_bytes;
-    remote->rails = static_cast<uint16_t>(rails_.size());
+    remote->rails = static_cast<uint16_t>(rails_->size());
     for (const auto& mr : region->mrs) {
       remote->base.push_back(mr.base);
       remote->key.push_back(mr.key);
     }
     for (auto& r : routes_) r->describe(*region, *remote);  // the staged route's slots, an IPC export
   } catch (...) {
-    deregister_mrs(*region);
+    rails_->deregister(region->mrs);
     throw;
   }
   regions_.add(region);
@@ -63,19 +60,15 @@ void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> 
   // when local operations are done; on shm (Rail::peers_must_release) only once every peer
   // has answered, or peer_timeout passed; so does a region for the peers that a route lets
   // reach it without the NICs (Route::must_release).
-  const bool wait = std::any_of(rails_.begin(), rails_.end(), [](auto& rs) { return rs.rail->peers_must_release(); });
-  for (auto& [inc, p] : peers_) {
-    if (p->state() != PeerState::Ready) continue;
-    send_control(*p, message(RegionClosed{id}, *p));
+  const bool wait = rails_->rail(0).peers_must_release();
+  peers_.each([&](Peer& p) {
+    if (p.state() != PeerState::Ready) return;
+    peers_.send(p, peers_.message(RegionClosed{id}, p));
     bool routed = false;
     if (live)
-      for (auto& r : routes_) routed |= r->must_release(*live, *p);
-    if (wait || routed) regions_.must_release(id, inc);
-  }
-}
-
-void Worker::deregister_mrs(Region& region) {
-  for (size_t k = 0; k < region.mrs.size(); ++k) rails_[k % rails_.size()].rail->deregister(region.mrs[k]);
+      for (auto& r : routes_) routed |= r->must_release(*live, p);
+    if (wait || routed) regions_.must_release(id, p.incarnation);
+  });
 }
 
 bool Peer::region_gone(uint64_t id) const {
@@ -106,7 +99,7 @@ void Worker::release_regions(Peer& p) {
       continue;
     }
     for (auto& r : routes_) r->release(p.incarnation, region);
-    send_control(p, message(RegionReleased{region}, p));
+    peers_.send(p, peers_.message(RegionReleased{region}, p));
     it = p.to_release.erase(it);
   }
 }
