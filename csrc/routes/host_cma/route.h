@@ -4,11 +4,9 @@
 // straight between the two processes, one system call per 1024 runs (or 1 GiB), large calls split over a
 // few threads.
 //
-// The owner decides what a peer may reach. Before its first transfer to a region, the
-// initiator asks the owner for it with the region's key from its handle; the owner answers
-// with the region's address, size and access from its own registration (a handle that lies
-// gets nothing more than the truth), or refuses. The answer is cached per (peer, region, key)
-// until the owner closes the region: then the owner waits for our release, as on the fabric.
+// The owner decides what a peer may reach (core/grants.h): before its first transfer to a
+// region, the initiator asks the owner for it and checks every call against the answer, which
+// is the owner's registration (a handle that lies gets nothing more than the truth).
 //
 // The OS decides whether one process may copy another's memory (ptrace access mode: same user,
 // and Yama's ptrace_scope 0, or 1 with the owner's consent, which the route gives with
@@ -21,15 +19,14 @@
 
 #include <sys/types.h>
 
-#include <map>
 #include <memory>
 #include <string>
-#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
 #include "core/config.h"
+#include "core/grants.h"
 #include "core/route.h"
 #include "routes/host_cma/copies.h"
 
@@ -54,30 +51,10 @@ class Route final : public engine::Route {
   void stop() override { copies_.reset(); }
 
  private:
-  // What the owner answered for one region: its address, size and access, or why not.
-  struct Grant {
-    bool asked = false;
-    bool answered = false;
-    uint64_t ptr = 0;
-    uint64_t nbytes = 0;
-    uint8_t access = 0;
-    uint32_t digest = 0;  // of the owner's registration (route.cpp, digest())
-    Status refused;
-  };
-  using GrantKey = std::tuple<uint64_t, uint64_t, uint64_t>;  // peer, region, key
-  static GrantKey key_of(uint64_t peer, const engine::RemoteRegion& r) {
-    return {peer, r.id, r.key.empty() ? 0 : r.key[0]};
-  }
-
   // reaches(), for host memory of this engine whatever its device.
   bool peer_reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) const;
-  bool owner_allows(const engine::Peer& p) const;
-  void answer(engine::Peer& p, uint64_t region, uint64_t key);
-  void on_grant(engine::Peer& p, uint64_t region, uint64_t key, Grant grant);
   // Starts t's copy once every region it touches is answered; false if one is not.
   bool try_start(engine::Transfer& t);
-  Status spans_of(const engine::Transfer& t, std::vector<Span>& spans) const;
-  void resume(engine::Peer& p);
 
   engine::RouteHost& host_;
   const uint8_t id_;
@@ -85,15 +62,12 @@ class Route final : public engine::Route {
   const bool engine_memory_;  // this engine's own memory is host memory the route may move
   bool on_ = false;
   std::unique_ptr<Copies> copies_;
+  engine::Grants grants_;
   // Initiator side.
-  std::map<GrantKey, Grant> grants_;
-  std::unordered_map<uint64_t, std::vector<engine::Transfer*>> waiting_;  // by peer
   std::unordered_map<uint64_t, std::string> denied_;  // peers the OS keeps us from: why
   std::unordered_set<uint64_t> tried_;                // peers whose access was tried
   std::unordered_map<uint64_t, engine::Transfer*> copying_;  // by ticket
   std::vector<Outcome> ended_;                               // poll()'s, kept for its buffer
-  // Owner side: the peers that were answered for each region of ours.
-  std::unordered_map<uint64_t, std::unordered_set<uint64_t>> granted_;
 };
 
 }  // namespace p2p::cma
