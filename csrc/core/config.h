@@ -44,7 +44,8 @@ enum class DataPath : uint8_t { Auto, Direct, Staged };
   X(progress, progress, std::string, "auto", "TORCH_P2P_PROGRESS")   /* "manual": no provider threads */ \
   X(shm_fast, shm_fast, bool, false, "TORCH_P2P_SHM_FAST")     /* shm's unchecked fast RMA */            \
   X(hmem_device_only, hmem_device_only, bool, true, "TORCH_P2P_HMEM_DEVICE_ONLY") /* shm CUDA IPC */    \
-  X(profile, profile, std::string, "", "TORCH_P2P_PROFILE")    /* "efa": EFA's limits on any provider */
+  X(profile, profile, std::string, "", "TORCH_P2P_PROFILE")    /* "efa": EFA's limits on any provider */ \
+  X(test_route, test_route, bool, false, "TORCH_P2P_TEST_ROUTE") /* tests: routes/loopback/ */
 
 struct Config {
 #define P2P_SETTING_FIELD(key, field, type, value, env) type field = value;

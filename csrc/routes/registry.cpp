@@ -2,6 +2,7 @@
 
 #include "routes/cuda_ipc/route.h"
 #include "routes/host_cma/route.h"
+#include "routes/loopback/route.h"
 #include "routes/staged/route.h"
 
 namespace p2p::routes {
@@ -12,6 +13,7 @@ std::vector<std::unique_ptr<engine::Route>> make_routes(engine::RouteHost& host,
   routes.push_back(std::make_unique<ipc::Route>(host, 0, config, host_id));
   routes.push_back(std::make_unique<cma::Route>(host, 1, config, host_id));
   routes.push_back(std::make_unique<staged::Route>(host, 2));
+  routes.push_back(std::make_unique<loopback::Route>(host, 3, config, host_id));  // tests only
   return routes;
 }
 
