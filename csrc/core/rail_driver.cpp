@@ -77,6 +77,7 @@ void RailDriver::run() {
       idle_since = t;
     else if ((t - idle_since) * 1e6 > spin_us_)
       idle();
+    if (!busy) spin_politely();
   }
 }
 
@@ -155,6 +156,8 @@ void RailDriver::idle() {
   if (!stop_.load()) doze(can_sleep ? epoll_fd_ : -1, wake_fd_, 1);
   sleeping_.store(false, std::memory_order_release);
 }
+
+void spin_politely() { sched_yield(); }
 
 void doze(int epoll_fd, int wake_fd, int timeout_ms) {
   if (epoll_fd >= 0) {

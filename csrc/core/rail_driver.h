@@ -78,6 +78,15 @@ void post_queue(fabric::Rail& rail, Ring<Op*>& queue, size_t budget, Usable&& us
   while (nkept > 0) queue.push_front(kept[--nkept]);
 }
 
+// One turn of a polling loop that found nothing to do: offers the core to any thread waiting
+// for it, and returns at once when none is.
+// NOTE: a thread that polls without yielding holds a core that the threads it waits for need.
+// On two cores beside a tcp peer, the peer's rail thread sat runnable for 2.4 ms behind our
+// polling rail thread (the other core idle), and the first 4 KiB write after engine.warm()
+// took 2-3 ms instead of 0.3 (benchmarks/bw.py --first-contact); beside compiler jobs, every
+// write did.
+void spin_politely();
+
 // Sleeps until wake_fd (an eventfd) or a descriptor in epoll_fd is ready, for at most
 // timeout_ms; with epoll_fd < 0 (rails without wait objects) a 50 us nap, which keeps a
 // waiting peer responsive without a full core. Then empties wake_fd.

@@ -197,6 +197,7 @@ void Worker::run(std::promise<void>& ready) {
       idle_since_ = t;
     else if ((t - idle_since_) * 1e6 > config_.spin_us)
       idle_wait();
+    if (!busy) spin_politely();
   }
   shutdown();
 }
