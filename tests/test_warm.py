@@ -50,3 +50,50 @@ def test_warm_a_closed_peer_fails():
         b.close()
         with pytest.raises(p2p.PeerError):
             a.warm(remote).wait()
+
+
+def test_warm_reads_again_once_the_first_read_is_done(pair):
+    a, b = pair
+    remote = b.register(torch.arange(1024, dtype=torch.int32)).remote
+    reads, earlier_done, read = [], [], a.read_slices
+
+    def recorded(views, remotes, **kwargs):
+        earlier_done.append([f.done() for f in reads])
+        reads.append(read(views, remotes, **kwargs))
+        return reads[-1]
+
+    a.read_slices = recorded
+    a.warm(remote).wait()
+    assert earlier_done == [[], [True]]
+    assert all(f.done() for f in reads)
+
+
+def test_warm_fails_with_the_first_failure():
+    from torch_p2p.engine import _then
+
+    def failed(error):
+        fut = torch.futures.Future()
+        fut.set_exception(error)
+        return fut
+
+    ok = torch.futures.Future()
+    ok.set_result(None)
+    done = torch.futures.Future()
+    _then(failed(p2p.PeerError("gone")), lambda: pytest.fail("started after a failure"), done)
+    with pytest.raises(p2p.PeerError):
+        done.wait()
+    done = torch.futures.Future()
+    _then(ok, lambda: failed(p2p.TimeoutError("late")), done)
+    with pytest.raises(p2p.TimeoutError):
+        done.wait()
+
+    def closed():
+        raise p2p.ClosedError("the engine is closed")
+
+    done = torch.futures.Future()
+    _then(ok, closed, done)
+    with pytest.raises(p2p.ClosedError):
+        done.wait()
+    done = torch.futures.Future()
+    _then(ok, lambda: ok, done)
+    assert done.wait() is None

@@ -319,8 +319,9 @@ class Engine:
         `peer` is an engine address or a RemoteTensor. With an address: connects (the peer's
         introduction and keys). With a RemoteTensor of access "r" or "rw": also reads a few bytes
         of its storage over every pair of rails, which opens the provider's connections and, on
-        the CUDA IPC route, maps the storage. The scratch memory it reads into (one small tensor
-        per dtype) stays registered until the engine closes."""
+        the CUDA IPC route, maps the storage; then reads them once more, so that the last thing
+        both engines did is what later calls do. The scratch memory it reads into (one small
+        tensor per dtype) stays registered until the engine closes."""
         self._check_open()
         if not isinstance(peer, RemoteTensor):
             return self.connect(peer)
@@ -337,7 +338,16 @@ class Engine:
             scratch = torch.empty(pieces, per_piece, dtype=peer.dtype, device=self.device)
             self.register(scratch)
             self._warm_buffers[peer.dtype] = scratch  # the old one stays registered, unused
-        return self.read_slices([scratch[k, :remotes[k].numel()] for k in range(pieces)], remotes, timeout=timeout)
+        views = [scratch[k, :remotes[k].numel()] for k in range(pieces)]
+        # NOTE: the first read does what only a first transfer does (the peer's introduction,
+        # the cma route's ask, the IPC mapping); a second one, once that is over, leaves both
+        # engines having just moved bytes the way later calls do. On two cores the first 4 KiB
+        # write after warm() then took 1.5 x a steady one on the cma route, 2.7 x with one
+        # read (benchmarks/bw.py --first-contact).
+        done = torch.futures.Future()
+        _then(self.read_slices(views, remotes, timeout=timeout),
+              lambda: self.read_slices(views, remotes, timeout=timeout), done)
+        return done
 
     def disconnect(self, address: bytes) -> torch.futures.Future:
         """Leaves a peer cleanly: operations in flight to it finish, then it is told goodbye."""
@@ -438,6 +448,28 @@ class Engine:
             self._futures.pop(fid, None)
             raise
         return fut
+
+
+def _then(first: torch.futures.Future, start, done: torch.futures.Future) -> None:
+    """Once `first` succeeds, starts the operation start() returns and completes `done` with
+    it; the first failure (or start()'s exception) fails `done`."""
+
+    def finish(f):
+        try:
+            f.wait()
+        except BaseException as e:  # noqa: BLE001 - the caller's future carries it
+            done.set_exception(e)
+        else:
+            done.set_result(None)
+
+    def second(f):
+        try:
+            f.wait()
+            start().add_done_callback(finish)
+        except BaseException as e:  # noqa: BLE001
+            done.set_exception(e)
+
+    first.add_done_callback(second)
 
 
 def _address(address) -> bytes:
