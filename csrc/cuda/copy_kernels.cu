@@ -139,4 +139,21 @@ cudaError_t launch_packed_pages(const char* host, const char* device, size_t byt
   return cudaErrorInvalidValue;
 }
 
+cudaError_t load_copy_kernels() {
+  cudaFuncAttributes attributes;
+  const void* kernels[] = {
+      reinterpret_cast<const void*>(copy_spans_kernel),
+      reinterpret_cast<const void*>(copy_packed_mapped_kernel),
+      reinterpret_cast<const void*>(copy_packed_params_kernel<1008>),
+      reinterpret_cast<const void*>(copy_packed_params_kernel<4032>),
+#if CUDART_VERSION >= 12010
+      reinterpret_cast<const void*>(copy_packed_params_kernel<12224>),
+      reinterpret_cast<const void*>(copy_packed_params_kernel<kPackedParamBytes>),
+#endif
+  };
+  for (const void* kernel : kernels)
+    if (const cudaError_t rc = cudaFuncGetAttributes(&attributes, kernel); rc != cudaSuccess) return rc;
+  return cudaSuccess;
+}
+
 }  // namespace p2p::cuda

@@ -58,4 +58,10 @@ constexpr size_t kPackedParamBytes = 4032;  // launch parameters of up to 4096 b
 cudaError_t launch_packed_pages(const char* host, const char* device, size_t bytes, size_t lists, size_t count,
                                 uint64_t most_pages, cudaStream_t stream, CopyDone done = {});
 
+// Loads every kernel above onto the current device now. CUDA loads a kernel at its first
+// launch (lazy loading, the default since 12.2), so without this the first call of each shape
+// (engine.warm() launches only the span kernel; a call of small pages launches a page kernel)
+// pays for the load on its request path.
+cudaError_t load_copy_kernels();
+
 }  // namespace p2p::cuda

@@ -48,6 +48,12 @@ class CudaMemory final : public Memory {
     P2P_CUDA_CHECK(cudaMemset(done_.arrivals, 0, sizeof(unsigned)), "zeroing a counter");
     flag_ = static_cast<uint64_t*>(mapped(sizeof(uint64_t), &done_.flag));
     *flag_ = 0;
+    // Off the request path: a kernel not loaded yet is loaded at its first launch.
+    if (const cudaError_t rc = cuda::load_copy_kernels(); rc != cudaSuccess) {
+      cudaGetLastError();
+      P2P_LOG(Warn, "the IPC copy kernels could not be loaded ahead (", cudaGetErrorString(rc),
+              "): the first copy of each kind loads its own");
+    }
   }
   ~CudaMemory() override {
     cudaStreamSynchronize(stream_);  // a batch never flushed is dropped: its transfers failed
