@@ -33,6 +33,18 @@ struct OpOwner {
 // and the provider has not taken yet (the peer failed; their owners heard already).
 enum class OpKind : uint8_t { Write, Read, Send, Recv, Forget };
 
+// What an error message calls an op of this kind.
+inline const char* op_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::Write: return "RMA write";
+    case OpKind::Read: return "RMA read";
+    case OpKind::Send: return "message";
+    case OpKind::Recv: return "receive";
+    case OpKind::Forget: return "forget";
+  }
+  return "op";
+}
+
 // Segments one op may carry (scatter-gather RMA), where the provider allows as many.
 constexpr size_t kMaxIov = 4;
 

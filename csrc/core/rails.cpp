@@ -7,20 +7,6 @@
 #include "common/log.h"
 
 namespace p2p::engine {
-namespace {
-
-const char* op_name(OpKind kind) {
-  switch (kind) {
-    case OpKind::Write: return "RMA write";
-    case OpKind::Read: return "RMA read";
-    case OpKind::Send: return "message";
-    case OpKind::Recv: return "receive";
-    case OpKind::Forget: return "forget";
-  }
-  return "op";
-}
-
-}  // namespace
 
 Rails::Rails(const Config& config, const fabric::Offer& offer, const cpu_set_t& node_cpus, int wake_fd,
              std::atomic<bool>* worker_sleeping)

@@ -69,15 +69,6 @@ ErrorKind classify(int err, int prov_errno) {
   return ErrorKind::Generic;
 }
 
-const char* op_name(OpKind kind) {
-  switch (kind) {
-    case OpKind::Write: return "RMA write";
-    case OpKind::Read: return "RMA read";
-    case OpKind::Send: return "message";
-    default: return "op";
-  }
-}
-
 }  // namespace
 
 Worker::Worker(Setup setup, CompletionQueue* completions, TransferPool* transfers)
