@@ -71,7 +71,7 @@ TransferStep Transfer::next_step(bool needs_fence) const {
   using S = TransferState;
   if (state == S::Reported) return TransferStep::Wait;
   // Fail fast: what is still in flight drains in the background. A held failure waits for
-  // the check of the peer (peer_ready() or fail_peer() reports it).
+  // the check of the peer (Worker::peer_ready or Peers::fail reports it).
   if (!status.ok()) return held ? TransferStep::Wait : TransferStep::Report;
   switch (state) {
     case S::Running:
