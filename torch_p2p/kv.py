@@ -36,7 +36,7 @@ import torch
 
 from . import _kv_layout as lay
 from ._kv_layout import LAYOUTS
-from .engine import Engine, Region, _checked_pages
+from .engine import Engine, Region, _checked_pages, _then
 from .remote import RemoteTensor
 
 __all__ = ["KVCache", "KVCacheHandle", "PushStream", "LAYOUTS"]
@@ -208,15 +208,7 @@ class KVCache(_Side):
         if notify is None:
             return read
         out = torch.futures.Future()
-
-        def then_tell(f):
-            try:
-                f.wait()
-                self._tell(peer, notify, timeout).add_done_callback(lambda g: _settle(out, g))
-            except BaseException as e:  # noqa: BLE001 - reported through the future
-                out.set_exception(e)
-
-        read.add_done_callback(then_tell)
+        _then(read, lambda: self._tell(peer, notify, timeout), out)
         return out
 
     def _tell(self, peer, notify, timeout):
@@ -308,14 +300,6 @@ class PushStream:
     def future(self) -> torch.futures.Future:
         """Completes when every push so far has (with the first error, if any)."""
         return lay.all_of(self.futures)
-
-
-def _settle(out: torch.futures.Future, f: torch.futures.Future) -> None:
-    try:
-        f.wait()
-        out.set_result(None)
-    except BaseException as e:  # noqa: BLE001 - reported through `out`
-        out.set_exception(e)
 
 
 def _b64(b: bytes) -> str:
