@@ -31,6 +31,7 @@
 
 #include "common/error.h"
 #include "core/route.h"
+#include "core/runs.h"
 
 namespace p2p::engine {
 
@@ -105,13 +106,10 @@ class Grants {
   static bool runs(const Transfer& t, Fn&& fn) {
     bool ok = true;
     for (const Run& run : t.runs) ok &= fn(reinterpret_cast<uint8_t*>(run.local), run.rreg, run.remote, run.len);
-    for (const PageRuns& pr : t.pages) {
-      const int64_t* lids = t.page_ids.data() + pr.first;
-      const int64_t* rids = lids + pr.n;
-      for (size_t i = 0; i < pr.n; ++i)
-        ok &= fn(reinterpret_cast<uint8_t*>(pr.local + lids[i] * pr.local_stride), pr.rreg,
-                 pr.remote + rids[i] * pr.remote_stride, pr.bytes);
-    }
+    for (const PageRuns& pr : t.pages)
+      for_each_page(pr, t.page_ids.data(), [&](uint64_t local, uint64_t remote) {
+        ok &= fn(reinterpret_cast<uint8_t*>(local), pr.rreg, remote, pr.bytes);
+      });
     return ok;
   }
   // resolve()'s checks; fills call_.

@@ -90,21 +90,17 @@ int64_t repeated_id(const int64_t* ids, size_t n, int64_t count, std::vector<uin
 }
 
 void append_page_runs(const PageRuns& p, const int64_t* ids, std::vector<Run>& out) {
-  const int64_t* lids = ids + p.first;
-  const int64_t* rids = lids + p.n;
   // Grow geometrically: a call holds one entry per layer, and reserving each entry's exact
   // size would copy the runs so far once per entry.
   if (out.capacity() < out.size() + p.n) out.reserve(std::max(out.size() + p.n, 2 * out.capacity()));
-  for (size_t k = 0; k < p.n; ++k) {
-    const uint64_t l = p.local + static_cast<uint64_t>(lids[k] * p.local_stride);
-    const uint64_t r = p.remote + static_cast<uint64_t>(rids[k] * p.remote_stride);
+  for_each_page(p, ids, [&](uint64_t l, uint64_t r) {
     Run* last = out.empty() ? nullptr : &out.back();
     if (last && last->lreg == p.lreg && last->rreg == p.rreg && last->local + last->len == l &&
         last->remote + last->len == r)
       last->len += p.bytes;
     else
       out.push_back({l, r, p.bytes, p.lreg, p.rreg});
-  }
+  });
 }
 
 PageGrid page_grid(const int64_t* offsets, size_t n, int64_t* ids) {

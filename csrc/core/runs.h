@@ -34,6 +34,16 @@ struct PageRuns {
 // Appends the runs of `pages`, merging pages that continue each other on both sides.
 void append_page_runs(const PageRuns& pages, const int64_t* ids, std::vector<Run>& out);
 
+// Calls fn(local address, remote offset) for each page of `pages`, in order (ids: the call's
+// page ids, as append_page_runs takes them).
+template <class Fn>
+void for_each_page(const PageRuns& p, const int64_t* ids, Fn&& fn) {
+  const int64_t* lids = ids + p.first;
+  const int64_t* rids = lids + p.n;
+  for (size_t k = 0; k < p.n; ++k)
+    fn(p.local + static_cast<uint64_t>(lids[k] * p.local_stride), p.remote + static_cast<uint64_t>(rids[k] * p.remote_stride));
+}
+
 // An id of ids[0..n) (each in [0, count)) that appears twice, or -1. Where count is not far
 // above n, `table` holds a byte per id (grown to count, left all zero); past that a sorted copy
 // decides, so that a few pages of a huge tensor cost no huge table.
