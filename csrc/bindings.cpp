@@ -131,22 +131,34 @@ struct CallArgs {
 // The view of a RemoteTensor (pybind11's holder of its _v), else null. Read straight from the
 // slot (its member descriptor's offset) with pybind11's type record, both looked up once: by
 // name and by typeid, the two lookups cost more than the rest of a view pair's parse.
+struct ViewSlot {
+  Py_ssize_t offset = -1;                             // of _v in a RemoteTensor; -1: not found
+  const py::detail::type_info* view_type = nullptr;  // RemoteView's
+};
+
+const ViewSlot& view_slot() {
+  static ViewSlot slot;
+  if (slot.view_type || !classes.remote_tensor) return slot;
+  PyObject* d = PyDict_GetItemString(reinterpret_cast<PyTypeObject*>(classes.remote_tensor)->tp_dict, "_v");
+  if (d && Py_TYPE(d) == &PyMemberDescr_Type && reinterpret_cast<PyMemberDescrObject*>(d)->d_member->type == T_OBJECT_EX)
+    slot.offset = reinterpret_cast<PyMemberDescrObject*>(d)->d_member->offset;
+  slot.view_type = py::detail::get_type_info(typeid(RemoteView));
+  return slot;
+}
+
+// The pybind11 instance of a RemoteView held by RemoteTensor `obj`'s slot, else null.
+py::detail::instance* view_instance(PyObject* obj, const ViewSlot& slot) {
+  if (slot.offset < 0) return nullptr;
+  PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + slot.offset);  // obj holds it
+  return v && Py_TYPE(v) == slot.view_type->type ? reinterpret_cast<py::detail::instance*>(v) : nullptr;
+}
+
 const std::shared_ptr<RemoteView>* view_of(PyObject* obj) {
-  static PyMemberDef* slot = nullptr;
-  static const py::detail::type_info* view_type = nullptr;
   if (!classes.remote_tensor || !PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(classes.remote_tensor)))
     return nullptr;
-  if (!slot) {
-    PyObject* d = PyDict_GetItemString(reinterpret_cast<PyTypeObject*>(classes.remote_tensor)->tp_dict, "_v");
-    if (!d || Py_TYPE(d) != &PyMemberDescr_Type) return nullptr;
-    slot = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
-    view_type = py::detail::get_type_info(typeid(RemoteView));
-  }
-  if (slot->type != T_OBJECT_EX) return nullptr;
-  PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + slot->offset);  // obj holds it
-  if (!v || Py_TYPE(v) != view_type->type) return nullptr;
-  return &reinterpret_cast<py::detail::instance*>(v)->get_value_and_holder(view_type, false)
-              .holder<std::shared_ptr<RemoteView>>();
+  const ViewSlot& slot = view_slot();
+  py::detail::instance* v = view_instance(obj, slot);
+  return v ? &v->get_value_and_holder(slot.view_type, false).holder<std::shared_ptr<RemoteView>>() : nullptr;
 }
 
 // Item i of one side: a tensor (local) or RemoteTensor (remote), or a Pages of one.
@@ -210,10 +222,12 @@ const at::TensorImpl* groupable_tensor(PyObject* obj) {
   return plain ? t : nullptr;
 }
 
-const RemoteView* groupable_remote(PyObject* obj) {
+// The RemoteView of an exact RemoteTensor, read from pybind11's simple layout (its value
+// pointer first), which is what RemoteView instances have; else null.
+const RemoteView* groupable_remote(PyObject* obj, const ViewSlot& slot) {
   if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(classes.remote_tensor)) return nullptr;
-  const std::shared_ptr<RemoteView>* view = view_of(obj);
-  return view ? view->get() : nullptr;
+  const py::detail::instance* v = view_instance(obj, slot);
+  return v && v->simple_layout && v->simple_holder_constructed ? static_cast<const RemoteView*>(v->simple_value_holder[0]) : nullptr;
 }
 
 // Element by element: a few dimensions, where a call of memcmp took a sixth of a pair's parse.
@@ -224,13 +238,14 @@ bool same_dims(c10::IntArrayRef a, c10::IntArrayRef b) {
   return true;
 }
 
-// A plain tensor (THPVariable_CheckExact) of the storage, dtype, sizes and strides of page
-// l0, a groupable_tensor: strided, not empty and on l0's device like it.
+// A plain tensor (THPVariable_CheckExact) of the storage, dispatch keys, dtype, sizes and
+// strides of page l0, a groupable_tensor: strided, not empty and on l0's device like it. The
+// storage is read unchecked: l0 has one, so a tensor without one differs.
 const at::TensorImpl* same_page(PyObject* obj, const at::TensorImpl* l0) {
   if (!THPVariable_CheckExact(obj)) return nullptr;
   const at::TensorImpl* t = THPVariable_Unpack(obj).unsafeGetTensorImpl();
-  const bool same = t->dtype() == l0->dtype() && t->has_storage() &&
-                    t->storage().unsafeGetStorageImpl() == l0->storage().unsafeGetStorageImpl() &&
+  const bool same = t->key_set() == l0->key_set() && t->dtype() == l0->dtype() &&
+                    t->unsafe_storage().unsafeGetStorageImpl() == l0->unsafe_storage().unsafeGetStorageImpl() &&
                     same_dims(t->sizes(), l0->sizes()) && same_dims(t->strides(), l0->strides());
   return same ? t : nullptr;
 }
@@ -279,11 +294,14 @@ bool group_views(py::handle local, py::handle remote, CallArgs& a) {
   if (n < 2 || PySequence_Fast_GET_SIZE(r) != n) return false;
   PyObject** litems = PySequence_Fast_ITEMS(l);
   PyObject** ritems = PySequence_Fast_ITEMS(r);
-  thread_local std::vector<int64_t> loffsets, roffsets;
+  std::vector<int64_t> loffsets, roffsets;
+  loffsets.reserve(n);
+  roffsets.reserve(n);
+  const ViewSlot& slot = view_slot();
   Py_ssize_t i = 0;
   while (i < n) {
     const at::TensorImpl* l0 = groupable_tensor(litems[i]);
-    const RemoteView* r0 = l0 ? groupable_remote(ritems[i]) : nullptr;
+    const RemoteView* r0 = l0 ? groupable_remote(ritems[i], slot) : nullptr;
     Py_ssize_t j = i + 1;
     if (r0) {
       loffsets.assign(1, l0->storage_offset());
@@ -291,7 +309,7 @@ bool group_views(py::handle local, py::handle remote, CallArgs& a) {
       for (; j < n; ++j) {
         const at::TensorImpl* lj = same_page(litems[j], l0);
         if (!lj) break;
-        const RemoteView* rj = groupable_remote(ritems[j]);
+        const RemoteView* rj = groupable_remote(ritems[j], slot);
         if (!rj || !same_page(rj, r0)) break;
         loffsets.push_back(lj->storage_offset());
         roffsets.push_back(rj->offset);
@@ -610,8 +628,8 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<RemoteView, std::shared_ptr<RemoteView>>(m, "RemoteView")
       .def_property_readonly("dtype", [](const RemoteView& v) { return v.dtype; })
-      .def_property_readonly("shape", [](const RemoteView& v) { return v.shape; })
-      .def_property_readonly("strides", [](const RemoteView& v) { return v.strides; })
+      .def_property_readonly("shape", [](const RemoteView& v) { return c10::IntArrayRef(v.shape).vec(); })
+      .def_property_readonly("strides", [](const RemoteView& v) { return c10::IntArrayRef(v.strides).vec(); })
       .def_property_readonly("offset", [](const RemoteView& v) { return v.offset; })
       .def_property_readonly("element_size", &RemoteView::elem)
       .def_property_readonly("owner", [](const RemoteView& v) { return py::bytes(v.region->owner); })

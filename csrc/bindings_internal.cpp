@@ -359,8 +359,8 @@ py::dict remote_fields(const RemoteView& v) {
   py::dict d;
   d["region"] = region;
   d["dtype"] = static_cast<int>(v.dtype);
-  d["shape"] = v.shape;
-  d["strides"] = v.strides;
+  d["shape"] = c10::IntArrayRef(v.shape).vec();
+  d["strides"] = c10::IntArrayRef(v.strides).vec();
   d["offset"] = v.offset;
   return d;
 }
@@ -387,8 +387,9 @@ py::bytes encode_remote(const py::dict& d) {
   RemoteView v;
   v.region = g;
   v.dtype = static_cast<c10::ScalarType>(field<int8_t>(d, "dtype"));
-  v.shape = field<std::vector<int64_t>>(d, "shape");
-  v.strides = field<std::vector<int64_t>>(d, "strides");
+  const auto shape = field<std::vector<int64_t>>(d, "shape"), strides = field<std::vector<int64_t>>(d, "strides");
+  v.shape.assign(shape.begin(), shape.end());
+  v.strides.assign(strides.begin(), strides.end());
   v.offset = field<int64_t>(d, "offset");
   return py::bytes(v.encode());
 }

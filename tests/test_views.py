@@ -110,6 +110,9 @@ def _cases():
         "uneven offsets": (lambda L, R: ([L[0].view(-1)[i * COLS + i % 5:i * COLS + i % 5 + 20] for i in MINE],
                                          [R[0].view(-1)[j * COLS + 3 * (j % 4):j * COLS + 3 * (j % 4) + 20]
                                           for j in THEIRS]), 1, 1),
+        # Views evenly spaced by an odd multiple of a power of two (96 and 48 elements).
+        "odd spacing": (lambda L, R: ([L[0].view(-1)[96 * k:96 * k + 20] for k in _rows(16, 3, 21)],
+                                      [R[0].view(-1)[48 * k:48 * k + 20] for k in _rows(16, 4, 42)]), 1, 1),
         # Remote views of two regions.
         "different regions": (lambda L, R: ([L[0][i] for i in MINE], [R[k % 2][j] for k, j in enumerate(THEIRS)]),
                               1, 2),

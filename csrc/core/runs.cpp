@@ -104,24 +104,29 @@ void append_page_runs(const PageRuns& p, const int64_t* ids, std::vector<Run>& o
 }
 
 PageGrid page_grid(const int64_t* offsets, size_t n, int64_t* ids) {
-  // Views are usually pages of a power-of-two spacing: a mask tells that the spacing still
-  // divides a distance, where a division would cost most of the loop.
-  int64_t origin = offsets[0], stride = 0;
+  // The distances' power-of-two part from one OR, their odd part by gcd only until it is 1,
+  // which random pages reach within a few: loops without divisions, which cost most of it.
+  int64_t origin = offsets[0], top = offsets[0];
   for (size_t k = 1; k < n; ++k) {
-    const int64_t d = offsets[k] > offsets[0] ? offsets[k] - offsets[0] : offsets[0] - offsets[k];
-    const bool divides = stride && ((stride & (stride - 1)) == 0 ? (d & (stride - 1)) == 0 : d % stride == 0);
-    if (!divides) stride = std::gcd(stride, d);
     origin = std::min(origin, offsets[k]);
+    top = std::max(top, offsets[k]);
   }
-  if (stride == 0) stride = 1;
-  int64_t last = 0;
-  if ((stride & (stride - 1)) == 0) {
-    const int shift = __builtin_ctzll(static_cast<uint64_t>(stride));
-    for (size_t k = 0; k < n; ++k) last = std::max(last, ids[k] = (offsets[k] - origin) >> shift);
+  uint64_t bits = 0;
+  for (size_t k = 0; k < n; ++k) bits |= static_cast<uint64_t>(offsets[k] - origin);
+  if (bits == 0) {  // all at one place
+    std::fill(ids, ids + n, 0);
+    return {origin, 1, 1};
+  }
+  const int shift = __builtin_ctzll(bits);
+  uint64_t odd = 0;
+  for (size_t k = 0; k < n && odd != 1; ++k) odd = std::gcd(odd, static_cast<uint64_t>(offsets[k] - origin) >> shift);
+  const int64_t stride = static_cast<int64_t>(odd << shift);
+  if (odd == 1) {
+    for (size_t k = 0; k < n; ++k) ids[k] = (offsets[k] - origin) >> shift;
   } else {
-    for (size_t k = 0; k < n; ++k) last = std::max(last, ids[k] = (offsets[k] - origin) / stride);
+    for (size_t k = 0; k < n; ++k) ids[k] = (offsets[k] - origin) / stride;
   }
-  return {origin, stride, last + 1};
+  return {origin, stride, (top - origin) / stride + 1};
 }
 
 uint64_t extent_bytes(const std::vector<int64_t>& shape, const int64_t* strides, int64_t elem) {

@@ -216,7 +216,7 @@ bool Engine::add_pages(TransferCall& t, const Entry& e, bool mirror, const Pages
             ErrorKind::Index, what, " ", i, ": the page dimension is out of range");
   P2P_CHECK(lids.numel() == rids.numel(), ErrorKind::Value, what, " ", i, " has ", lids.numel(),
             " pages but its RemoteTensor has ", rids.numel());
-  std::vector<int64_t> page(v.sizes().vec()), rpage(rv.shape);
+  std::vector<int64_t> page(v.sizes().vec()), rpage(rv.shape.begin(), rv.shape.end());
   page.erase(page.begin() + ldim);
   rpage.erase(rpage.begin() + rdim);
   P2P_CHECK(page == rpage, ErrorKind::Value, what, " ", i, ": a page has shape ", dims(page),
@@ -228,7 +228,7 @@ bool Engine::add_pages(TransferCall& t, const Entry& e, bool mirror, const Pages
   if (n == 0 || v.numel() == 0) return false;
   const LocalRegion& lr = region_of(v, extent_bytes(v.sizes().vec(), v.strides().data(), elem), what, i);
   PageSide ls{reinterpret_cast<uint64_t>(v.data_ptr()), v.stride(ldim) * elem, nullptr, v.strides().vec()};
-  PageSide rs{static_cast<uint64_t>(rv.offset * elem), rv.strides[rdim] * elem, nullptr, rv.strides};
+  PageSide rs{static_cast<uint64_t>(rv.offset * elem), rv.strides[rdim] * elem, nullptr, {rv.strides.begin(), rv.strides.end()}};
   ls.strides.erase(ls.strides.begin() + ldim);
   rs.strides.erase(rs.strides.begin() + rdim);
   P2P_CHECK(!self_overlapping(page, (e.write ? rs : ls).strides.data()), ErrorKind::Value, what, " ", i,
@@ -285,7 +285,7 @@ bool Engine::add_view(TransferCall& t, const Entry& e, bool mirror) {
   const size_t i = e.index;
   const std::vector<int64_t> shape = v.sizes().vec();  // once: a call may hold thousands of views
   if (v.numel() == 0) {  // moves nothing; torch gives empty views no data pointer to check
-    P2P_CHECK(mirror || (rv.shape == shape && rv.dtype == v.scalar_type()), ErrorKind::Value, what,
+    P2P_CHECK(mirror || (c10::IntArrayRef(rv.shape) == shape && rv.dtype == v.scalar_type()), ErrorKind::Value, what,
               " ", i, " is empty but its RemoteTensor is not of the same shape and dtype");
     return false;
   }
@@ -297,7 +297,7 @@ bool Engine::add_view(TransferCall& t, const Entry& e, bool mirror) {
   const int64_t* rstrides;
   if (mirror) {
     const at::Tensor& reg = lr.tensor;
-    P2P_CHECK(rv.dtype == reg.scalar_type() && rv.shape == reg.sizes().vec() && rv.strides == reg.strides().vec(),
+    P2P_CHECK(rv.dtype == reg.scalar_type() && c10::IntArrayRef(rv.shape) == reg.sizes() && c10::IntArrayRef(rv.strides) == reg.strides(),
               ErrorKind::Value, "mirror mode needs the RemoteTensor laid out like the registered local "
               "tensor: remote ", dims(rv.shape), " strides ", dims(rv.strides), " ", c10::toString(rv.dtype),
               ", local ", dims(reg.sizes()), " strides ", dims(reg.strides()), " ", c10::toString(reg.scalar_type()));
@@ -305,7 +305,7 @@ bool Engine::add_view(TransferCall& t, const Entry& e, bool mirror) {
                                      static_cast<int64_t>(reinterpret_cast<uintptr_t>(reg.data_ptr())));
     rstrides = v.strides().data();
   } else {
-    P2P_CHECK(rv.shape == shape, ErrorKind::Value, what, " ", i, " has shape ", dims(v.sizes()),
+    P2P_CHECK(c10::IntArrayRef(rv.shape) == shape, ErrorKind::Value, what, " ", i, " has shape ", dims(v.sizes()),
               " but its RemoteTensor has shape ", dims(rv.shape));
     P2P_CHECK(rv.dtype == v.scalar_type(), ErrorKind::Value, what, " ", i, " is ", c10::toString(v.scalar_type()),
               " but its RemoteTensor is ", c10::toString(rv.dtype));

@@ -22,8 +22,8 @@ std::shared_ptr<RemoteView> view_of(const at::Tensor& tensor, std::shared_ptr<Re
   auto view = std::make_shared<RemoteView>();
   view->region = std::move(region);
   view->dtype = tensor.scalar_type();
-  view->shape = tensor.sizes().vec();
-  view->strides = tensor.strides().vec();
+  view->shape.assign(tensor.sizes().begin(), tensor.sizes().end());
+  view->strides.assign(tensor.strides().begin(), tensor.strides().end());
   view->offset = tensor.storage_offset();
   return view;
 }

@@ -43,14 +43,14 @@ void RemoteView::validate() const {
             region->nbytes, " bytes");
 }
 
-std::shared_ptr<RemoteView> RemoteView::view(int64_t new_offset, std::vector<int64_t> new_shape,
-                                             std::vector<int64_t> new_strides) const {
+std::shared_ptr<RemoteView> RemoteView::view(int64_t new_offset, c10::IntArrayRef new_shape,
+                                             c10::IntArrayRef new_strides) const {
   auto v = std::make_shared<RemoteView>();
   v->region = region;
   v->dtype = dtype;
   v->offset = new_offset;
-  v->shape = std::move(new_shape);
-  v->strides = std::move(new_strides);
+  v->shape.assign(new_shape.begin(), new_shape.end());
+  v->strides.assign(new_strides.begin(), new_strides.end());
   v->validate();
   return v;
 }
@@ -151,7 +151,7 @@ std::shared_ptr<RemoteView> RemoteView::reshaped(std::vector<int64_t> new_shape)
   std::optional<std::vector<int64_t>> new_strides = at::detail::computeStride(shape, strides, new_shape);
   P2P_CHECK(new_strides, ErrorKind::Value, "view size is not compatible with the RemoteTensor's size and stride "
             "(at least one dimension spans across two contiguous subspaces)");
-  return view(offset, std::move(new_shape), std::move(*new_strides));
+  return view(offset, new_shape, *new_strides);
 }
 
 std::string RemoteView::encode() const {

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
 
 #include <memory>
 #include <string>
@@ -23,17 +25,21 @@ struct IndexItem {
   int64_t start = 0, stop = 0, step = 1;
 };
 
+// A view's shape or strides: inline up to six dimensions, so that a call's parse reads a view
+// pair's dimensions from the view itself (hundreds of views a call: a heap read each was most
+// of a pair's cost).
+using Dims = c10::SmallVector<int64_t, 6>;
+
 struct RemoteView {
   std::shared_ptr<const RemoteRegion> region;
   c10::ScalarType dtype = c10::ScalarType::Byte;
-  std::vector<int64_t> shape, strides;  // strides in elements
+  Dims shape, strides;  // strides in elements
   int64_t offset = 0;                   // in elements from the region's first byte
 
   int64_t elem() const { return static_cast<int64_t>(c10::elementSize(dtype)); }
   // Throws ValueError unless shape, strides and offset describe bytes inside the region.
   void validate() const;
-  std::shared_ptr<RemoteView> view(int64_t offset, std::vector<int64_t> shape,
-                                   std::vector<int64_t> strides) const;
+  std::shared_ptr<RemoteView> view(int64_t offset, c10::IntArrayRef shape, c10::IntArrayRef strides) const;
   // remote[items]: torch's view for basic indexing. IndexError for an index out of range or
   // too many indices, ValueError for a step that is not positive.
   std::shared_ptr<RemoteView> index(const IndexItem* items, size_t n) const;
