@@ -156,7 +156,10 @@ void Route::send_request(SlotJob& job) {
     req.base.push_back(mr.base);
     req.key.push_back(mr.key);
   }
-  req.slot = job.cma ? reinterpret_cast<uint64_t>(job.slot->ptr) : 0;
+  if (job.cma) {
+    req.slot = reinterpret_cast<uint64_t>(job.slot->ptr);
+    host_.watch_process(*job.peer);  // its exit gives the slot back at once (hold_slot)
+  }
   req.runs = job.runs;
   host_.post_control(*job.peer, encode_message(req, host_.incarnation(), job.peer->incarnation));
 }
