@@ -7,6 +7,7 @@
 #include "common/error.h"
 #include "common/wire.h"
 #include "core/address.h"
+#include "core/copies.h"
 #include "core/liveness.h"
 #include "core/messages.h"
 #include "core/region_table.h"
@@ -14,7 +15,6 @@
 #include "core/striper.h"
 #include "core/transfer.h"
 #include "engine/remote_view.h"
-#include "routes/host_cma/copies.h"
 
 namespace py = pybind11;
 using namespace p2p::engine;
@@ -189,6 +189,7 @@ void add_fields(py::dict& f, const StageRequest& m) {
   f["bytes"] = m.bytes;
   f["base"] = m.base;
   f["key"] = m.key;
+  f["slot"] = m.slot;
   py::list runs;
   for (const Run& r : m.runs) runs.append(py::make_tuple(r.remote, r.len));
   f["runs"] = runs;
@@ -226,10 +227,10 @@ void copy_rows(torch::Tensor dst, const std::vector<int64_t>& dst_ids, torch::Te
 // The cma route's copy of (local address, remote address, bytes) spans into (write) or out of
 // process `pid`, on this thread: its errno, 0 when every byte moved.
 int cma_copy(int pid, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& spans, bool write) {
-  std::vector<cma::Span> s;
+  std::vector<engine::Span> s;
   for (const auto& [local, remote, len] : spans) s.push_back({reinterpret_cast<uint8_t*>(local), remote, len});
   py::gil_scoped_release release;
-  return cma::copy_spans(pid, s.data(), s.size(), write);
+  return engine::copy_spans(pid, s.data(), s.size(), write);
 }
 
 // (type, from, to, fields, the bytes the message encodes back to).

@@ -123,6 +123,42 @@ def test_cma_peer_killed_with_32_large_pushes_in_flight():
         assert closed < 10, f"close() took {closed:.1f} s"
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("owner", ["direct", "staged"])
+def test_staged_cma_peer_killed_with_pushes_in_flight(owner):
+    """The staged route's host hop by cma (routes/staged/host_hop.cpp): our slots copied into
+    b's region (b direct), or b copying between its slots and ours (b staged). b is killed
+    (kill -9) with 16 staged pushes of 8 MiB to it in flight, more than our slots hold. Each
+    push either finished before the kill or fails with PeerError as soon as b's process is
+    seen gone (a pidfd: well within peer_timeout); a push to the live peer c then completes
+    with its bytes right, so every slot came back (those b could still copy with, once its
+    process was gone); close() returns."""
+    staged = dict(data_path="staged")
+    with _host("cma", **staged) as a, Peer() as b, Peer() as c:
+        b.call(ph.start_engine, "cma", peer_timeout=PEER_TIMEOUT, **(staged if owner == "staged" else {}))
+        c.call(ph.start_engine, "cma", peer_timeout=PEER_TIMEOUT, **staged)
+        rb = b.call(ph.target, "t", 8 << 20)
+        rc = c.call(ph.target, "t", 8 << 20)
+        a.call(ph.local, "big", 8 << 20, 1)
+        a.call(ph.local, "other", 8 << 20, 2)
+        assert a.call(ph.route_to, rb) == "staged"
+        with _scenario(a):
+            a.call(ph.write, "big", rb, 20)  # connected, and the hop settled
+            a.call(ph.issue, [("write", "big", rb)] * 16)
+            os.kill(b.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            r = a.call(ph.settle, PEER_TIMEOUT + MARGIN, timeout=60)
+            a.call(ph.write, "other", rc, 20)
+            assert c.call(ph.checksum, "t") == a.call(ph.checksum, "other")
+            start = time.monotonic()
+            a.call(ph.close_engine, timeout=30)
+            closed = time.monotonic() - start
+        failures = [x for x in r["errors"] if x]
+        assert failures and set(failures) == {"PeerError"}, (_errors_by_type(r["errors"]), r["messages"])
+        assert r["ended"] - killed < PEER_TIMEOUT, f"the last push failed {r['ended'] - killed:.1f} s after the kill"
+        assert closed < 10, f"close() took {closed:.1f} s"
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops CAP_SYS_PTRACE, which only root has")
 def test_cma_refused_by_the_os_takes_the_fabric(capfd):
     """The OS may keep one process from another's memory: here the owner b is not dumpable and

@@ -22,7 +22,7 @@ def blob(data):
 LIVE = struct.pack("<QH", 9, 2) + struct.pack("<QQ", 1, 3) + struct.pack("<QQ", 7, 9)
 LIVE_FIELDS = {"upto": 9, "ranges": [(1, 3), (7, 9)]}
 STAGE = (struct.pack("<QBQQH", 21, 1, 5, 96, 2) + struct.pack("<QQ", 0xA0, 0xB0) + struct.pack("<QQ", 0xA1, 0xB1)
-         + struct.pack("<H", 2) + struct.pack("<QI", 0, 64) + struct.pack("<QI", 4096, 32))
+         + struct.pack("<Q", 0xC0) + struct.pack("<H", 2) + struct.pack("<QI", 0, 64) + struct.pack("<QI", 4096, 32))
 
 CASES = {
     "hello": (1, blob(b"an address") + LIVE, {"address": b"an address", **LIVE_FIELDS}),
@@ -32,7 +32,7 @@ CASES = {
     "user": (6, struct.pack("<IQQ", 5, 10, 4) + blob(b"abcdef"), {"id": 5, "total": 10, "offset": 4, "part": b"abcdef"}),
     "notify": (7, struct.pack("<IB", 42, PEER_ERROR) + blob(b"gone"), {"id": 42, "kind": PEER_ERROR, "message": b"gone"}),
     "stage_request": (8, STAGE, {"request": 21, "dir": 1, "region": 5, "bytes": 96, "base": [0xA0, 0xA1],
-                                 "key": [0xB0, 0xB1], "runs": [(0, 64), (4096, 32)]}),
+                                 "key": [0xB0, 0xB1], "slot": 0xC0, "runs": [(0, 64), (4096, 32)]}),
     "stage_ack": (9, struct.pack("<QB", 21, 0) + blob(b""), {"id": 21, "kind": 0, "message": b""}),
     "region_closed": (10, struct.pack("<Q", 12), {"id": 12}),
     "region_released": (11, struct.pack("<Q", 13), {"id": 13}),

@@ -75,6 +75,7 @@ void StageRequest::write(ByteWriter& w) const {
     w.put(base[i]);
     w.put(key[i]);
   }
+  w.put(slot);
   w.put(static_cast<uint16_t>(runs.size()));
   for (const Run& run : runs) {
     w.put(run.remote);
@@ -96,6 +97,7 @@ StageRequest StageRequest::read(ByteReader& r) {
     m.base[i] = r.get<uint64_t>();
     m.key[i] = r.get<uint64_t>();
   }
+  m.slot = r.get<uint64_t>();
   m.runs.resize(r.get<uint16_t>());
   for (Run& run : m.runs) {
     run.remote = r.get<uint64_t>();

@@ -164,6 +164,7 @@ struct StageRequest {  // the initiator's slot and the region's runs it stands f
   uint64_t region_id = 0;
   uint64_t bytes = 0;
   std::vector<uint64_t> base, key;  // the initiator's slot, per initiator rail
+  uint64_t slot = 0;  // its address in the initiator's process, if the owner may copy with it (cma), else 0
   std::vector<Run> runs;            // remote offsets and lengths in the region
   void write(ByteWriter& w) const;
   static StageRequest read(ByteReader& r);

@@ -14,12 +14,14 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/error.h"
 #include "common/wire.h"
 #include "core/address.h"
 #include "core/config.h"
 #include "core/copier.h"
+#include "core/copies.h"
 #include "core/messages.h"
 #include "core/ops.h"
 #include "core/peer.h"
@@ -77,6 +79,31 @@ class RouteHost {
 
   // The fabric, for routes that move bytes with RMA ops of their own (Rails::make_ops).
   virtual Rails& rails() = 0;
+};
+
+// Where a PeerCopies copy's end is told: from the lending route's poll(), on the worker thread.
+class CopyOwner {
+ public:
+  virtual ~CopyOwner() = default;
+  // ok, or the failure as the lending route reports its own (a dead peer is failed first).
+  virtual void copied(const Status& status) = 0;
+};
+
+// Copies between this process's memory and a same-host peer's without the fabric, lent by the
+// route that has the OS's leave (the cma route) to another route's host hop (the staged
+// route's; routes/registry.cpp hands it over). Worker thread only.
+class PeerCopies {
+ public:
+  virtual ~PeerCopies() = default;
+  // Whether p's process may be copied with: on this host, the route on at both ends, and the
+  // OS not known to refuse.
+  virtual bool reaches(const Peer& p) const = 0;
+  // Whether the OS lets us at p's memory: tried once per peer with a one-byte read at `addr`,
+  // an address p gave us to reach; false (and logged once) if it refuses.
+  virtual bool allowed(Peer& p, uint64_t addr) = 0;
+  // Starts copying spans between our memory and p's (write: ours into p's); owner.copied()
+  // follows, never before copy() returns.
+  virtual void copy(Peer& p, std::vector<Span> spans, bool write, CopyOwner& owner) = 0;
 };
 
 class Route {

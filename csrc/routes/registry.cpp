@@ -11,8 +11,10 @@ std::vector<std::unique_ptr<engine::Route>> make_routes(engine::RouteHost& host,
                                                         const std::string& host_id) {
   std::vector<std::unique_ptr<engine::Route>> routes;
   routes.push_back(std::make_unique<ipc::Route>(host, 0, config, host_id));
-  routes.push_back(std::make_unique<cma::Route>(host, 1, config, host_id));
-  routes.push_back(std::make_unique<staged::Route>(host, 2));
+  auto cma = std::make_unique<cma::Route>(host, 1, config, host_id);
+  engine::PeerCopies* same_host = cma.get();  // the staged route's host hop, where it reaches
+  routes.push_back(std::move(cma));
+  routes.push_back(std::make_unique<staged::Route>(host, 2, same_host));
   routes.push_back(std::make_unique<loopback::Route>(host, 3, config, host_id));  // tests only
   return routes;
 }

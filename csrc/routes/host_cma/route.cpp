@@ -1,7 +1,6 @@
 #include "routes/host_cma/route.h"
 
 #include <sys/prctl.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -109,39 +108,36 @@ bool Route::poll() {
   if (!copies_) return false;
   copies_->poll(ended_);
   for (const Outcome& o : ended_) {
+    if (auto lent = lent_.find(o.ticket); lent != lent_.end()) {
+      auto [p, owner] = lent->second;
+      lent_.erase(lent);
+      owner->copied(outcome(*p, o.error));
+      continue;
+    }
     auto it = copying_.find(o.ticket);
     Transfer& t = *it->second;
     copying_.erase(it);
-    Peer& p = *t.peer;
-    if (o.error == 0) {
-      host_.done(t, {});
-    } else if (o.error == ESRCH) {
-      Status dead = Status::error(ErrorKind::Peer, cat("peer ", hex(p.incarnation), " is dead: its process (pid ",
-                                                       p.address.pid, ") exited"));
-      if (!p.failed()) host_.fail_peer(p, dead);
-      host_.done(t, dead);
-    } else {
-      host_.done(t, Status::error(ErrorKind::Remote, cat("copying the memory of peer ", hex(p.incarnation),
-                                                         " failed: ", std::strerror(o.error))));
-    }
+    host_.done(t, outcome(*t.peer, o.error));
   }
   return !ended_.empty();
+}
+
+Status Route::outcome(Peer& p, int error) {
+  if (error == 0) return {};
+  if (error == ESRCH) {
+    Status dead = Status::error(ErrorKind::Peer, cat("peer ", hex(p.incarnation), " is dead: its process (pid ",
+                                                     p.address.pid, ") exited"));
+    if (!p.failed()) host_.fail_peer(p, dead);
+    return dead;
+  }
+  return Status::error(ErrorKind::Remote,
+                       cat("copying the memory of peer ", hex(p.incarnation), " failed: ", std::strerror(error)));
 }
 
 void Route::on_message(Peer& p, std::string_view body) {
   const engine::Grants::Grant* grant = grants_.on_message(p, body);
   if (!grant) return;  // an ask (answered), or nothing new
-  if (grant->refused.ok() && !tried_.count(p.incarnation) && grant->nbytes > 0) {
-    // Whether the OS lets us at the peer's memory at all: one byte, read and dropped.
-    tried_.insert(p.incarnation);
-    uint8_t byte;
-    iovec local{&byte, 1}, remote{reinterpret_cast<void*>(grant->ptr), 1};
-    if (process_vm_readv(static_cast<pid_t>(p.address.pid), &local, 1, &remote, 1, 0) != 1 && errno != ESRCH) {
-      denied_[p.incarnation] = std::strerror(errno);
-      P2P_LOG(Warn, "the cma route to peer ", hex(p.incarnation), " (pid ", p.address.pid,
-              ") is not allowed: ", denied_[p.incarnation], "; its host-memory transfers take the fabric");
-    }
-  }
+  if (grant->refused.ok() && grant->nbytes > 0) allowed(p, grant->ptr);
   const bool denied = denied_.count(p.incarnation) > 0;
   grants_.resume(p, [&](Transfer& t) {
     if (denied && t.reported()) {

@@ -15,6 +15,9 @@
 //
 // A dead peer: its copies fail at once (ESRCH) and the worker fails the peer; nothing of the
 // route waits on another process, so no lock or copy of a dead peer holds anything up.
+//
+// The route lends its copies (PeerCopies, peer_copies.cpp) to the staged route's host hop:
+// the same threads, OS checks and failures, for the staging slots of both ends.
 #pragma once
 
 #include <sys/types.h>
@@ -28,11 +31,15 @@
 #include "core/config.h"
 #include "core/grants.h"
 #include "core/route.h"
-#include "routes/host_cma/copies.h"
+#include "core/copies.h"
 
 namespace p2p::cma {
 
-class Route final : public engine::Route {
+using engine::Copies;
+using engine::Outcome;
+using engine::Span;
+
+class Route final : public engine::Route, public engine::PeerCopies {
  public:
   // id: the route's index in the registry (its messages carry it); host_id: host_identity().
   Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, std::string host_id);
@@ -50,11 +57,18 @@ class Route final : public engine::Route {
   bool must_release(const engine::Region& region, const engine::Peer& p) override;
   void stop() override { copies_.reset(); }
 
+  // PeerCopies (peer_copies.cpp).
+  bool reaches(const engine::Peer& p) const override;
+  bool allowed(engine::Peer& p, uint64_t addr) override;
+  void copy(engine::Peer& p, std::vector<Span> spans, bool write, engine::CopyOwner& owner) override;
+
  private:
   // reaches(), for host memory of this engine whatever its device.
   bool peer_reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) const;
   // Starts t's copy once every region it touches is answered; false if one is not.
   bool try_start(engine::Transfer& t);
+  // How a copy with p that ended with `error` ends: fails p first if its process is gone.
+  Status outcome(engine::Peer& p, int error);
 
   engine::RouteHost& host_;
   const uint8_t id_;
@@ -67,6 +81,7 @@ class Route final : public engine::Route {
   std::unordered_map<uint64_t, std::string> denied_;  // peers the OS keeps us from: why
   std::unordered_set<uint64_t> tried_;                // peers whose access was tried
   std::unordered_map<uint64_t, engine::Transfer*> copying_;  // by ticket
+  std::unordered_map<uint64_t, std::pair<engine::Peer*, engine::CopyOwner*>> lent_;  // by ticket
   std::vector<Outcome> ended_;                               // poll()'s, kept for its buffer
 };
 

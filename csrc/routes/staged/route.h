@@ -1,14 +1,18 @@
 // Route: the staged route (staging.h says how it moves bytes). It takes every transfer with a
 // staged end, local or remote, makes slot jobs of it as slots come free, and serves peers'
 // requests for our staged regions from the serve half of the pool. Its RMA ops are the
-// fabric's (RouteHost::make_ops); its copies are the copier's.
+// fabric's (RouteHost::make_ops), or on one host the cma route's copies (PeerCopies); its
+// packs and unpacks are the copier's.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <unordered_map>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
+#include "core/grants.h"
 #include "core/ops.h"
 #include "core/route.h"
 #include "routes/staged/staging.h"
@@ -21,7 +25,8 @@ using engine::Transfer;
 
 class Route final : public engine::Route {
  public:
-  Route(engine::RouteHost& host, uint8_t id) : host_(host), id_(id) {}
+  // same_host: the cma route's copies, for the host hop to peers it reaches (null: none).
+  Route(engine::RouteHost& host, uint8_t id, engine::PeerCopies* same_host);
   ~Route() override;
 
   const char* name() const override { return "staged"; }
@@ -32,12 +37,12 @@ class Route final : public engine::Route {
   bool poll() override;
   // The copier does not wake the worker: a copy in flight keeps it polling.
   bool idle() const override { return copying_.empty(); }
-  void on_message(Peer&, std::string_view) override {}
+  void on_message(Peer& p, std::string_view body) override;
   bool on_control(Peer& p, engine::Message& m) override;
   void tick() override;
   void peer_failed(Peer& p) override;
-  void release(uint64_t, uint64_t) override {}
-  bool must_release(const engine::Region&, const Peer&) override { return false; }
+  void release(uint64_t peer, uint64_t region) override { grants_.release(peer, region); }
+  bool must_release(const engine::Region& region, const Peer& p) override { return grants_.must_release(region, p); }
   void stop() override;
 
   void job_op_done(SlotJob& job, const Status& status);
@@ -48,6 +53,13 @@ class Route final : public engine::Route {
   engine::Slot* take_slot(bool serve);
   void give_slot(engine::Slot* slot);
   void rekey(engine::Slot& slot);
+  void hold_slot(SlotJob& job);  // until the peer's process exits
+  void release_held();
+
+  // host_hop.cpp: the host hop by cma.
+  bool runs_by_cma(const Transfer& t) const;
+  bool queue_by_cma(Transfer& t);
+  void copy_by_cma(SlotJob& job);
 
   // staging.cpp: both sides.
   bool make_jobs(Transfer& t);  // false: no slot free (t waits at the queue's front)
@@ -71,6 +83,10 @@ class Route final : public engine::Route {
 
   engine::RouteHost& host_;
   const uint8_t id_;
+  engine::PeerCopies* const same_host_;
+  engine::Grants grants_;  // the owners' answers for the regions RmaRuns copies into by cma
+  std::unordered_set<const Transfer*> by_cma_;  // queued, its runs' remote addresses the owner's
+  std::vector<std::pair<engine::Slot*, int>> held_;  // slots a failed peer may still copy with: its pidfd
   std::vector<std::unique_ptr<engine::Slot>> slots_;
   std::vector<engine::Slot*> free_slots_[2];  // [serve]
   void* slot_memory_ = nullptr;

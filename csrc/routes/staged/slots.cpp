@@ -1,8 +1,13 @@
 // The staging slot pool: pinned host memory registered with every rail, half for transfers
 // this engine starts, half for serving peers (staging.h says why).
+#include <poll.h>
 #include <rdma/fi_domain.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 
 #include "common/log.h"
 #include "routes/staged/route.h"
@@ -63,6 +68,41 @@ void Route::rekey(Slot& slot) {
   for (size_t r = 0; r < host_.rails().size(); ++r) {
     host_.rails().rail(r).deregister(slot.mrs[r]);
     slot.mrs[r] = host_.rails().rail(r).register_memory(slot.ptr, slot.bytes, kSlotAccess, -1);
+  }
+}
+
+// A failed peer whose request let it copy with our slot (cma) may still do so while its process
+// lives, whatever failed it: the slot stays out of the pool until the process has exited
+// (its pidfd says so), not merely until the job ends. A process that is gone gives it back now.
+void Route::hold_slot(SlotJob& job) {
+  job.cma = false;  // the job itself waits no more
+  int pidfd = -1;
+#ifdef SYS_pidfd_open
+  pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(job.peer->address.pid), 0));
+#else
+  errno = ENOSYS;
+#endif
+  if (pidfd < 0 && errno == ESRCH) return;
+  if (pidfd < 0)
+    P2P_LOG(Warn, "staging: a slot stays out of the pool: peer ", hex(job.peer->incarnation), " (pid ",
+            job.peer->address.pid, ") may still copy with it, and its exit cannot be watched: ", std::strerror(errno));
+  else
+    held_.push_back({job.slot, pidfd});
+  job.slot = nullptr;
+}
+
+void Route::release_held() {
+  for (size_t i = 0; i < held_.size();) {
+    pollfd fd{held_[i].second, POLLIN, 0};
+    if (::poll(&fd, 1, 0) <= 0) {
+      ++i;
+      continue;
+    }
+    close(held_[i].second);
+    Slot* slot = held_[i].first;
+    held_[i] = held_.back();
+    held_.pop_back();
+    give_slot(slot);
   }
 }
 

@@ -1,5 +1,7 @@
 #include "routes/staged/staging.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -28,15 +30,23 @@ namespace p2p::staged {
 
 using namespace engine;
 
+Route::Route(RouteHost& host, uint8_t id, PeerCopies* same_host)
+    : host_(host), id_(id), same_host_(same_host),
+      grants_(host, id, "staged message", [this](const Peer& p) {
+        return same_host_ && same_host_->reaches(p) ? Status{}
+                                                    : Status::error(ErrorKind::Remote, "the owner does not reach this peer by cma");
+      }) {}
+
 size_t Route::request_run_limit() const {
-  // Header, fixed fields, one (base, key) per local rail, then 12 bytes a run.
-  const size_t fixed = kHeaderBytes + 8 + 1 + 8 + 8 + 2 + 16 * host_.rails().size() + 2;
+  // Header, fixed fields, one (base, key) per local rail, the slot's address, then 12 bytes a run.
+  const size_t fixed = kHeaderBytes + 8 + 1 + 8 + 8 + 2 + 16 * host_.rails().size() + 8 + 2;
   return std::min(kMaxJobRuns, (kMessageBytes - fixed) / 12);
 }
 
 // After the worker's rails are closed (stop() let go of the slots' registrations).
 Route::~Route() {
   jobs_.clear();
+  for (auto& [slot, pidfd] : held_) close(pidfd);
   if (slot_memory_) host_.copier().free_pinned(slot_memory_);
 }
 
@@ -68,7 +78,10 @@ bool Route::take(Transfer& t) {
   ++t.pending;  // until every job of it is made (generate())
   host_.started(t, id_);
   t.enter(TransferState::Queued);
-  queue_.push_back(&t);
+  if (!runs_by_cma(t))
+    queue_.push_back(&t);
+  else if (!queue_by_cma(t))
+    grants_.wait(t);  // on_message queues it
   return true;
 }
 
@@ -91,6 +104,7 @@ bool Route::generate() {
     Transfer& t = *queue_.front();
     if (!t.reported() && !make_jobs(t)) break;  // waits for a slot, ahead of newer transfers
     queue_.pop_front();
+    by_cma_.erase(&t);
     any = true;
     if (!t.reported()) t.enter(TransferState::Running);
     host_.done(t, {});  // every job is made (or t ended while it waited)
@@ -115,9 +129,11 @@ bool Route::make_jobs(Transfer& t) {
     const size_t max_runs = remote_staged ? request_run_limit() : kMaxJobRuns;
     job.bytes = Striper::fill_slot(t.at, t.runs, max_runs, slot->bytes, job.runs);
     if (remote_staged) {
+      job.cma = same_host_ && same_host_->reaches(*t.peer);  // the owner may copy with our slot
       job.steps[0] = write ? Step::Pack : Step::Request;
       job.steps[1] = write ? Step::Request : Step::Unpack;
     } else {
+      job.cma = by_cma_.count(&t) > 0;
       job.write_out = write;
       job.steps[0] = write ? Step::Pack : Step::RmaRuns;
       job.steps[1] = write ? Step::RmaRuns : Step::Unpack;
@@ -139,6 +155,10 @@ void Route::send_request(SlotJob& job) {
   for (const auto& mr : job.slot->mrs) {
     req.base.push_back(mr.base);
     req.key.push_back(mr.key);
+  }
+  if (job.cma) {
+    req.slot = reinterpret_cast<uint64_t>(job.slot->ptr);
+    host_.watch_process(*job.peer);  // its exit gives the slot back at once (hold_slot)
   }
   req.runs = job.runs;
   host_.post_control(*job.peer, encode_message(req, host_.incarnation(), job.peer->incarnation));
@@ -209,7 +229,9 @@ bool Route::run_step(SlotJob& job) {
       return run_copy(job);
     case Step::RmaRuns:
     case Step::RmaSlot:
-      if (job.state == SlotJobState::Ready) {
+      if (job.state == SlotJobState::Ready && job.cma) {
+        copy_by_cma(job);
+      } else if (job.state == SlotJobState::Ready) {
         job.state = SlotJobState::Generating;
         job.gen = {};
         job.gen_slot = 0;
@@ -333,16 +355,20 @@ void Route::peer_failed(Peer& p) {
     if (it == jobs_.end()) continue;
     SlotJob& job = *it->second;
     if (job.status.ok()) job.status = p.failure;
+    if (job.state == SlotJobState::Requesting && job.cma) hold_slot(job);
     if (!job.slot) {
       finish_job(job);  // a request still waiting for a serve slot
       continue;
     }
     advance(job);
   }
+  grants_.peer_failed(p);
 }
 
-// A job waiting for the owner's answer learns of its transfer's end (timeout, cancel) here.
+// A job waiting for the owner's answer learns of its transfer's end (timeout, cancel) here; held
+// slots come back once their peer's process has exited.
 void Route::tick() {
+  release_held();
   std::vector<uint64_t> ids;
   for (auto& [id, job] : jobs_)
     if (job->transfer && job->transfer->reported() && job->step() == Step::Request) ids.push_back(id);

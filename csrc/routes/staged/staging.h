@@ -9,6 +9,12 @@
 //    of its slots (RMA read), copies it into place and answers StageAck. A read: the owner
 //    packs into its slot and pushes it (RMA write) into the initiator's slot.
 //  - Back-pressure instead of growth: a transfer waits for a slot, a request for a serve slot.
+//  - On one host the host hop skips the fabric where the cma route reaches the peer
+//    (PeerCopies, core/route.h): the RMA steps become one cross-memory copy each. Into a
+//    directly registered region (RmaRuns) the initiator copies straight into the owner's
+//    memory, within what the owner answered for the region (core/grants.h); between slots
+//    (RmaSlot) the owner copies between its slot and the requester's, whose address the
+//    request carries if the requester allows it (StageRequest::slot).
 #pragma once
 
 #include <cstdint>
@@ -20,6 +26,7 @@
 #include "core/copier.h"
 #include "core/messages.h"
 #include "core/ops.h"
+#include "core/route.h"
 #include "core/runs.h"
 #include "core/striper.h"
 #include "fabric/rail.h"
@@ -72,12 +79,16 @@ const char* name(SlotJobState state);
 
 // One slot's worth of a staged transfer, on the initiator or on the serving side: a short
 // plan of steps (`steps`, the current one `cur`) and where the current one stands (`state`).
-struct SlotJob final : OpOwner {
+struct SlotJob final : OpOwner, CopyOwner {
   uint64_t id = 0;  // also the request id on the wire
   Step steps[4] = {Step::Done, Step::Done, Step::Done, Step::Done};
   uint8_t cur = 0;
   SlotJobState state = SlotJobState::Ready;
   bool write_out = false;  // Rma steps write from the slot (else read into it)
+  // The host hop goes by cma: an Rma step is one copy with the peer's process (its one op);
+  // a Request lets the owner copy with our slot, so the slot is ours again only after the
+  // answer (or the owner's exit).
+  bool cma = false;
   Slot* slot = nullptr;
   std::vector<Run> runs;   // local address <-> remote offset; slot offsets follow run order
   uint64_t bytes = 0;
@@ -89,6 +100,7 @@ struct SlotJob final : OpOwner {
   uint64_t request = 0;
   std::shared_ptr<Region> region;
   std::vector<uint64_t> peer_base, peer_key;  // the initiator's slot, per initiator rail
+  uint64_t peer_slot = 0;                     // its address in the initiator's process (cma)
 
   // Progress.
   size_t ops_left = 0;
@@ -105,9 +117,10 @@ struct SlotJob final : OpOwner {
   // Something still uses the slot: a failed job finishes only once this is false.
   bool in_flight() const {
     return state == SlotJobState::Copying || state == SlotJobState::Generating ||
-           (state == SlotJobState::Moving && ops_left > 0);
+           (state == SlotJobState::Moving && ops_left > 0) || (state == SlotJobState::Requesting && cma);
   }
   void op_done(RouteHost& host, Op& op, const Status& status) override;
+  void copied(const Status& status) override;
   bool abandoned() const override { return !status.ok(); }
 };
 

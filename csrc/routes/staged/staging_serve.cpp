@@ -72,6 +72,10 @@ void Route::serve(Peer& p, StageRequest req, std::shared_ptr<Region> region) {
   job.bytes = req.bytes;
   job.peer_base = std::move(req.base);
   job.peer_key = std::move(req.key);
+  // By cma where the requester lets us and we reach it: its slot's address reaches only into
+  // its own process (host_hop.cpp says why that is safe for us).
+  job.peer_slot = req.slot;
+  job.cma = req.slot != 0 && same_host_ && same_host_->reaches(p) && same_host_->allowed(p, req.slot);
   if (req.dir == kOwnerPulls) {
     job.write_out = false;
     job.steps[0] = Step::RmaSlot;

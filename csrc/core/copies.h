@@ -1,7 +1,9 @@
 // Copies: moves byte runs between this process and another one on the same host with
 // cross-memory attach (process_vm_readv / process_vm_writev): the kernel copies, one system
 // call per 1024 runs or 1 GiB, with no buffer in between. Small copies run at once on the caller's
-// thread; larger ones are cut into shards that a few threads copy side by side.
+// thread; larger ones are cut into shards that a few threads copy side by side. The cma route
+// keeps one (routes/host_cma/), and lends it to the staged route's host hop (PeerCopies,
+// core/route.h).
 //
 // Thread model: submit() and poll() on the worker thread; the threads only run shards and
 // put finished tickets where poll() finds them, waking the worker through `wake`.
@@ -18,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-namespace p2p::cma {
+namespace p2p::engine {
 
 // One contiguous run: `local` in this process, `remote` in the other.
 struct Span {
@@ -82,4 +84,4 @@ class Copies {
   std::vector<std::thread> threads_;
 };
 
-}  // namespace p2p::cma
+}  // namespace p2p::engine

@@ -1,4 +1,4 @@
-#include "routes/host_cma/copies.h"
+#include "core/copies.h"
 
 #include <sys/uio.h>
 
@@ -6,7 +6,7 @@
 #include <cerrno>
 #include <climits>
 
-namespace p2p::cma {
+namespace p2p::engine {
 
 int copy_spans(pid_t pid, const Span* spans, size_t n, bool write) {
   constexpr size_t kBatch = IOV_MAX;  // the most iovecs one call takes (1024 on Linux)
@@ -139,4 +139,4 @@ bool Copies::ended() const {
   return !ended_.empty();
 }
 
-}  // namespace p2p::cma
+}  // namespace p2p::engine

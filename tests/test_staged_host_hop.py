@@ -1,0 +1,110 @@
+"""The staged route's host hop between processes of one host (issue 32): where the cma route
+reaches the peer, the slot jobs' RMA steps are cross-memory copies (routes/staged/host_hop.cpp),
+else fabric RMA as before. Host memory with data_path="staged" takes the staged route, so these
+run on any machine.
+
+Two shapes of the hop: the initiator's slots into a directly registered region of the owner
+(RmaRuns: only the initiator staged), and the owner's slot to the requester's (RmaSlot: the
+owner staged). The first copy with a peer logs "the cma route reaches peer" at info level,
+which tells the two hops apart. Peer deaths mid-transfer: tests/test_failures.py.
+"""
+import pytest
+import torch
+
+import peer_helpers as ph
+import torch_p2p as p2p
+from conftest import STAGED, engine_kwargs
+from peer import Peer
+
+ROWS, ROW = 64, 64 << 10  # 4 MiB: 32 slots of the tests' 128 KiB
+LOG = {"TORCH_P2P_LOG": "info"}
+REACHES = "the cma route reaches peer"
+HOPS = ["cma", "fabric"]
+OWNERS = {"direct": {}, "staged": STAGED}  # RmaRuns, RmaSlot
+
+
+def _start(state, hop: str, staged: bool) -> bytes:
+    return ph.start_engine(state, "cma" if hop == "cma" else "tcp", **(STAGED if staged else {}))
+
+
+def _moves(state, remote_bytes: bytes, seed: int) -> list:
+    """In the initiator: writes into the owner's region and reads back, a small run, the whole
+    region (many slots) and pages; returns the cases whose bytes came back wrong. The region
+    ends up holding pattern(seed) with its rows moved by the pages' ids (_expected)."""
+    e = state["engine"]
+    remote = p2p.RemoteTensor.from_bytes(remote_bytes).view(ROWS, ROW)
+    src = ph.pattern(seed, ROWS * ROW).view(ROWS, ROW)
+    back = torch.zeros_like(src)
+    state["regions"] = [e.register(src), e.register(back)]
+    wrong = []
+    p2p.wait(e.write_slices([src[1, 100:1100]], [remote[1, 100:1100]]), 30)
+    p2p.wait(e.read_slices([back[1, 100:1100]], [remote[1, 100:1100]]), 30)
+    if not torch.equal(back[1, 100:1100], src[1, 100:1100]):
+        wrong.append("small")
+    p2p.wait(e.write_slices(src, remote), 60)
+    p2p.wait(e.read_slices(back.zero_(), remote), 60)
+    if not torch.equal(back, src):
+        wrong.append("contiguous")
+    mine, theirs = _pages()
+    p2p.wait(e.write_slices([p2p.pages(src, mine)], [p2p.pages(remote, theirs)]), 60)
+    p2p.wait(e.read_slices([p2p.pages(back.zero_(), mine)], [p2p.pages(remote, theirs)]), 60)
+    if not torch.equal(back[mine], src[mine]):
+        wrong.append("paged")
+    return wrong
+
+
+def _pages():
+    mine = list(range(0, ROWS, 2))
+    return mine, [ROWS - 1 - i for i in mine]
+
+
+def _expected(seed: int) -> torch.Tensor:
+    src = ph.pattern(seed, ROWS * ROW).view(ROWS, ROW)
+    out = src.clone()
+    mine, theirs = _pages()
+    out[theirs] = src[mine]
+    return out.view(-1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("owner", sorted(OWNERS))
+@pytest.mark.parametrize("hop", HOPS)
+def test_bytes_right_over_either_hop(capfd, hop, owner):
+    """Staged writes and reads, small, larger than a slot and paged, arrive intact; the hop is
+    the cma route's copies where cma is on at both ends, else the fabric's RMA."""
+    with Peer(env=LOG) as a, Peer(env=LOG) as b:
+        b.call(_start, hop, owner == "staged")
+        a.call(_start, hop, True)
+        remote = b.call(ph.target, "t", ROWS * ROW)
+        assert a.call(ph.route_to, remote) == "staged"
+        assert a.call(_moves, remote, 7) == []
+        assert torch.equal(b.call(_fetch, "t"), _expected(7))
+    said = capfd.readouterr().err.count(REACHES)
+    assert said == (1 if hop == "cma" else 0), f"{REACHES!r} logged {said} times"
+
+
+def _fetch(state, name: str) -> torch.Tensor:
+    return state[name].clone()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_tampered_handle_refused_by_the_owner(op):
+    """RmaRuns by cma copies into the owner's process, so the owner answers for the region
+    first and the call is checked against the answer: a handle claiming more than was
+    registered is refused before any byte moves (the owner's registration, as the NICs would
+    refuse it), and the bytes around the region stay as they were."""
+    n, guard = 4096, 4096
+    with Peer() as b, p2p.Engine("cpu", **engine_kwargs("cma", **STAGED)) as a:
+        b.call(ph.start_engine, "cma")
+        remote = p2p.RemoteTensor.from_bytes(b.call(ph.guarded_target, "g", n, guard, "rw", 0xAB))
+        before = b.call(ph.buffer_bytes, "g")
+        forged = ph.tampered(remote, nbytes=n + guard, shape=[n + guard])[n:]
+        buf = torch.full((guard,), 0x11, dtype=torch.uint8)
+        with a.register(buf):
+            call = a.write_slices if op == "write" else a.read_slices
+            error = ph.wait_all([call(buf, [forged])], 30)[0]
+        assert isinstance(error, p2p.RemoteError), error
+        assert "owner" in str(error), error  # the owner's answer refused it
+        assert b.call(ph.buffer_bytes, "g") == before
+        assert (buf == 0x11).all()
