@@ -107,20 +107,31 @@ def test_cma_peer_killed_with_32_large_pushes_in_flight():
         a.call(ph.local, "big", 32 << 20, 1)
         a.call(ph.local, "small", 1 << 20, 2)
         assert a.call(ph.route_to, rb) == "cma"
-        with _scenario(a):
-            a.call(ph.issue, [("write", "big", rb)] * 32)
-            os.kill(b.pid, signal.SIGKILL)
-            killed = time.monotonic()
-            r = a.call(ph.settle, budget + 5, timeout=budget + 35)
-            a.call(ph.write, "small", rc, 10)
-            assert c.call(ph.checksum, "t") == a.call(ph.checksum, "small")
-            start = time.monotonic()
-            a.call(ph.close_engine, timeout=30)
-            closed = time.monotonic() - start
-        failures = [x for x in r["errors"] if x]
-        assert failures and set(failures) == {"PeerError"}, (_errors_by_type(r["errors"]), r["messages"])
-        assert r["ended"] - killed <= budget, f"the last push failed {r['ended'] - killed:.1f} s after the kill"
-        assert closed < 10, f"close() took {closed:.1f} s"
+        _kill_with_pushes_in_flight(a, b, c, ("big", rb, 32), ("small", rc), budget, settle=budget + 5)
+
+
+def _kill_with_pushes_in_flight(a, b, c, pushes, live, budget, settle, warm=False):
+    """Kills b (kill -9) with `pushes` = (local name, b's handle, count) writes in flight from
+    a: each must end before `budget` s after the kill, those that fail with PeerError; then a
+    write of `live` = (local name, c's handle) to the live peer c moves its bytes and a's
+    close() returns within 10 s. `warm`: one write to b first (connected, the route settled)."""
+    src, rb, count = pushes
+    with _scenario(a):
+        if warm:
+            a.call(ph.write, src, rb, 20)
+        a.call(ph.issue, [("write", src, rb)] * count)
+        os.kill(b.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        r = a.call(ph.settle, settle, timeout=settle + 30)
+        a.call(ph.write, live[0], live[1], 20)
+        assert c.call(ph.checksum, "t") == a.call(ph.checksum, live[0])
+        start = time.monotonic()
+        a.call(ph.close_engine, timeout=30)
+        closed = time.monotonic() - start
+    failures = [x for x in r["errors"] if x]
+    assert failures and set(failures) == {"PeerError"}, (_errors_by_type(r["errors"]), r["messages"])
+    assert r["ended"] - killed <= budget, f"the last push failed {r['ended'] - killed:.1f} s after the kill"
+    assert closed < 10, f"close() took {closed:.1f} s"
 
 
 @pytest.mark.timeout(180)
@@ -142,21 +153,8 @@ def test_staged_cma_peer_killed_with_pushes_in_flight(owner):
         a.call(ph.local, "big", 8 << 20, 1)
         a.call(ph.local, "other", 8 << 20, 2)
         assert a.call(ph.route_to, rb) == "staged"
-        with _scenario(a):
-            a.call(ph.write, "big", rb, 20)  # connected, and the hop settled
-            a.call(ph.issue, [("write", "big", rb)] * 16)
-            os.kill(b.pid, signal.SIGKILL)
-            killed = time.monotonic()
-            r = a.call(ph.settle, PEER_TIMEOUT + MARGIN, timeout=60)
-            a.call(ph.write, "other", rc, 20)
-            assert c.call(ph.checksum, "t") == a.call(ph.checksum, "other")
-            start = time.monotonic()
-            a.call(ph.close_engine, timeout=30)
-            closed = time.monotonic() - start
-        failures = [x for x in r["errors"] if x]
-        assert failures and set(failures) == {"PeerError"}, (_errors_by_type(r["errors"]), r["messages"])
-        assert r["ended"] - killed < PEER_TIMEOUT, f"the last push failed {r['ended'] - killed:.1f} s after the kill"
-        assert closed < 10, f"close() took {closed:.1f} s"
+        _kill_with_pushes_in_flight(a, b, c, ("big", rb, 16), ("other", rc), PEER_TIMEOUT,
+                                    settle=PEER_TIMEOUT + MARGIN, warm=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops CAP_SYS_PTRACE, which only root has")
