@@ -1,7 +1,5 @@
 #include "engine/peers.h"
 
-#include <poll.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +8,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/process.h"
 
 namespace p2p::engine {
 namespace {
@@ -316,20 +315,17 @@ void Peers::tick() {
 // its exit only by its silence; the pidfd tells at once.
 void Peers::watch_process(Peer& p) {
   if (p.pidfd >= 0 || p.address.pid == 0 || p.address.pid == static_cast<uint32_t>(getpid())) return;
-#ifdef SYS_pidfd_open
-  p.pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(p.address.pid), 0));
+  p.pidfd = open_pidfd(static_cast<pid_t>(p.address.pid));
   if (p.pidfd < 0) P2P_LOG(Info, "cannot watch the process of peer ", hex(p.incarnation), ": ", std::strerror(errno));
-#endif
 }
 
 void Peers::check_processes() {
-  std::vector<Peer*> exited;
+  std::vector<Peer*> gone;
   for (auto& [inc, p] : peers_) {
     if (p->pidfd < 0 || p->failed()) continue;
-    pollfd fd{p->pidfd, POLLIN, 0};
-    if (::poll(&fd, 1, 0) > 0) exited.push_back(p.get());
+    if (p2p::exited(p->pidfd)) gone.push_back(p.get());
   }
-  for (Peer* p : exited)
+  for (Peer* p : gone)
     fail(*p, Status::error(ErrorKind::Peer, cat("peer ", hex(p->incarnation), " is dead: its process (pid ",
                                                      p->address.pid, ") exited")));
 }

@@ -1,8 +1,6 @@
 // The staging slot pool: pinned host memory registered with every rail, half for transfers
 // this engine starts, half for serving peers (staging.h says why).
-#include <poll.h>
 #include <rdma/fi_domain.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +8,7 @@
 #include <cstring>
 
 #include "common/log.h"
+#include "common/process.h"
 #include "routes/staged/route.h"
 
 namespace p2p::staged {
@@ -76,12 +75,7 @@ void Route::rekey(Slot& slot) {
 // (its pidfd says so), not merely until the job ends. A process that is gone gives it back now.
 void Route::hold_slot(SlotJob& job) {
   job.cma = false;  // the job itself waits no more
-  int pidfd = -1;
-#ifdef SYS_pidfd_open
-  pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(job.peer->address.pid), 0));
-#else
-  errno = ENOSYS;
-#endif
+  const int pidfd = open_pidfd(static_cast<pid_t>(job.peer->address.pid));
   if (pidfd < 0 && errno == ESRCH) return;
   if (pidfd < 0)
     P2P_LOG(Warn, "staging: a slot stays out of the pool: peer ", hex(job.peer->incarnation), " (pid ",
@@ -93,8 +87,7 @@ void Route::hold_slot(SlotJob& job) {
 
 void Route::release_held() {
   for (size_t i = 0; i < held_.size();) {
-    pollfd fd{held_[i].second, POLLIN, 0};
-    if (::poll(&fd, 1, 0) <= 0) {
+    if (!exited(held_[i].second)) {
       ++i;
       continue;
     }
