@@ -29,9 +29,9 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/copies.h"
 #include "core/grants.h"
 #include "core/route.h"
-#include "core/copies.h"
 
 namespace p2p::cma {
 
