@@ -24,8 +24,10 @@ With --prepared each row's call is checked once (engine.prepare_write / prepare_
 call of the row is a run() of it: the host cost of calls that move the same views again.
 
 Route: the engine's choice for the peer (engine.route): "ipc" between GPUs of one host (CUDA
-IPC, no fabric), "cma" between host memory of one host (the kernel copies between the two
-processes), else "direct" or "staged" over the provider; the table's title names it.
+IPC, no fabric), "cma" between host memory of one host (the peer's buffer is in shared memory
+by default, which the route maps and copies with memcpy; with --host-memory private the kernel
+copies between the two processes), else "direct" or "staged" over the provider; the table's
+title names it.
 
 Columns:
   Gbps   payload, 10^9 bits per second of time.perf_counter() around the timed calls
@@ -335,11 +337,11 @@ class Target:
         self.engine = open_engine(self.device, provider, rails, loopback)
         return {"address": self.engine.address, "device": str(self.device)}
 
-    def do_buffer(self, pages, page_bytes):
+    def do_buffer(self, pages, page_bytes, shared=False):
         if self.region:
             self.region.close()
             self.buf = self.region = None
-        self.buf = torch.empty(pages, page_bytes, dtype=torch.uint8, device=self.device)
+        self.buf = new_buffer(pages, page_bytes, self.device, shared)
         self.region = self.engine.register(self.buf)
         return {"remote": self.region.remote.to_bytes()}
 
@@ -596,14 +598,16 @@ class Driver:
                                  peer_device=peer_device, rails=len(engine.plan.rails), line_rate_bps=line,
                                  data_path=engine.data_path, route=route)
         # Said before the first row runs: what is measured, and why %line may stay empty.
+        memory = f" ({self.args.host_memory} memory)" if self.device.type == "cpu" else ""
         self.progress.say(f"# {engine.provider} [{domains}], route {route}, data path {engine.data_path}, "
-                          f"{self.device} -> peer {peer_device}; %line is "
+                          f"{self.device}{memory} -> peer {peer_device}; %line is "
                           + (f"of {line / 1e9:g} Gbps" if line else "'-': the provider reports no link speed"))
 
     def _buffer(self, engine: p2p.Engine, page_bytes: int, pages: int) -> None:
-        reply = self.channel.ask("buffer", pages=pages, page_bytes=page_bytes)
+        shared = self.args.host_memory == "shared"
+        reply = self.channel.ask("buffer", pages=pages, page_bytes=page_bytes, shared=shared)
         remote = p2p.RemoteTensor.from_bytes(reply["remote"])
-        buf = torch.empty(pages, page_bytes, dtype=torch.uint8, device=self.device)
+        buf = new_buffer(pages, page_bytes, self.device, shared)
         with engine.register(buf):
             for layout in self.args.layouts:
                 for op in self.args.ops:
@@ -1103,6 +1107,12 @@ def run_torchrun(args) -> int:
     return report(args, merge([json.loads(store.get(f"bw/rows/{r}")) for r in range(half)]))
 
 
+def new_buffer(pages: int, page_bytes: int, device: torch.device, shared: bool) -> torch.Tensor:
+    """One side's [pages, page_bytes] buffer; host memory in shared memory if `shared`."""
+    buf = torch.empty(pages, page_bytes, dtype=torch.uint8, device=device)
+    return buf.share_memory_() if shared and buf.device.type == "cpu" else buf
+
+
 # -- command line -----------------------------------------------------------------------------------
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1125,6 +1135,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=default_device, help=f"this side's device (default {default_device})")
     ap.add_argument("--peer-device", default=None,
                     help="local mode: the peer's device (default: the next GPU, or cpu)")
+    ap.add_argument("--host-memory", choices=["shared", "private"], default="shared",
+                    help="host buffers in shared memory (share_memory_(), default: the cma route maps the "
+                         "peer's and copies with memcpy) or private (the kernel copies between the processes)")
     ap.add_argument("--duration", type=float, default=1.0, metavar="S", help="timed seconds per row (default 1)")
     ap.add_argument("--window", type=int, default=4, metavar="N",
                     help="calls in flight (default 4); 1 also reports each call's latency (median, p99)")

@@ -7,16 +7,25 @@ import torch_p2p as p2p
 
 # Only loopback traffic in tests: tcp runs on the "lo" domain. "tcp" and "shm" move host memory
 # over the provider (cma=False); "cma" is the default on one host: the cma route for host
-# memory, with tcp for control messages and for what the route does not take.
+# memory, with tcp for control messages and for what the route does not take. "mapped" is the
+# cma route to peers whose tensors live in shared memory (share_memory_()), which it maps: the
+# helpers that register a peer's tensors (helpers.make_region, peer_helpers.target) share them
+# first in an engine started for it.
 PROVIDERS = {
     "tcp": dict(provider="tcp", domains=["lo"], cma=False),
     "shm": dict(provider="shm", cma=False),
     "cma": dict(provider="tcp", domains=["lo"]),
+    "mapped": dict(provider="tcp", domains=["lo"]),
 }
 
 
 def engine_kwargs(provider: str, **extra) -> dict:
     return {**PROVIDERS[provider], **extra}
+
+
+def shares_memory(provider: str) -> bool:
+    """Whether tensors registered for peers of `provider` are put in shared memory first."""
+    return provider == "mapped"
 
 
 # The shm bugs the tests mark were found in libfabric 1.17 (Debian's and Ubuntu's, what CI

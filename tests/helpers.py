@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import torch_p2p as p2p
-from conftest import engine_kwargs
+from conftest import engine_kwargs, shares_memory
 
 
 def start_engine(state, provider: str, **kwargs) -> bytes:
@@ -80,11 +80,13 @@ def assert_same_bits(got: torch.Tensor, expected: torch.Tensor) -> None:
 def start_named_engine(state, key: str, provider: str, **kwargs) -> bytes:
     """Like start_engine, under state[key]; returns its address."""
     state[key] = p2p.Engine("cpu", **engine_kwargs(provider, **kwargs))
+    state[key + ".shared"] = shares_memory(provider)
     return state[key].address
 
 
 def stop_named_engine(state, key: str) -> None:
     state.pop(key).close()
+    state.pop(key + ".shared", None)
 
 
 def make_region(state, name: str, shape, dtype=torch.float32, seed: int | None = None, access: str = "rw",
@@ -93,6 +95,8 @@ def make_region(state, name: str, shape, dtype=torch.float32, seed: int | None =
     when seed is None. With transpose the registered tensor (so the handle) is its 2-D
     transpose. Returns the RemoteTensor bytes."""
     t = poisoned(shape, dtype) if seed is None else random_tensor(shape, dtype, seed)
+    if state.get(engine + ".shared"):
+        t.share_memory_()
     state[name] = t
     state[f"{name}.region"] = state[engine].register(t.t() if transpose else t, access=access)
     return state[f"{name}.region"].remote.to_bytes()
@@ -102,6 +106,8 @@ def make_expanded(state, name: str, rows: int, cols: int, engine: str = "engine"
     """Registers a [rows, cols] float32 tensor whose rows all share one row of storage
     (stride 0): a handle with overlapping elements."""
     t = poisoned((cols,), torch.float32)
+    if state.get(engine + ".shared"):
+        t.share_memory_()
     state[name] = t
     state[f"{name}.region"] = state[engine].register(t.expand(rows, cols))
     return state[f"{name}.region"].remote.to_bytes()

@@ -21,7 +21,7 @@ import zlib
 import torch
 
 import torch_p2p as p2p
-from conftest import engine_kwargs
+from conftest import engine_kwargs, shares_memory
 from torch_p2p import _C
 
 # -- forged handles ----------------------------------------------------------------------------
@@ -151,6 +151,7 @@ def drop_ptrace_capability(state) -> None:
 
 def start_engine(state, provider: str, **kwargs) -> bytes:
     state["engine"] = p2p.Engine("cpu", **engine_kwargs(provider, **kwargs))
+    state["engine.shared"] = shares_memory(provider)
     return state["engine"].address
 
 
@@ -179,6 +180,8 @@ def buffer_bytes(state, name: str) -> bytes:
 
 def target(state, name: str, nbytes: int, fill: int = 0, access: str = "rw") -> bytes:
     t = torch.full((nbytes,), fill, dtype=torch.uint8)
+    if state.get("engine.shared"):
+        t.share_memory_()
     state[name] = t
     state[name + ".region"] = state["engine"].register(t, access=access)
     return state[name + ".region"].remote.to_bytes()

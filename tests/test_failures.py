@@ -91,17 +91,19 @@ def test_dead_peer_fails_every_future_within_bound(provider):
 
 
 @pytest.mark.timeout(180)
-def test_cma_peer_killed_with_32_large_pushes_in_flight():
+@pytest.mark.parametrize("provider", ["cma", "mapped"])
+def test_cma_peer_killed_with_32_large_pushes_in_flight(provider):
     """The default same-host route for host memory (cma): b is killed (kill -9) with 32 pushes
-    of 32 MiB to it in flight, the kernel copying into its memory. Each push either finished
-    before the kill or fails with PeerError within peer_timeout; a push to the live peer c in
-    the same engine completes with its bytes right; close() returns. The route shares no lock
-    with a peer (the owner only answers which memory a handle names), so a peer killed at any
-    point of a copy leaves nothing held."""
+    of 32 MiB to it in flight, the kernel copying into its memory ("mapped": memcpy into b's
+    shared memory, mapped here, which outlives b: b's process watch fails the pushes). Each
+    push either finished before the kill or fails with PeerError within peer_timeout; a push to
+    the live peer c in the same engine completes with its bytes right; close() returns. The
+    route shares no lock with a peer (the owner only answers which memory a handle names), so
+    a peer killed at any point of a copy leaves nothing held."""
     budget = PEER_TIMEOUT + MARGIN
     with _host("cma") as a, Peer() as b, Peer() as c:
-        b.call(ph.start_engine, "cma", peer_timeout=PEER_TIMEOUT)
-        c.call(ph.start_engine, "cma", peer_timeout=PEER_TIMEOUT)
+        b.call(ph.start_engine, provider, peer_timeout=PEER_TIMEOUT)
+        c.call(ph.start_engine, provider, peer_timeout=PEER_TIMEOUT)
         rb = b.call(ph.target, "t", 32 << 20)
         rc = c.call(ph.target, "t", 1 << 20)
         a.call(ph.local, "big", 32 << 20, 1)

@@ -37,7 +37,7 @@ def test_address_names_the_host_and_process():
 def test_host_engines_take_the_fabric_or_cma(provider):
     """Host memory never takes the IPC route: the fabric, or on one host the cma route where it
     is on; data_path="staged" keeps the staged path."""
-    expected = "cma" if provider == "cma" else "direct"
+    expected = "cma" if provider in ("cma", "mapped") else "direct"
     with p2p.Engine("cpu", **engine_kwargs(provider)) as a, p2p.Engine("cpu", **engine_kwargs(provider)) as b:
         t = torch.zeros(16)
         region = b.register(t)

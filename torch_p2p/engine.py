@@ -154,7 +154,9 @@ class Engine:
         ipc: same-host peers move CUDA memory by CUDA IPC, without the fabric (CUDA engines;
             default on; ``TORCH_P2P_IPC=0`` turns it off). See ``route()``.
         cma: same-host peers move host memory with cross-memory attach (process_vm_writev /
-            readv), without the fabric (default on; ``TORCH_P2P_CMA=0`` turns it off). See
+            readv), without the fabric (default on; ``TORCH_P2P_CMA=0`` turns it off); a peer's
+            tensor in shared memory (``share_memory_()`` before ``register``) is mapped and
+            copied with memcpy instead (``TORCH_P2P_CMA_MAP=0`` turns that off). See
             ``route()`` and docs/design.md, "The cma route".
         data_path: None (auto), "direct" (GPUDirect RDMA; error if the provider has no FI_HMEM)
             or "staged" (through pinned host slots, also for host memory).
@@ -245,8 +247,9 @@ class Engine:
     def route(self, peer) -> str:
         """How this engine's transfers of its device's memory reach `peer` (an engine address or
         a RemoteTensor): "ipc" (same host, CUDA IPC: one copy over NVLink or PCIe), "cma" (same
-        host, host memory: the kernel copies between the processes), "direct" (the NIC reads and
-        writes the memory) or "staged" (pinned host slots). For a RemoteTensor the IPC route is
+        host, host memory: the kernel copies between the processes, or memcpy where the peer's
+        tensor is in shared memory), "direct" (the NIC reads and writes the memory) or
+        "staged" (pinned host slots). For a RemoteTensor the IPC route is
         tried (its storage mapped) before the answer."""
         self._check_open()
         if isinstance(peer, RemoteTensor):

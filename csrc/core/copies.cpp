@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstring>
 
 namespace p2p::engine {
 
@@ -50,6 +51,16 @@ int copy_spans(pid_t pid, const Span* spans, size_t n, bool write) {
   }
 }
 
+void copy_mapped(const Span* spans, size_t n, bool write) {
+  for (size_t i = 0; i < n; ++i) {
+    auto* remote = reinterpret_cast<uint8_t*>(spans[i].remote);
+    if (write)
+      std::memcpy(remote, spans[i].local, spans[i].len);
+    else
+      std::memcpy(spans[i].local, remote, spans[i].len);
+  }
+}
+
 Copies::Copies(size_t threads, std::function<void()> wake) : wake_(std::move(wake)) {
   for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
 }
@@ -63,21 +74,26 @@ Copies::~Copies() {
   for (auto& t : threads_) t.join();
 }
 
-uint64_t Copies::submit(pid_t pid, std::vector<Span> spans, bool write) {
+uint64_t Copies::submit(pid_t pid, std::vector<Span> spans, bool write, std::shared_ptr<const void> mapped) {
   uint64_t total = 0;
   for (const Span& s : spans) total += s.len;
   const uint64_t ticket = ++last_ticket_;
-  if (threads_.empty() || total <= kInlineBytes) {
-    const int error = copy_spans(pid, spans.data(), spans.size(), write);
+  if (threads_.empty() || total <= (mapped ? kMappedInlineBytes : kInlineBytes)) {
+    int error = 0;
+    if (mapped)
+      copy_mapped(spans.data(), spans.size(), write);
+    else
+      error = copy_spans(pid, spans.data(), spans.size(), write);
     std::lock_guard<std::mutex> lock(mu_);
     ended_.push_back({ticket, error});
     return ticket;
   }
-  // Shards of about equal bytes, one per thread at most, none below kShardBytes: a run that
-  // crosses a shard's end is cut there.
-  const uint64_t shards = std::clamp<uint64_t>(total / kShardBytes, 1, threads_.size());
+  // Shards of about equal bytes, one per thread at most, none below the shard size: a run
+  // that crosses a shard's end is cut there.
+  const uint64_t shard_bytes = mapped ? kMappedShardBytes : kShardBytes;
+  const uint64_t shards = std::clamp<uint64_t>(total / shard_bytes, 1, threads_.size());
   const uint64_t per_shard = (total + shards - 1) / shards;
-  auto copy = std::make_unique<Copy>(Copy{ticket, pid, write, {}, 0});
+  auto copy = std::make_unique<Copy>(Copy{ticket, pid, write, {}, 0, std::move(mapped)});
   std::vector<std::pair<size_t, size_t>> ranges;
   uint64_t filled = 0;
   size_t first = 0;
@@ -115,7 +131,11 @@ void Copies::run() {
     const Shard s = shards_.front();
     shards_.pop_front();
     lock.unlock();
-    const int error = copy_spans(s.copy->pid, s.copy->spans.data() + s.first, s.n, s.copy->write);
+    int error = 0;
+    if (s.copy->mapped)
+      copy_mapped(s.copy->spans.data() + s.first, s.n, s.copy->write);
+    else
+      error = copy_spans(s.copy->pid, s.copy->spans.data() + s.first, s.n, s.copy->write);
     lock.lock();
     if (error && !s.copy->error) s.copy->error = error;
     if (--s.copy->shards_left == 0) finish(*s.copy);

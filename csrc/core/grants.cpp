@@ -79,7 +79,7 @@ Status Grants::check(const Transfer& t) {
   return Status{};
 }
 
-const Grants::Grant* Grants::on_message(Peer& p, std::string_view body) {
+Grants::Grant* Grants::on_message(Peer& p, std::string_view body) {
   ByteReader r(body, what_);
   const uint8_t kind = r.get<uint8_t>();
   const uint64_t region = r.get<uint64_t>();
@@ -96,6 +96,8 @@ const Grants::Grant* Grants::on_message(Peer& p, std::string_view body) {
   g.nbytes = r.get<uint64_t>();
   g.access = r.get<uint8_t>();
   g.digest = r.get<uint32_t>();
+  g.file = r.get<int32_t>();
+  g.file_offset = r.get<uint64_t>();
   const uint8_t refused = r.get<uint8_t>();
   if (!is_error_kind(refused)) r.fail("bad status");
   g.refused = {static_cast<ErrorKind>(refused), std::string(r.get_bytes(1024))};
@@ -132,6 +134,8 @@ void Grants::answer(Peer& p, uint64_t region, uint64_t key) {
   w.put<uint64_t>(ok ? r->nbytes : 0);
   w.put<uint8_t>(ok ? r->access : 0);
   w.put(known);
+  w.put<int32_t>(ok ? r->file : -1);
+  w.put<uint64_t>(ok ? r->file_offset : 0);
   w.put(static_cast<uint8_t>(refused.kind));
   w.put_bytes(refused.message);
   host_.send(p, route_, std::move(w.str()));

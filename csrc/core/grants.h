@@ -12,8 +12,8 @@
 // fabric.
 //
 // The messages travel as the route's own (RouteHost::send with its id): an ask (1, region,
-// key) and an answer (2, region, key, address, size, access, digest, status kind, status
-// message). The route keeps the rest: which peers and memory it reaches, who the owner answers
+// key) and an answer (2, region, key, address, size, access, digest, file, file offset,
+// status kind, status message). The route keeps the rest: which peers and memory it reaches, who the owner answers
 // at all, what it does with a call once its regions are answered, and how it moves the bytes.
 //
 // Owned by its route: every method runs on the worker thread.
@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string_view>
 #include <tuple>
 #include <unordered_map>
@@ -44,7 +45,12 @@ class Grants {
     uint64_t nbytes = 0;
     uint8_t access = 0;
     uint32_t digest = 0;  // of the owner's registration
+    int32_t file = -1;     // Region::file in the owner's process, and the region's offset in it
+    uint64_t file_offset = 0;
     Status refused;
+    // The owner's file mapped into this process (by the route, which may), at the region's
+    // first byte; copies in flight keep it mapped.
+    std::shared_ptr<uint8_t> mapped;
   };
   // Owner side: why peer p gets no answer at all (the route is off, the peer out of its
   // reach), or ok to answer from the region's registration.
@@ -85,9 +91,12 @@ class Grants {
     return Status{};
   }
 
+  // The grants of the call that resolve() last passed, by its remote region index.
+  const std::vector<const Grant*>& resolved() const { return call_; }
+
   // One of the route's messages: an ask is answered at once; an answer for a region asked is
   // kept and returned (the route resumes the peer's transfers), null for anything else.
-  const Grant* on_message(Peer& p, std::string_view body);
+  Grant* on_message(Peer& p, std::string_view body);
 
   // p failed: its waiting transfers end with its failure; its answers and grants are forgotten.
   void peer_failed(Peer& p);

@@ -21,6 +21,12 @@ struct Region : std::enable_shared_from_this<Region> {
   bool staged = false;    // not registered with the NICs: peers go through the owner's slots
   bool exported = false;  // for CUDA IPC: same-host peers may have it mapped
   uint64_t piece_bytes = 0;
+  // A host region in a shared-memory file (a tensor after torch's share_memory_()): its
+  // descriptor in this process and the region's offset in it, or -1. Same-host peers may map
+  // the file instead of copying through the kernel (routes/host_cma). The tensor's allocator
+  // owns the descriptor; the engine keeps the tensor while the region lives.
+  int file = -1;
+  uint64_t file_offset = 0;
   std::vector<fabric::MrHandle> mrs;  // [piece * rails + rail] (mr_index)
   bool closing = false;
 };

@@ -1,6 +1,9 @@
 #include "routes/host_cma/route.h"
 
+#include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +13,7 @@
 #include <thread>
 
 #include "common/log.h"
+#include "common/process.h"
 
 namespace p2p::cma {
 
@@ -24,6 +28,37 @@ int ptrace_scope() {
   std::ifstream in("/proc/sys/kernel/yama/ptrace_scope");
   int scope = 0;
   return in >> scope ? scope : 0;
+}
+
+// The descriptor `file` of process `pid` (a shared-memory file), mapped into this process
+// from the byte at `offset` for `nbytes`; null with errno set where the OS or the file does not
+// allow it. Taking another process's descriptor (pidfd_getfd, Linux 5.6) needs the same
+// permission as cross-memory attach.
+std::shared_ptr<uint8_t> map_file(pid_t pid, int file, uint64_t offset, uint64_t nbytes, bool writable) {
+#ifdef SYS_pidfd_getfd
+  const int pidfd = open_pidfd(pid);
+  if (pidfd < 0) return nullptr;
+  const int fd = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, file, 0));
+  close(pidfd);
+  if (fd < 0) return nullptr;
+  struct stat st {};
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE)), start = offset / page * page;
+  void* base = MAP_FAILED;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) < offset + nbytes)
+    errno = errno ? errno : EINVAL;
+  else
+    base = mmap(nullptr, offset + nbytes - start, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd,
+                static_cast<off_t>(start));
+  close(fd);
+  if (base == MAP_FAILED) return nullptr;
+  const size_t len = offset + nbytes - start;
+  return std::shared_ptr<uint8_t>(static_cast<uint8_t*>(base) + (offset - start), [base, len](uint8_t*) {
+    munmap(base, len);
+  });
+#else
+  errno = ENOSYS;
+  return nullptr;
+#endif
 }
 
 }  // namespace
@@ -55,6 +90,7 @@ Route::Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, 
     threads = cores < 8 ? cores : std::min<size_t>(cores / 2, 8);
   }
   copies_ = std::make_unique<Copies>(threads, [&host] { host.wake(); });
+  map_ = config.cma_map;
   on_ = true;
 }
 
@@ -98,10 +134,28 @@ bool Route::try_start(Transfer& t) {
   }
   Peer& p = *t.peer;
   if (t.state != engine::TransferState::Running) t.enter(engine::TransferState::Running);
-  host_.watch_process(p);
+  host_.watch_process(p);  // a mapped copy outlives its peer: the process watch fails the transfer
+  std::shared_ptr<const void> mapped = in_mappings(spans);
   copying_[copies_->submit(static_cast<pid_t>(p.address.pid), std::move(spans),
-                           t.kind == engine::TransferKind::Write)] = &t;
+                           t.kind == engine::TransferKind::Write, std::move(mapped))] = &t;
   return true;
+}
+
+std::shared_ptr<const void> Route::in_mappings(std::vector<Span>& spans) const {
+  const std::vector<const engine::Grants::Grant*>& grants = grants_.resolved();
+  for (const auto* g : grants)
+    if (!g->mapped) return nullptr;
+  for (Span& s : spans) {
+    for (const auto* g : grants) {
+      if (s.remote - g->ptr >= g->nbytes) continue;  // resolve() put every run inside a region
+      s.remote = reinterpret_cast<uint64_t>(g->mapped.get()) + (s.remote - g->ptr);
+      break;
+    }
+  }
+  if (grants.size() == 1) return grants[0]->mapped;
+  auto all = std::make_shared<std::vector<std::shared_ptr<uint8_t>>>();
+  for (const auto* g : grants) all->push_back(g->mapped);
+  return all;
 }
 
 bool Route::poll() {
@@ -135,10 +189,11 @@ Status Route::outcome(Peer& p, int error) {
 }
 
 void Route::on_message(Peer& p, std::string_view body) {
-  const engine::Grants::Grant* grant = grants_.on_message(p, body);
+  engine::Grants::Grant* grant = grants_.on_message(p, body);
   if (!grant) return;  // an ask (answered), or nothing new
   if (grant->refused.ok() && grant->nbytes > 0) allowed(p, grant->ptr);
   const bool denied = denied_.count(p.incarnation) > 0;
+  if (!denied && map_ && grant->refused.ok() && grant->file >= 0) map(p, *grant);
   grants_.resume(p, [&](Transfer& t) {
     if (denied && t.reported()) {
       host_.done(t, {});
@@ -151,6 +206,17 @@ void Route::on_message(Peer& p, std::string_view body) {
     }
     return true;
   });
+}
+
+void Route::map(const Peer& p, engine::Grants::Grant& grant) {
+  grant.mapped = map_file(static_cast<pid_t>(p.address.pid), grant.file, grant.file_offset, grant.nbytes,
+                          grant.access & engine::kRemoteWrite);
+  if (!logged_maps_.insert(p.incarnation).second) return;
+  if (grant.mapped)
+    P2P_LOG(Info, "the cma route maps the shared memory of peer ", hex(p.incarnation), " (pid ", p.address.pid, ")");
+  else
+    P2P_LOG(Info, "the cma route cannot map the shared memory of peer ", hex(p.incarnation), " (pid ",
+            p.address.pid, "): ", std::strerror(errno), "; the kernel copies it");
 }
 
 void Route::peer_failed(Peer& p) { grants_.peer_failed(p); }

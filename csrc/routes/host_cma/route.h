@@ -69,17 +69,25 @@ class Route final : public engine::Route, public engine::PeerCopies {
   bool try_start(engine::Transfer& t);
   // How a copy with p that ended with `error` ends: fails p first if its process is gone.
   Status outcome(engine::Peer& p, int error);
+  // Maps the owner's shared-memory file of a grant, where the OS lets us; logs the first
+  // outcome with each peer.
+  void map(const engine::Peer& p, engine::Grants::Grant& grant);
+  // After resolve(): where every region of the call is mapped, points `spans` into the
+  // mappings and returns what keeps them; else null (the kernel copies).
+  std::shared_ptr<const void> in_mappings(std::vector<Span>& spans) const;
 
   engine::RouteHost& host_;
   const uint8_t id_;
   const std::string host_id_;
   const bool engine_memory_;  // this engine's own memory is host memory the route may move
   bool on_ = false;
+  bool map_ = false;  // maps owners' shared-memory files (cma_map)
   std::unique_ptr<Copies> copies_;
   engine::Grants grants_;
   // Initiator side.
   std::unordered_map<uint64_t, std::string> denied_;  // peers the OS keeps us from: why
   std::unordered_set<uint64_t> tried_;                // peers whose access was tried
+  std::unordered_set<uint64_t> logged_maps_;          // peers whose first mapping was logged
   std::unordered_map<uint64_t, engine::Transfer*> copying_;  // by ticket
   std::unordered_map<uint64_t, std::pair<engine::Peer*, engine::CopyOwner*>> lent_;  // by ticket
   std::vector<Outcome> ended_;                               // poll()'s, kept for its buffer
