@@ -32,9 +32,11 @@ at once (KVCache.stream), so the transfer overlaps the rest of the prefill:
                 (time.perf_counter in both processes: CLOCK_MONOTONIC, one host)
   tail/layer    target < 0.1
 
-Routes (--routes): ipc (CUDA engines of one host, engine.route() == "ipc"), tcp (host memory
-direct; GPU memory staged through pinned slots, IPC off), tcp-staged (host memory through the
-staging slots too), shm. Defaults: ipc on GPUs, tcp tcp-staged shm on CPUs.
+Routes (--routes): ipc (CUDA engines of one host, engine.route() == "ipc"), cma (host memory of
+one host, engine.route() == "cma": the caches live in shared memory, which the route maps), tcp
+(the tcp provider, same-host routes off: host memory direct, GPU memory staged through pinned
+slots), tcp-staged (host memory through the staging slots too), shm. Defaults: ipc on GPUs,
+cma and tcp on CPUs.
 
 Output as bw.py: a live line per row on stderr, tables on stdout, --json PATH, --plot PATH.
 """
@@ -107,17 +109,24 @@ PRESETS = {
 
 ROUTES = {
     "ipc": dict(provider="tcp", domains=["lo"], ipc=True),
-    "tcp": dict(provider="tcp", domains=["lo"], ipc=False),
-    "tcp-staged": dict(provider="tcp", domains=["lo"], data_path="staged", ipc=False),
-    "shm": dict(provider="shm", ipc=False),
+    "cma": dict(provider="tcp", domains=["lo"], ipc=False),
+    "tcp": dict(provider="tcp", domains=["lo"], ipc=False, cma=False),
+    "tcp-staged": dict(provider="tcp", domains=["lo"], data_path="staged", ipc=False, cma=False),
+    "shm": dict(provider="shm", ipc=False, cma=False),
 }
+SAME_HOST = ("ipc", "cma")  # the routes that engine.route() names as such
 
 
 # -- caches and their contents (both processes) ----------------------------------------------------
 def make_cache(engine: p2p.Engine, preset: Preset, blocks: int) -> tuple[list, kv.KVCache]:
-    layers = [torch.empty(preset.layer_shape(blocks), dtype=preset.dtype, device=engine.device)
+    layers = [host_shared(torch.empty(preset.layer_shape(blocks), dtype=preset.dtype, device=engine.device))
               for _ in range(preset.layers)]
     return layers, kv.KVCache(engine, layers, preset.layout)
+
+
+def host_shared(t: torch.Tensor) -> torch.Tensor:
+    """Host memory in shared memory, which the cma route maps (its memcpy path)."""
+    return t.share_memory_() if t.device.type == "cpu" else t
 
 
 def pattern(shape: tuple, seed: int, layer: int, device) -> torch.Tensor:
@@ -209,7 +218,7 @@ class Decode:
     def do_cache(self, preset, blocks, nbytes):
         self.do_drop()
         self.layers, self.cache = make_cache(self.engine, preset, blocks)
-        self.contig = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.contig = host_shared(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
         region = self.engine.register(self.contig)
         self.contig_region = region
         return self.cache.handle.to_bytes(), region.remote.to_bytes()
@@ -305,7 +314,7 @@ class Driver:
             address = self.ask("engine", route=route)
             with open_engine(self.device, route) as engine:
                 actual = engine.route(address)
-                if (route == "ipc") != (actual == "ipc"):
+                if not (actual == route if route in SAME_HOST else actual not in SAME_HOST):
                     self.progress.say(f"skipping route {route}: the engines' route is {actual}")
                     continue
                 for model in self.args.models:
@@ -319,7 +328,7 @@ class Driver:
         blocks = need + need // 4 + 1
         layers, cache = make_cache(engine, preset, blocks)
         nbytes = need * cache.block_bytes
-        contig = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        contig = host_shared(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
         contig_region = engine.register(contig)
         try:
             handle, remote = self.ask("cache", preset=preset, blocks=blocks, nbytes=nbytes)
@@ -641,7 +650,7 @@ def parse_args(argv=None):
                     help="prompt lengths (default: 1024 4096 16384 32768 on GPUs, 1024 on CPUs)")
     ap.add_argument("--ops", nargs="+", choices=["push", "pull"], default=["push", "pull"])
     ap.add_argument("--routes", nargs="+", choices=sorted(ROUTES), default=None,
-                    help="default: ipc on GPUs, tcp tcp-staged shm on CPUs")
+                    help="default: ipc on GPUs, cma tcp on CPUs")
     ap.add_argument("--repeat", type=int, default=5, metavar="N", help="timed requests per row (default 5)")
     ap.add_argument("--baseline", choices=["auto", "nccl", "gloo", *_baselines.PEER_LIBRARIES, "none"], default="auto",
                     help="batch_isend_irecv of the same pages (default: nccl on GPUs, gloo on CPUs), or NIXL or "
@@ -664,7 +673,7 @@ def parse_args(argv=None):
                             if dev.type == "cuda" else "cpu")
     on_gpu = dev.type == "cuda"
     args.tokens = args.tokens or ([1024, 4096, 16384, 32768] if on_gpu else [1024])
-    args.routes = args.routes or (["ipc"] if on_gpu else ["tcp", "tcp-staged", "shm"])
+    args.routes = args.routes or (["ipc"] if on_gpu else ["cma", "tcp"])
     if "ipc" in args.routes and not (on_gpu and args.peer_device.startswith("cuda")):
         ap.error("route ipc needs GPUs on both sides (--device cuda:N --peer-device cuda:M)")
     if args.baseline == "auto":

@@ -108,11 +108,13 @@ def fit_layers(args, model: str) -> int | None:
 
 
 def state_dict(spec: dict, dtype, device, fill: bool) -> dict[str, torch.Tensor]:
+    """Host tensors go to shared memory, which the cma route maps between processes of one
+    host (its memcpy path; private memory takes the kernel's cross-memory copies)."""
     out = {}
     for name, shape in spec.items():
         t = torch.empty(shape, dtype=dtype, device=device)
         t.normal_(0, 0.02) if fill else t.zero_()
-        out[name] = t
+        out[name] = t.share_memory_() if t.device.type == "cpu" else t
     return out
 
 
