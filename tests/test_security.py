@@ -7,7 +7,9 @@ compared byte for byte, including guard bytes around the registered region that 
 same buffer but were never registered.
 
 The staged path (data_path="staged": the owner copies through its slots) enforces the same
-rules in the owner's engine; it is covered here too.
+rules in the owner's engine; it is covered here too. So does the cma route (same host, host
+memory), from the owner's answer for each region (core/grants.h); its mapped copies of
+shared-memory tensors: tests/test_cma_mapped.py.
 """
 import time
 
@@ -20,7 +22,7 @@ from torch_p2p import _C
 from conftest import engine_kwargs
 from peer import Peer
 
-PROVIDERS = ["tcp", "shm"]
+PROVIDERS = ["tcp", "shm", "cma"]
 N, GUARD = 4096, 4096
 PEER_TIMEOUT = 2.0
 
@@ -275,7 +277,7 @@ def test_forged_address_of_a_known_incarnation_does_not_hijack_the_peer(provider
     with _initiator(provider) as a, Peer() as b:
         address = b.call(ph.start_engine, provider)
         fields = _C._decode_address(address)
-        if provider == "tcp":
+        if engine_kwargs(provider)["provider"] == "tcp":
             rail = bytearray(fields["rails"][0])
             rail[2:4] = ph.free_port().to_bytes(2, "big")  # loopback, nobody listens
             fields["rails"] = [bytes(rail)]
