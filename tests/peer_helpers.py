@@ -90,6 +90,46 @@ def pattern(seed: int, nbytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
 
 
+def round_trips(state, remote_bytes: bytes, seed: int, rows: int, row: int) -> list:
+    """In the initiator: writes into a [rows, row] byte region of the owner and reads back, a
+    small run, the whole region and every other row as pages; returns the cases whose bytes
+    came back wrong. The region ends up as after_round_trips(seed, rows, row)."""
+    e = state["engine"]
+    remote = p2p.RemoteTensor.from_bytes(remote_bytes).view(rows, row)
+    src = pattern(seed, rows * row).view(rows, row)
+    back = torch.zeros_like(src)
+    state["regions"] = [e.register(src), e.register(back)]
+    wrong = []
+    p2p.wait(e.write_slices([src[1, 100:1100]], [remote[1, 100:1100]]), 30)
+    p2p.wait(e.read_slices([back[1, 100:1100]], [remote[1, 100:1100]]), 30)
+    if not torch.equal(back[1, 100:1100], src[1, 100:1100]):
+        wrong.append("small")
+    p2p.wait(e.write_slices(src, remote), 60)
+    p2p.wait(e.read_slices(back.zero_(), remote), 60)
+    if not torch.equal(back, src):
+        wrong.append("contiguous")
+    mine, theirs = _round_trip_pages(rows)
+    p2p.wait(e.write_slices([p2p.pages(src, mine)], [p2p.pages(remote, theirs)]), 60)
+    p2p.wait(e.read_slices([p2p.pages(back.zero_(), mine)], [p2p.pages(remote, theirs)]), 60)
+    if not torch.equal(back[mine], src[mine]):
+        wrong.append("paged")
+    return wrong
+
+
+def after_round_trips(seed: int, rows: int, row: int) -> torch.Tensor:
+    """The owner's region after round_trips(.., seed, rows, row), flat."""
+    src = pattern(seed, rows * row).view(rows, row)
+    out = src.clone()
+    mine, theirs = _round_trip_pages(rows)
+    out[theirs] = src[mine]
+    return out.view(-1)
+
+
+def _round_trip_pages(rows: int) -> tuple[list, list]:
+    mine = list(range(0, rows, 2))
+    return mine, [rows - 1 - i for i in mine]
+
+
 def stop(pid: int) -> None:
     """SIGSTOP: the peer keeps its sockets and memory but makes no progress. Returns once it
     has stopped: kill() returns before that, and a write posted in between could still be

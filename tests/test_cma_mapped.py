@@ -20,40 +20,6 @@ MAPS = "the cma route maps the shared memory of peer"
 ROWS, ROW = 64, 16 << 10
 
 
-def _moves(state, remote_bytes: bytes, seed: int) -> list:
-    """In the initiator: writes into the owner's region and reads back, a small run, the whole
-    region and pages; returns the cases whose bytes came back wrong."""
-    e = state["engine"]
-    remote = p2p.RemoteTensor.from_bytes(remote_bytes).view(ROWS, ROW)
-    src = ph.pattern(seed, ROWS * ROW).view(ROWS, ROW)
-    back = torch.zeros_like(src)
-    state["regions"] = [e.register(src), e.register(back)]
-    wrong = []
-    p2p.wait(e.write_slices([src[1, 100:1100]], [remote[1, 100:1100]]), 30)
-    p2p.wait(e.read_slices([back[1, 100:1100]], [remote[1, 100:1100]]), 30)
-    if not torch.equal(back[1, 100:1100], src[1, 100:1100]):
-        wrong.append("small")
-    p2p.wait(e.write_slices(src, remote), 60)
-    p2p.wait(e.read_slices(back.zero_(), remote), 60)
-    if not torch.equal(back, src):
-        wrong.append("contiguous")
-    mine = list(range(0, ROWS, 2))
-    theirs = [ROWS - 1 - i for i in mine]
-    p2p.wait(e.write_slices([p2p.pages(src, mine)], [p2p.pages(remote, theirs)]), 60)
-    p2p.wait(e.read_slices([p2p.pages(back.zero_(), mine)], [p2p.pages(remote, theirs)]), 60)
-    if not torch.equal(back[mine], src[mine]):
-        wrong.append("paged")
-    return wrong
-
-
-def _expected(seed: int) -> torch.Tensor:
-    src = ph.pattern(seed, ROWS * ROW).view(ROWS, ROW)
-    out = src.clone()
-    mine = list(range(0, ROWS, 2))
-    out[[ROWS - 1 - i for i in mine]] = src[mine]
-    return out.view(-1)
-
-
 def _fetch(state, name: str) -> torch.Tensor:
     return state[name].clone()
 
@@ -69,10 +35,10 @@ def test_shared_memory_is_mapped(capfd, memory):
         a.call(ph.start_engine, "cma")
         remote = b.call(ph.target, "t", ROWS * ROW)
         assert a.call(ph.route_to, remote) == "cma"
-        assert a.call(_moves, remote, 5) == []
-        assert torch.equal(b.call(_fetch, "t"), _expected(5))
+        assert a.call(ph.round_trips, remote, 5, ROWS, ROW) == []
+        assert torch.equal(b.call(_fetch, "t"), ph.after_round_trips(5, ROWS, ROW))
         second = b.call(ph.target, "u", ROWS * ROW)  # a second region of the same peer
-        assert a.call(_moves, second, 6) == []
+        assert a.call(ph.round_trips, second, 6, ROWS, ROW) == []
     said = capfd.readouterr().err.count(MAPS)
     assert said == (1 if memory == "shared" else 0), f"{MAPS!r} logged {said} times"
 

@@ -27,45 +27,6 @@ def _start(state, hop: str, staged: bool) -> bytes:
     return ph.start_engine(state, "cma" if hop == "cma" else "tcp", **(STAGED if staged else {}))
 
 
-def _moves(state, remote_bytes: bytes, seed: int) -> list:
-    """In the initiator: writes into the owner's region and reads back, a small run, the whole
-    region (many slots) and pages; returns the cases whose bytes came back wrong. The region
-    ends up holding pattern(seed) with its rows moved by the pages' ids (_expected)."""
-    e = state["engine"]
-    remote = p2p.RemoteTensor.from_bytes(remote_bytes).view(ROWS, ROW)
-    src = ph.pattern(seed, ROWS * ROW).view(ROWS, ROW)
-    back = torch.zeros_like(src)
-    state["regions"] = [e.register(src), e.register(back)]
-    wrong = []
-    p2p.wait(e.write_slices([src[1, 100:1100]], [remote[1, 100:1100]]), 30)
-    p2p.wait(e.read_slices([back[1, 100:1100]], [remote[1, 100:1100]]), 30)
-    if not torch.equal(back[1, 100:1100], src[1, 100:1100]):
-        wrong.append("small")
-    p2p.wait(e.write_slices(src, remote), 60)
-    p2p.wait(e.read_slices(back.zero_(), remote), 60)
-    if not torch.equal(back, src):
-        wrong.append("contiguous")
-    mine, theirs = _pages()
-    p2p.wait(e.write_slices([p2p.pages(src, mine)], [p2p.pages(remote, theirs)]), 60)
-    p2p.wait(e.read_slices([p2p.pages(back.zero_(), mine)], [p2p.pages(remote, theirs)]), 60)
-    if not torch.equal(back[mine], src[mine]):
-        wrong.append("paged")
-    return wrong
-
-
-def _pages():
-    mine = list(range(0, ROWS, 2))
-    return mine, [ROWS - 1 - i for i in mine]
-
-
-def _expected(seed: int) -> torch.Tensor:
-    src = ph.pattern(seed, ROWS * ROW).view(ROWS, ROW)
-    out = src.clone()
-    mine, theirs = _pages()
-    out[theirs] = src[mine]
-    return out.view(-1)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("owner", sorted(OWNERS))
 @pytest.mark.parametrize("hop", HOPS)
@@ -77,8 +38,8 @@ def test_bytes_right_over_either_hop(capfd, hop, owner):
         a.call(_start, hop, True)
         remote = b.call(ph.target, "t", ROWS * ROW)
         assert a.call(ph.route_to, remote) == "staged"
-        assert a.call(_moves, remote, 7) == []
-        assert torch.equal(b.call(_fetch, "t"), _expected(7))
+        assert a.call(ph.round_trips, remote, 7, ROWS, ROW) == []
+        assert torch.equal(b.call(_fetch, "t"), ph.after_round_trips(7, ROWS, ROW))
     said = capfd.readouterr().err.count(REACHES)
     assert said == (1 if hop == "cma" else 0), f"{REACHES!r} logged {said} times"
 
