@@ -12,8 +12,8 @@
 // fabric.
 //
 // The messages travel as the route's own (RouteHost::send with its id): an ask (1, region,
-// key) and an answer (2, region, key, address, size, access, digest, file, file offset,
-// status kind, status message). The route keeps the rest: which peers and memory it reaches, who the owner answers
+// key) and an answer (2, region, key, address, size, access, digest, the region's file (its
+// descriptor, offset, device and inode), status kind, status message). The route keeps the rest: which peers and memory it reaches, who the owner answers
 // at all, what it does with a call once its regions are answered, and how it moves the bytes.
 //
 // Owned by its route: every method runs on the worker thread.
@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "core/region.h"
 #include "core/route.h"
 #include "core/runs.h"
 
@@ -45,8 +46,7 @@ class Grants {
     uint64_t nbytes = 0;
     uint8_t access = 0;
     uint32_t digest = 0;  // of the owner's registration
-    int32_t file = -1;     // Region::file in the owner's process, and the region's offset in it
-    uint64_t file_offset = 0;
+    HostFile file;         // Region::file, in the owner's process
     Status refused;
     // The owner's file mapped into this process (by the route, which may), at the region's
     // first byte; copies in flight keep it mapped.

@@ -9,6 +9,17 @@
 
 namespace p2p::engine {
 
+// A host region's shared-memory file (a tensor after torch's share_memory_()): its descriptor
+// in the owner's process (-1: none), the region's offset in it, and the file's identity, which
+// whoever takes the descriptor checks (a descriptor number may be reused once closed). Same-host
+// peers may map the file instead of copying through the kernel (routes/host_cma). The tensor's
+// allocator owns the descriptor; the engine keeps the tensor while the region lives.
+struct HostFile {
+  int32_t fd = -1;
+  uint64_t offset = 0;
+  uint64_t device = 0, inode = 0;  // st_dev, st_ino
+};
+
 // Transfers hold it; so do ops orphaned by a dead peer until their provider gives them back,
 // so its registrations (and the tensor, which the engine keeps until then) outlive every
 // operation that may touch the memory.
@@ -21,12 +32,7 @@ struct Region : std::enable_shared_from_this<Region> {
   bool staged = false;    // not registered with the NICs: peers go through the owner's slots
   bool exported = false;  // for CUDA IPC: same-host peers may have it mapped
   uint64_t piece_bytes = 0;
-  // A host region in a shared-memory file (a tensor after torch's share_memory_()): its
-  // descriptor in this process and the region's offset in it, or -1. Same-host peers may map
-  // the file instead of copying through the kernel (routes/host_cma). The tensor's allocator
-  // owns the descriptor; the engine keeps the tensor while the region lives.
-  int file = -1;
-  uint64_t file_offset = 0;
+  HostFile file;
   std::vector<fabric::MrHandle> mrs;  // [piece * rails + rail] (mr_index)
   bool closing = false;
 };

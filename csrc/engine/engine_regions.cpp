@@ -1,6 +1,7 @@
 // The engine's side of registration: the table of local regions (by address) that transfers
 // look their tensors up in, and the calls that fill and empty it through the worker.
 #include <ATen/MapAllocator.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 
@@ -27,8 +28,10 @@ void find_file(const at::Storage& storage, Worker::RegionSpec& spec) {
   if (!map || map->fd() < 0 || !(map->flags() & (at::ALLOCATOR_MAPPED_SHARED | at::ALLOCATOR_MAPPED_SHAREDMEM))) return;
   const auto* base = static_cast<const uint8_t*>(map->data());
   if (spec.ptr < base || spec.ptr + spec.nbytes > base + map->size()) return;
-  spec.file = map->fd();
-  spec.file_offset = static_cast<uint64_t>(spec.ptr - base);
+  struct stat st {};
+  if (fstat(map->fd(), &st) != 0) return;
+  spec.file = {map->fd(), static_cast<uint64_t>(spec.ptr - base), static_cast<uint64_t>(st.st_dev),
+               static_cast<uint64_t>(st.st_ino)};
 }
 
 std::shared_ptr<RemoteView> view_of(const at::Tensor& tensor, std::shared_ptr<RemoteRegion> region) {

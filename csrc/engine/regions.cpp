@@ -19,7 +19,6 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
   region->cuda_device = spec.cuda_device;
   region->access = spec.access;
   region->file = spec.file;
-  region->file_offset = spec.file_offset;
   region->staged = region_staged(spec.cuda_device >= 0);
   region->piece_bytes = config_.piece_bytes;
 

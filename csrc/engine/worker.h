@@ -85,8 +85,7 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
     uint64_t nbytes;
     int cuda_device;
     uint8_t access;
-    int file = -1;  // Region::file
-    uint64_t file_offset = 0;
+    HostFile file;  // Region::file
   };
   std::shared_ptr<RemoteRegion> register_region(const RegionSpec& spec);
   void deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> done);

@@ -30,22 +30,26 @@ int ptrace_scope() {
   return in >> scope ? scope : 0;
 }
 
-// The descriptor `file` of process `pid` (a shared-memory file), mapped into this process
-// from the byte at `offset` for `nbytes`; null with errno set where the OS or the file does not
-// allow it. Taking another process's descriptor (pidfd_getfd, Linux 5.6) needs the same
-// permission as cross-memory attach.
-std::shared_ptr<uint8_t> map_file(pid_t pid, int file, uint64_t offset, uint64_t nbytes, bool writable) {
+// The shared-memory file of process `pid` (its descriptor there), mapped into this process
+// from the region's byte at `file.offset` for `nbytes`; null with errno set where the OS or the
+// file does not allow it, or the descriptor names another file by now. Taking another
+// process's descriptor (pidfd_getfd, Linux 5.6) needs the same permission as cross-memory
+// attach.
+std::shared_ptr<uint8_t> map_file(pid_t pid, const engine::HostFile& file, uint64_t nbytes, bool writable) {
 #ifdef SYS_pidfd_getfd
   const int pidfd = open_pidfd(pid);
   if (pidfd < 0) return nullptr;
-  const int fd = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, file, 0));
+  const int fd = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, file.fd, 0));
   close(pidfd);
   if (fd < 0) return nullptr;
   struct stat st {};
-  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE)), start = offset / page * page;
+  const uint64_t offset = file.offset, page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t start = offset / page * page;
   void* base = MAP_FAILED;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) < offset + nbytes)
-    errno = errno ? errno : EINVAL;
+  errno = 0;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_dev) != file.device ||
+      static_cast<uint64_t>(st.st_ino) != file.inode || static_cast<uint64_t>(st.st_size) < offset + nbytes)
+    errno = errno ? errno : ESTALE;
   else
     base = mmap(nullptr, offset + nbytes - start, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd,
                 static_cast<off_t>(start));
@@ -193,7 +197,7 @@ void Route::on_message(Peer& p, std::string_view body) {
   if (!grant) return;  // an ask (answered), or nothing new
   if (grant->refused.ok() && grant->nbytes > 0) allowed(p, grant->ptr);
   const bool denied = denied_.count(p.incarnation) > 0;
-  if (!denied && map_ && grant->refused.ok() && grant->file >= 0) map(p, *grant);
+  if (!denied && map_ && grant->refused.ok() && grant->file.fd >= 0) map(p, *grant);
   grants_.resume(p, [&](Transfer& t) {
     if (denied && t.reported()) {
       host_.done(t, {});
@@ -209,8 +213,7 @@ void Route::on_message(Peer& p, std::string_view body) {
 }
 
 void Route::map(const Peer& p, engine::Grants::Grant& grant) {
-  grant.mapped = map_file(static_cast<pid_t>(p.address.pid), grant.file, grant.file_offset, grant.nbytes,
-                          grant.access & engine::kRemoteWrite);
+  grant.mapped = map_file(static_cast<pid_t>(p.address.pid), grant.file, grant.nbytes, grant.access & engine::kRemoteWrite);
   if (!logged_maps_.insert(p.incarnation).second) return;
   if (grant.mapped)
     P2P_LOG(Info, "the cma route maps the shared memory of peer ", hex(p.incarnation), " (pid ", p.address.pid, ")");
