@@ -294,7 +294,9 @@ bool group_views(py::handle local, py::handle remote, CallArgs& a) {
   if (n < 2 || PySequence_Fast_GET_SIZE(r) != n) return false;
   PyObject** litems = PySequence_Fast_ITEMS(l);
   PyObject** ritems = PySequence_Fast_ITEMS(r);
-  std::vector<int64_t> loffsets, roffsets;
+  // Kept between calls: a fresh pair of buffers of a few KiB each per call made the allocator
+  // consolidate its free lists every time.
+  thread_local std::vector<int64_t> loffsets, roffsets;
   loffsets.reserve(n);
   roffsets.reserve(n);
   const ViewSlot& slot = view_slot();
