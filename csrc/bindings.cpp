@@ -294,7 +294,9 @@ bool group_views(py::handle local, py::handle remote, CallArgs& a) {
   if (n < 2 || PySequence_Fast_GET_SIZE(r) != n) return false;
   PyObject** litems = PySequence_Fast_ITEMS(l);
   PyObject** ritems = PySequence_Fast_ITEMS(r);
-  std::vector<int64_t> loffsets, roffsets;
+  // Kept between calls: a fresh pair of buffers of a few KiB each per call made the allocator
+  // consolidate its free lists every time.
+  thread_local std::vector<int64_t> loffsets, roffsets;
   loffsets.reserve(n);
   roffsets.reserve(n);
   const ViewSlot& slot = view_slot();
@@ -374,6 +376,40 @@ auto with_call_args(py::handle local, py::handle remote, py::handle notify, py::
   }
   CallArgs a = call_args(local, remote, notify, timeout, false);
   return use(a);
+}
+
+// p2p.pages(base, ids, dim): a Pages made here when its arguments need no conversion and no
+// check fails (a plain tensor or an exact RemoteTensor, ids a 1-d contiguous int64 CPU tensor,
+// dim an int in range), which costs a fifth of Pages.__init__ (its isinstance checks and
+// RemoteTensor.dim() make Python objects); anything else goes to Pages(base, ids, dim), which
+// converts the ids or raises. A paged call makes two of these per entry.
+py::object make_pages(py::handle base, py::handle ids, py::handle dim) {
+  P2P_CHECK(classes.pages, ErrorKind::Generic, "torch_p2p.engine did not set up its classes");
+  int64_t ndim = -1;
+  if (THPVariable_CheckExact(base.ptr())) {
+    ndim = THPVariable_Unpack(base.ptr()).dim();
+  } else if (Py_TYPE(base.ptr()) == reinterpret_cast<PyTypeObject*>(classes.remote_tensor)) {
+    if (const std::shared_ptr<RemoteView>* v = view_of(base.ptr())) ndim = static_cast<int64_t>((*v)->shape.size());
+  }
+  bool plain = ndim > 0 && THPVariable_CheckExact(ids.ptr()) && PyLong_CheckExact(dim.ptr());
+  int64_t d = 0;
+  if (plain) {
+    const at::Tensor& t = THPVariable_Unpack(ids.ptr());
+    int overflow = 0;
+    d = PyLong_AsLongLongAndOverflow(dim.ptr(), &overflow);
+    plain = t.layout() == at::kStrided && t.scalar_type() == at::kLong && t.is_cpu() && t.dim() == 1 &&
+            t.is_contiguous() && !overflow && -ndim <= d && d < ndim;
+  }
+  if (!plain) return py::reinterpret_borrow<py::object>(classes.pages)(base, ids, dim);
+  PyTypeObject* type = reinterpret_cast<PyTypeObject*>(classes.pages);
+  py::object out = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
+  if (!out) throw py::error_already_set();
+  const py::int_ normalized(d < 0 ? d + ndim : d);
+  if (PyObject_SetAttr(out.ptr(), interned(base_name), base.ptr()) < 0 ||
+      PyObject_SetAttr(out.ptr(), interned(ids_name), ids.ptr()) < 0 ||
+      PyObject_SetAttr(out.ptr(), interned(dim_name), normalized.ptr()) < 0)
+    throw py::error_already_set();
+  return out;
 }
 
 // RemoteTensor.__getitem__ and .view: views made natively (a user builds one per page, hundreds
@@ -743,6 +779,8 @@ PYBIND11_MODULE(_C, m) {
         "remote[index] for a RemoteTensor: the view basic indexing gives, as a RemoteTensor.");
   m.def("remote_view", &remote_reshape, py::arg("remote"),
         "remote.view(*shape) for a RemoteTensor: torch.Tensor.view's shape rules, as a RemoteTensor.");
+  m.def("_pages", &make_pages, py::arg("base"), py::arg("ids"), py::arg("dim"),
+        "p2p.pages(): a Pages of a tensor or RemoteTensor (see torch_p2p.engine.pages).");
   m.def("_set_classes", [](py::object pages, py::object remote_tensor, py::object sequence) {
     classes = {pages.release().ptr(), remote_tensor.release().ptr(), sequence.release().ptr()};
   }, "torch_p2p.engine's Pages, RemoteTensor and collections.abc.Sequence, for write_slices' arguments.");

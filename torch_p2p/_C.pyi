@@ -31,6 +31,9 @@ def checked_ids(ids: Any, count: int, unique: bool) -> torch.Tensor | None:
     """A list or tuple of ints in [0, count) (distinct with unique) as an int64 tensor; else None."""
 
 def _set_classes(pages: type, remote_tensor: type, sequence: type) -> None: ...
+def _pages(base: Any, ids: Any, dim: int) -> Any:
+    """p2p.pages(base, ids, dim): a torch_p2p.Pages, made natively where no check fails."""
+
 def remote_index(remote: Any, index: Any) -> Any:
     """remote[index] for a RemoteTensor: the view basic indexing gives, as a RemoteTensor."""
 

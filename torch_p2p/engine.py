@@ -82,7 +82,7 @@ def pages(base, ids, dim: int = 0) -> Pages:
     """``base.select(dim, i)`` for each ``i`` in ``ids`` (a sequence or an integer tensor), as one
     entry of ``write_slices`` / ``read_slices``. Thousands of random pages (KV-cache blocks)
     cost one call and no Python object per page; consecutive ids merge into one run."""
-    return Pages(base, ids, dim)
+    return _C._pages(base, ids, dim)  # Pages(base, ids, dim), made natively where no check fails
 
 
 # write_slices' arguments are taken apart natively (a small call's cost is mostly per call):

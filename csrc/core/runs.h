@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 namespace p2p::engine {
@@ -66,15 +67,15 @@ struct Strided {
 // Appends the runs that copy every element of `shape` from one side to the other, merging
 // runs that continue each other on both sides. Dimensions are coalesced first, so a
 // contiguous view of any rank is one run.
-void append_runs(const std::vector<int64_t>& shape, Strided local, Strided remote, int64_t elem,
+void append_runs(std::span<const int64_t> shape, Strided local, Strided remote, int64_t elem,
                  uint32_t lreg, uint32_t rreg, std::vector<Run>& out);
 
 // Bytes spanned from element 0 to one past the last element (0 for an empty view).
 // Strides must be non-negative.
-uint64_t extent_bytes(const std::vector<int64_t>& shape, const int64_t* strides, int64_t elem);
+uint64_t extent_bytes(std::span<const int64_t> shape, const int64_t* strides, int64_t elem);
 
 // True when two elements of the view share an address (a stride of 0 on a dimension of
 // size > 1, or strides that fold onto each other). Destinations must not overlap.
-bool self_overlapping(const std::vector<int64_t>& shape, const int64_t* strides);
+bool self_overlapping(std::span<const int64_t> shape, const int64_t* strides);
 
 }  // namespace p2p::engine

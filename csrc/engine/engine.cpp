@@ -187,7 +187,7 @@ std::pair<uint32_t, uint32_t> region_indexes(TransferCall& t, uint64_t local, co
 
 // A page of `shape` with these strides (elements) is one run of bytes: dense in row-major
 // order, dimensions of size 1 aside.
-bool dense(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
+bool dense(std::span<const int64_t> shape, std::span<const int64_t> strides) {
   int64_t expected = 1;
   for (size_t d = shape.size(); d-- > 0;) {
     if (shape[d] == 1) continue;
@@ -216,7 +216,7 @@ bool Engine::add_pages(TransferCall& t, const Entry& e, bool mirror, const Pages
             ErrorKind::Index, what, " ", i, ": the page dimension is out of range");
   P2P_CHECK(lids.numel() == rids.numel(), ErrorKind::Value, what, " ", i, " has ", lids.numel(),
             " pages but its RemoteTensor has ", rids.numel());
-  std::vector<int64_t> page(v.sizes().vec()), rpage(rv.shape.begin(), rv.shape.end());
+  Dims page(v.sizes().begin(), v.sizes().end()), rpage(rv.shape.begin(), rv.shape.end());
   page.erase(page.begin() + ldim);
   rpage.erase(rpage.begin() + rdim);
   P2P_CHECK(page == rpage, ErrorKind::Value, what, " ", i, ": a page has shape ", dims(page),
@@ -226,8 +226,8 @@ bool Engine::add_pages(TransferCall& t, const Entry& e, bool mirror, const Pages
   check_access(*rv.region, e.write);
   const int64_t n = lids.numel(), elem = v.element_size();
   if (n == 0 || v.numel() == 0) return false;
-  const LocalRegion& lr = region_of(v, extent_bytes(v.sizes().vec(), v.strides().data(), elem), what, i);
-  PageSide ls{reinterpret_cast<uint64_t>(v.data_ptr()), v.stride(ldim) * elem, nullptr, v.strides().vec()};
+  const LocalRegion& lr = region_of(v, extent_bytes(v.sizes(), v.strides().data(), elem), what, i);
+  PageSide ls{reinterpret_cast<uint64_t>(v.data_ptr()), v.stride(ldim) * elem, nullptr, {v.strides().begin(), v.strides().end()}};
   PageSide rs{static_cast<uint64_t>(rv.offset * elem), rv.strides[rdim] * elem, nullptr, {rv.strides.begin(), rv.strides.end()}};
   ls.strides.erase(ls.strides.begin() + ldim);
   rs.strides.erase(rs.strides.begin() + rdim);
@@ -283,7 +283,7 @@ bool Engine::add_view(TransferCall& t, const Entry& e, bool mirror) {
   const RemoteView& rv = e.remote;
   const char* what = e.what;
   const size_t i = e.index;
-  const std::vector<int64_t> shape = v.sizes().vec();  // once: a call may hold thousands of views
+  const c10::IntArrayRef shape = v.sizes();
   if (v.numel() == 0) {  // moves nothing; torch gives empty views no data pointer to check
     P2P_CHECK(mirror || (c10::IntArrayRef(rv.shape) == shape && rv.dtype == v.scalar_type()), ErrorKind::Value, what,
               " ", i, " is empty but its RemoteTensor is not of the same shape and dtype");
@@ -327,7 +327,7 @@ bool Engine::add_view(TransferCall& t, const Entry& e, bool mirror) {
   return true;
 }
 
-bool Engine::append_pages(const std::vector<int64_t>& shape, const PageSide& local, const PageSide& remote,
+bool Engine::append_pages(std::span<const int64_t> shape, const PageSide& local, const PageSide& remote,
                           int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, size_t first, TransferCall& t) {
   // A page that is one run on both sides (the usual KV block) stays a page: one entry and its
   // ids, expanded into runs by the worker only for a route that needs them.
