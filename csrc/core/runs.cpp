@@ -13,7 +13,7 @@ struct Dim {
 // Drops size-1 dimensions and merges a dimension into its inner neighbour where both sides
 // step over it as if it were contiguous with it. Into `out`, a buffer the caller reuses (a call
 // may hold thousands of views: allocations were most of a small view's cost).
-void coalesce(std::span<const int64_t> shape, const int64_t* ls, const int64_t* rs, std::vector<Dim>& out) {
+void coalesce(Ints shape, const int64_t* ls, const int64_t* rs, std::vector<Dim>& out) {
   out.clear();
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] == 1) continue;
@@ -31,7 +31,7 @@ void coalesce(std::span<const int64_t> shape, const int64_t* ls, const int64_t* 
 
 }  // namespace
 
-void append_runs(std::span<const int64_t> shape, Strided local, Strided remote, int64_t elem,
+void append_runs(Ints shape, Strided local, Strided remote, int64_t elem,
                  uint32_t lreg, uint32_t rreg, std::vector<Run>& out) {
   for (int64_t s : shape)
     if (s == 0) return;
@@ -129,7 +129,7 @@ PageGrid page_grid(const int64_t* offsets, size_t n, int64_t* ids) {
   return {origin, stride, (top - origin) / stride + 1};
 }
 
-uint64_t extent_bytes(std::span<const int64_t> shape, const int64_t* strides, int64_t elem) {
+uint64_t extent_bytes(Ints shape, const int64_t* strides, int64_t elem) {
   uint64_t last = 0;
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] == 0) return 0;
@@ -138,7 +138,7 @@ uint64_t extent_bytes(std::span<const int64_t> shape, const int64_t* strides, in
   return (last + 1) * static_cast<uint64_t>(elem);
 }
 
-bool self_overlapping(std::span<const int64_t> shape, const int64_t* strides) {
+bool self_overlapping(Ints shape, const int64_t* strides) {
   // Sorted by stride, a view has distinct addresses when each stride clears the span of
   // every smaller one: the usual non-overlap test for strided layouts.
   thread_local std::vector<size_t> order;

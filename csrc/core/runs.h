@@ -3,7 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <span>
+#include <utility>
 #include <vector>
 
 namespace p2p::engine {
@@ -64,18 +64,32 @@ struct Strided {
   const int64_t* strides;   // in elements
 };
 
+// Read-only int64 elements (a shape, strides): Ints, which the extension
+// cannot use while older torch builds it as C++17. Made from any container of int64_t with
+// data() and size() (std::vector, c10::SmallVector, c10::IntArrayRef).
+struct Ints {
+  const int64_t* ptr = nullptr;
+  size_t count = 0;
+  template <class C, class = decltype(std::declval<const C&>().data())>
+  Ints(const C& c) : ptr(c.data()), count(c.size()) {}  // NOLINT: converts
+  size_t size() const { return count; }
+  int64_t operator[](size_t i) const { return ptr[i]; }
+  const int64_t* begin() const { return ptr; }
+  const int64_t* end() const { return ptr + count; }
+};
+
 // Appends the runs that copy every element of `shape` from one side to the other, merging
 // runs that continue each other on both sides. Dimensions are coalesced first, so a
 // contiguous view of any rank is one run.
-void append_runs(std::span<const int64_t> shape, Strided local, Strided remote, int64_t elem,
+void append_runs(Ints shape, Strided local, Strided remote, int64_t elem,
                  uint32_t lreg, uint32_t rreg, std::vector<Run>& out);
 
 // Bytes spanned from element 0 to one past the last element (0 for an empty view).
 // Strides must be non-negative.
-uint64_t extent_bytes(std::span<const int64_t> shape, const int64_t* strides, int64_t elem);
+uint64_t extent_bytes(Ints shape, const int64_t* strides, int64_t elem);
 
 // True when two elements of the view share an address (a stride of 0 on a dimension of
 // size > 1, or strides that fold onto each other). Destinations must not overlap.
-bool self_overlapping(std::span<const int64_t> shape, const int64_t* strides);
+bool self_overlapping(Ints shape, const int64_t* strides);
 
 }  // namespace p2p::engine

@@ -187,7 +187,7 @@ std::pair<uint32_t, uint32_t> region_indexes(TransferCall& t, uint64_t local, co
 
 // A page of `shape` with these strides (elements) is one run of bytes: dense in row-major
 // order, dimensions of size 1 aside.
-bool dense(std::span<const int64_t> shape, std::span<const int64_t> strides) {
+bool dense(Ints shape, Ints strides) {
   int64_t expected = 1;
   for (size_t d = shape.size(); d-- > 0;) {
     if (shape[d] == 1) continue;
@@ -327,7 +327,7 @@ bool Engine::add_view(TransferCall& t, const Entry& e, bool mirror) {
   return true;
 }
 
-bool Engine::append_pages(std::span<const int64_t> shape, const PageSide& local, const PageSide& remote,
+bool Engine::append_pages(Ints shape, const PageSide& local, const PageSide& remote,
                           int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, size_t first, TransferCall& t) {
   // A page that is one run on both sides (the usual KV block) stays a page: one entry and its
   // ids, expanded into runs by the worker only for a route that needs them.

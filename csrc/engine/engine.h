@@ -12,7 +12,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <span>
 #include <tuple>
 #include <string>
 #include <vector>
@@ -145,7 +144,7 @@ class Engine {
   };
   // Adds the pages (ids at page_ids[first..]) as one page list, or as runs when a page is not
   // one run on both sides: false then (the ids are not needed).
-  static bool append_pages(std::span<const int64_t> shape, const PageSide& local, const PageSide& remote,
+  static bool append_pages(Ints shape, const PageSide& local, const PageSide& remote,
                            int64_t n, int64_t elem, uint32_t lreg, uint32_t rreg, size_t first, TransferCall& t);
   void check_device(const at::Tensor& t, const char* what) const;
   void post(Command command);
