@@ -51,7 +51,7 @@ int copy_spans(pid_t pid, const Span* spans, size_t n, bool write) {
   }
 }
 
-void copy_mapped(const Span* spans, size_t n, bool write) {
+int copy_mapped(const Span* spans, size_t n, bool write) {
   for (size_t i = 0; i < n; ++i) {
     auto* remote = reinterpret_cast<uint8_t*>(spans[i].remote);
     if (write)
@@ -59,6 +59,7 @@ void copy_mapped(const Span* spans, size_t n, bool write) {
     else
       std::memcpy(spans[i].local, remote, spans[i].len);
   }
+  return 0;
 }
 
 Copies::Copies(size_t threads, std::function<void()> wake) : wake_(std::move(wake)) {
@@ -79,11 +80,8 @@ uint64_t Copies::submit(pid_t pid, std::vector<Span> spans, bool write, std::sha
   for (const Span& s : spans) total += s.len;
   const uint64_t ticket = ++last_ticket_;
   if (threads_.empty() || total <= (mapped ? kMappedInlineBytes : kInlineBytes)) {
-    int error = 0;
-    if (mapped)
-      copy_mapped(spans.data(), spans.size(), write);
-    else
-      error = copy_spans(pid, spans.data(), spans.size(), write);
+    const int error = mapped ? copy_mapped(spans.data(), spans.size(), write)
+                             : copy_spans(pid, spans.data(), spans.size(), write);
     std::lock_guard<std::mutex> lock(mu_);
     ended_.push_back({ticket, error});
     return ticket;
@@ -131,11 +129,9 @@ void Copies::run() {
     const Shard s = shards_.front();
     shards_.pop_front();
     lock.unlock();
-    int error = 0;
-    if (s.copy->mapped)
-      copy_mapped(s.copy->spans.data() + s.first, s.n, s.copy->write);
-    else
-      error = copy_spans(s.copy->pid, s.copy->spans.data() + s.first, s.n, s.copy->write);
+    const Span* spans = s.copy->spans.data() + s.first;
+    const int error = s.copy->mapped ? copy_mapped(spans, s.n, s.copy->write)
+                                     : copy_spans(s.copy->pid, spans, s.n, s.copy->write);
     lock.lock();
     if (error && !s.copy->error) s.copy->error = error;
     if (--s.copy->shards_left == 0) finish(*s.copy);

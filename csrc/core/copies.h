@@ -41,8 +41,8 @@ struct Outcome {
 // Copies spans[0, n) between this process and `pid`; write: from local to remote. Returns
 // errno, 0 on success; a short copy (the other side's memory ended) is EFAULT.
 int copy_spans(pid_t pid, const Span* spans, size_t n, bool write);
-// The same where the remote ends are mapped into this process: memcpy, which cannot fail.
-void copy_mapped(const Span* spans, size_t n, bool write);
+// The same where the remote ends are mapped into this process: memcpy, which cannot fail (0).
+int copy_mapped(const Span* spans, size_t n, bool write);
 
 class Copies {
  public:

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/util/SmallVector.h>
 
 #include <map>
 #include <memory>
@@ -104,9 +103,6 @@ class Engine {
   };
   void reserve(uintptr_t start, uintptr_t end, const at::Tensor& tensor);
   const LocalRegion& region_of(const at::Tensor& view, uint64_t extent, const char* what, size_t index);
-  // A page's shape or strides: on the stack for up to eight dimensions, since a call may hold an
-  // entry per layer and a heap vector costs an allocation per entry.
-  using Dims = c10::SmallVector<int64_t, 8>;
   // Entry `index` of a call: checks it and adds its runs or pages to t; false if it moves nothing.
   struct Entry {
     size_t index;
@@ -140,7 +136,7 @@ class Engine {
     uint64_t base;
     int64_t stride;  // bytes between pages
     const int64_t* ids;
-    Dims strides;  // of a page, in elements
+    Dims strides;  // of a page, in elements (inline: a call may hold an entry per layer)
   };
   // Adds the pages (ids at page_ids[first..]) as one page list, or as runs when a page is not
   // one run on both sides: false then (the ids are not needed).

@@ -25,9 +25,9 @@ struct IndexItem {
   int64_t start = 0, stop = 0, step = 1;
 };
 
-// A view's shape or strides: inline up to six dimensions, so that a call's parse reads a view
-// pair's dimensions from the view itself (hundreds of views a call: a heap read each was most
-// of a pair's cost).
+// A view's or a page's shape or strides: inline up to six dimensions, so that a call's parse
+// reads a view pair's dimensions from the view itself and makes no heap block per entry
+// (hundreds of views a call: a heap read each was most of a pair's cost).
 using Dims = c10::SmallVector<int64_t, 6>;
 
 struct RemoteView {

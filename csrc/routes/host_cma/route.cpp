@@ -45,17 +45,17 @@ std::shared_ptr<uint8_t> map_file(pid_t pid, const engine::HostFile& file, uint6
   struct stat st {};
   const uint64_t offset = file.offset, page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t start = offset / page * page;
+  const size_t len = offset + nbytes - start;
   void* base = MAP_FAILED;
   errno = 0;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_dev) != file.device ||
       static_cast<uint64_t>(st.st_ino) != file.inode || static_cast<uint64_t>(st.st_size) < offset + nbytes)
     errno = errno ? errno : ESTALE;
   else
-    base = mmap(nullptr, offset + nbytes - start, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd,
+    base = mmap(nullptr, len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd,
                 static_cast<off_t>(start));
   close(fd);
   if (base == MAP_FAILED) return nullptr;
-  const size_t len = offset + nbytes - start;
   return std::shared_ptr<uint8_t>(static_cast<uint8_t*>(base) + (offset - start), [base, len](uint8_t*) {
     munmap(base, len);
   });
