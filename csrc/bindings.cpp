@@ -629,6 +629,7 @@ PYBIND11_MODULE(_C, m) {
     d["cuda_ipc_rma"] = p.cuda_ipc_rma;
     d["own_endpoint_names"] = p.own_endpoint_names;
     d["peers_must_release"] = p.peers_must_release;
+    d["target_progress"] = p.target_progress;
     d["known_problem"] = p.known_problem ? py::object(py::str(p.known_problem)) : py::none();
     return d;
   }, py::arg("provider"), "What the engine does differently on a provider (csrc/fabric/profile.h), a dict.");

@@ -206,6 +206,7 @@ void add_fields(py::dict& f, const RouteMessage& m) {
   f["route"] = m.route;
   f["body"] = bytes_of(m.body);
 }
+void add_fields(py::dict&, const KeepPolling&) {}
 
 // dst[dst_ids[i]] = src[src_ids[i]] for rows of two contiguous 2-D host tensors, one memcpy per
 // row on this thread: the single-core ceiling the same-host host route is measured against.

@@ -39,6 +39,8 @@ CASES = {
     "fence": (12, struct.pack("<Q", 14), {"id": 14}),
     "fence_ack": (13, struct.pack("<Q", 15), {"id": 15}),
     "user_ack": (14, struct.pack("<I", 16), {"id": 16}),
+    "route": (15, struct.pack("<B", 1) + blob(b"body"), {"route": 1, "body": b"body"}),
+    "keep_polling": (16, b"", {}),
 }
 
 

@@ -19,7 +19,7 @@ def provider_limits(provider: str) -> dict[str, Any]:
 def provider_profile(provider: str) -> dict[str, Any]:
     """What the engine does differently on a provider (csrc/fabric/profile.h): name, default_rank,
     remote, rdma, auto_progress, rails_from_cores, max_chunk, unchecked_fast_rma, cuda_ipc_rma,
-    own_endpoint_names, peers_must_release, known_problem. An unknown provider: name "", no quirks."""
+    own_endpoint_names, peers_must_release, target_progress, known_problem. An unknown provider: name "", no quirks."""
 
 def provider_names() -> list[str]:
     """The providers the profile table knows."""

@@ -33,6 +33,8 @@ enum class MsgType : uint8_t {
   FenceAck = 13,  // body: transfer id
   UserAck = 14,   // body: message id. The receiver has the whole User message (on_user)
   Route = 15,     // body: route id, bytes. For that route of the receiver (core/route.h)
+  KeepPolling = 16,  // no body. The sender has RMA in flight that the receiver's progress serves
+                     // (Profile::target_progress): arriving, it keeps the receiver polling
 };
 
 // Every message starts with the sender's incarnation and the incarnation it is meant for, so a
@@ -194,8 +196,14 @@ struct RouteMessage {  // a route's own message, for the same route of the recei
   static RouteMessage read(ByteReader& r) { return {r.get<uint8_t>(), r.get_bytes(kMessageBytes)}; }
 };
 
+struct KeepPolling {  // see MsgType::KeepPolling
+  static constexpr MsgType kType = MsgType::KeepPolling;
+  void write(ByteWriter&) const {}
+  static KeepPolling read(ByteReader&) { return {}; }
+};
+
 using Message = std::variant<Hello, HelloAck, Bye, UserFragment, UserAck, Notify, StageRequest, StageAck, Fence,
-                             FenceAck, RegionClosed, RegionReleased, RouteMessage>;
+                             FenceAck, RegionClosed, RegionReleased, RouteMessage, KeepPolling>;
 
 template <typename M>
 ByteWriter encode_message(const M& m, uint64_t from, uint64_t to) {

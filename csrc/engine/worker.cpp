@@ -347,6 +347,7 @@ void Worker::on_message(const char* data, size_t len) {
       void operator()(const RouteMessage& m) {
         if (m.route < w.routes_.size()) w.routes_[m.route]->on_message(p, m.body);
       }
+      void operator()(const KeepPolling&) {}  // its arrival was the point (Worker::keep_polling)
       void operator()(const Hello&) {}  // taken above
       void operator()(const HelloAck&) {}
       void operator()(const Bye&) {}

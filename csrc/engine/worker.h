@@ -150,6 +150,10 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
   Gen generate_message(Transfer& t);
   // Does what the transfer's facts call for next (Transfer::next_step); t may be gone after.
   void advance(Transfer& t);
+  // While t's RMA is in flight on a rail whose target serves it in its progress, a KeepPolling
+  // message to the peer as t's ops start and end, at most one per kKeepPollingS (200 us, well
+  // under a worker's spin_us).
+  void keep_polling(Transfer& t);
   // The peer answered a Fence, or acknowledged a message.
   void acknowledged(Peer& p, uint64_t transfer);
   // finish() gives the future its result; maybe_free() drops the transfer once nothing refers

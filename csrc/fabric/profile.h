@@ -36,6 +36,10 @@ struct Profile {
   // Ops to a dead peer may never complete and a closed region's bytes may still be read by a
   // peer's queued command: deregistration waits for every peer's release.
   bool peers_must_release;
+  // The target's progress serves an RMA (shm: each read takes several steps of both sides), and
+  // nothing wakes an idle target when one arrives: it would nap 50-100 us a step. A requester
+  // with RMA in flight sends it a KeepPolling message now and then (Worker::keep_polling).
+  bool target_progress;
   const char* known_problem;  // what doctor warns of when it is chosen, or null
 };
 

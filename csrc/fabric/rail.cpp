@@ -124,6 +124,7 @@ Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port, const QueryOption
   const bool shm_fast = profile(prov).unchecked_fast_rma && options.shm_fast;
   host_completion_flags_ = shm_fast ? 0 : completion_flags_;
   peers_must_release_ = profile(prov).peers_must_release;
+  target_progress_ = profile(prov).target_progress;
   cuda_ipc_ = wants_cuda_ipc(prov, options);
   // Several segments per op cut the per-op cost of small pages (tcp allows 4). Not on the shm
   // fast path: it takes one remote segment only.

@@ -69,6 +69,8 @@ class Rail {
   // True where an RMA from or to CUDA memory may complete before the target's CUDA copy has
   // landed: shm moving GPU memory by CUDA IPC.
   bool cuda_ipc() const { return cuda_ipc_; }
+  // Profile::target_progress: the target serves our RMA only while it polls.
+  bool target_progress() const { return target_progress_; }
   ssize_t send(void* buf, size_t len, void* desc, fi_addr_t dest, void* context);
   ssize_t recv(void* buf, size_t len, void* desc, void* context);
 
@@ -104,6 +106,7 @@ class Rail {
   bool efa_shaped_ = false;  // QueryOptions::efa_shaped: EFA's limits enforced (EfaShape)
   ssize_t efa_refuses(const iovec* iov, void** desc, size_t n, const fi_rma_iov* rma, uint64_t flags) const;
   bool peers_must_release_ = false;
+  bool target_progress_ = false;
   bool cuda_ipc_ = false;
   std::string address_;
   struct AvEntry {
