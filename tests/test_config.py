@@ -73,9 +73,11 @@ def test_provider_profile_is_one_table():
     assert set(_C.default_providers()) < set(_C.provider_names())
     shm = _C.provider_profile("shm")
     assert not shm["remote"] and shm["max_chunk"] == 64 * MiB and shm["peers_must_release"] and shm["known_problem"]
-    assert shm["target_progress"] and not any(_C.provider_profile(p)["target_progress"] for p in ("efa", "verbs", "tcp"))
+    assert shm["target_progress"]
+    assert not any(_C.provider_profile(p)["target_progress"] for p in ("efa", "verbs", "tcp"))
     assert _C.provider_profile("tcp")["rails_from_cores"] and _C.provider_profile("tcp")["auto_progress"]
     assert _C.provider_profile("efa")["rdma"] and not _C.provider_profile("efa")["auto_progress"]
     unknown = _C.provider_profile("sockets")
     assert unknown["name"] == "" and unknown["remote"] and not any(
-        unknown[k] for k in ("rdma", "auto_progress", "max_chunk", "peers_must_release", "target_progress", "known_problem"))
+        unknown[k] for k in ("rdma", "auto_progress", "max_chunk", "peers_must_release", "target_progress",
+                             "known_problem"))
