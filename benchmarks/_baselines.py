@@ -4,9 +4,10 @@ tcp:  plain TCP, one stream per rail, Python sockets: every stream moves its sha
       call (call bytes / streams) with sendall() and recv_into() on preallocated buffers,
       one thread per stream (both calls release the GIL), for the row's duration.
 dist: torch.distributed send/recv of one tensor of the call's bytes between the driver
-      (rank 0) and its peer (rank 1): "nccl" on GPUs, "gloo" on CPUs; for paged rows, one
+      (rank 0) and its peer (rank 1): "nccl" on GPUs, "gloo" on CPUs; for paged rows,
       batch_isend_irecv of the call's pages in a random order, as a serving stack without this
-      library moves KV blocks. In local mode the transports are pinned to loopback sockets
+      library moves KV blocks, at most DIST_GROUP_OPS (4096) pages per group: NCCL does not
+      finish one group of 65,536 p2p operations (one of 16,384 takes a third of a second). In local mode the transports are pinned to loopback sockets
       (dist_env), so NCCL runs its socket transport: the same road the engine's tcp provider
       takes; with nvlink NCCL picks its own (NVLink P2P between GPUs of one host).
 memcpy: cudaMemcpyPeerAsync (torch's cross-device copy) of the call's bytes as one block
@@ -42,6 +43,10 @@ import time
 import torch
 
 TIMEOUT_S = 120.0  # no socket or process-group wait lasts longer
+# NOTE: NCCL (2.2x, two H200) takes 0.33 s for one batch_isend_irecv group of 16,384 p2p
+# operations of 32 KiB and does not finish one of 65,536 in 150 s; a call's pages go in groups
+# of at most this many, one after the other.
+DIST_GROUP_OPS = 4096
 
 # NCCL over its socket transport on loopback, as in notes/measured.md ("NCCL send/recv over
 # sockets"); GLOO_SOCKET_IFNAME does the same for gloo.
@@ -202,9 +207,11 @@ def _dist_batch(tensor: torch.Tensor, n: int, rank: int, sender: int, pages: int
     views = tensor.view(pages, -1)
     order = torch.randperm(pages, generator=torch.Generator().manual_seed(rank)).tolist()
     op = dist.isend if rank == sender else dist.irecv
+    groups = [order[at:at + DIST_GROUP_OPS] for at in range(0, pages, DIST_GROUP_OPS)]
     for _ in range(n):
-        for work in dist.batch_isend_irecv([dist.P2POp(op, views[i], 1 - rank) for i in order]):
-            work.wait()
+        for group in groups:
+            for work in dist.batch_isend_irecv([dist.P2POp(op, views[i], 1 - rank) for i in group]):
+                work.wait()
 
 
 def _sync(device: torch.device) -> None:

@@ -80,7 +80,6 @@ torchrun store; data moves only through the engines and the baselines.
 from __future__ import annotations
 
 import argparse
-import base64
 import collections
 import functools
 import importlib.util
@@ -89,12 +88,10 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import re
 import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import warnings
@@ -111,30 +108,10 @@ except ImportError:  # run from a checkout without installing: use the in-place 
     import torch_p2p as p2p
 
 import _baselines
+from _common import (Channel, PeerFailed, Progress, SocketChannel, StoreBarrier, StoreChannel, aligned,
+                     exit_on_sigterm, fmt_size, parse_size, reap, spawn)
 
 CONTROL_TIMEOUT_S = 300.0  # longest wait for the peer's answer (checks of big buffers included)
-
-
-# -- sizes ----------------------------------------------------------------------------------------
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"(\d+)\s*([KMG]?)(?:i?B)?", text.strip(), re.IGNORECASE)
-    if not m or int(m[1]) == 0:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 4096, 4K, 64KiB, 1M")
-    return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
-
-
-def fmt_size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return f"{n}B"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.2f}{unit}"
-    return f"{n:.0f}B"
 
 
 # -- buffers --------------------------------------------------------------------------------------
@@ -184,103 +161,8 @@ def open_engine(device: torch.device, provider: str | None, rails: int | None, l
 
 
 # -- side channel ---------------------------------------------------------------------------------
-class PeerFailed(RuntimeError):
-    """The peer raised; the message carries its traceback."""
-
-
 class BaselineRefused(RuntimeError):
     """The peer cannot run the baseline (no CUDA, no NCCL): the run goes on without it."""
-
-
-class Channel:
-    """Request/response messages between a driver and its peer: JSON objects, bytes values
-    travelling as {"b64": ...}. No pickle: a listening peer runs nothing it is sent."""
-
-    def send(self, **msg) -> None:
-        self._put(json.dumps(msg, default=lambda b: {"b64": base64.b64encode(b).decode()}).encode())
-
-    def recv(self) -> dict | None:
-        """The next message; None once the other side has gone."""
-        data = self._get()
-        if data is None:
-            return None
-        return json.loads(data, object_hook=lambda d: base64.b64decode(d["b64"]) if d.keys() == {"b64"} else d)
-
-    def ask(self, cmd: str, **args) -> dict:
-        self.send(cmd=cmd, **args)
-        return self.reply(cmd)
-
-    def reply(self, cmd: str) -> dict:
-        """The peer's next answer to `cmd`; raises PeerFailed if it failed or left."""
-        reply = self.recv()
-        if reply is None:
-            raise PeerFailed(f"the peer left while answering {cmd!r}")
-        if "error" in reply:
-            raise PeerFailed(f"the peer failed on {cmd!r}: {reply['error']}")
-        return reply
-
-    def _put(self, data: bytes) -> None:
-        raise NotImplementedError
-
-    def _get(self) -> bytes | None:
-        raise NotImplementedError
-
-
-class SocketChannel(Channel):
-    """One JSON document per line over a connected socket."""
-
-    def __init__(self, sock: socket.socket, timeout: float | None):
-        sock.settimeout(timeout)
-        self.sock = sock
-        self._file = sock.makefile("rb")
-
-    def _put(self, data: bytes) -> None:
-        try:
-            self.sock.sendall(data + b"\n")
-        except ConnectionError as e:
-            raise PeerFailed(f"the peer is gone ({e})") from None
-
-    def _get(self) -> bytes | None:
-        try:
-            return self._file.readline() or None
-        except ConnectionError:
-            return None
-
-    def close(self) -> None:
-        self._file.close()
-        self.sock.close()
-
-
-class StoreChannel(Channel):
-    """Numbered keys in a torch.distributed Store (torchrun mode); read keys are deleted."""
-
-    def __init__(self, store, me: str, other: str):
-        self.store, self.me, self.other = store, me, other
-        self.sent = self.received = 0
-
-    def _put(self, data: bytes) -> None:
-        self.sent += 1
-        self.store.set(f"{self.me}/{self.sent}", data)
-
-    def _get(self) -> bytes | None:
-        self.received += 1
-        key = f"{self.other}/{self.received}"
-        data = self.store.get(key)
-        self.store.delete_key(key)
-        return data
-
-
-class StoreBarrier:
-    """Lines up the drivers of a multi-GPU run (torchrun mode) before each timed loop."""
-
-    def __init__(self, store, n: int):
-        self.store, self.n, self.k = store, n, 0
-
-    def wait(self, timeout: float | None = None) -> None:
-        self.k += 1
-        if self.store.add(f"{self.k}", 1) == self.n:
-            self.store.set(f"{self.k}/done", b"1")
-        self.store.wait([f"{self.k}/done"])
 
 
 def _dist_store(spec: dict, shared, host: str | None, port: int | None = None):
@@ -400,74 +282,6 @@ def _serve_listener(listener: socket.socket, device: str) -> None:
     conn, _ = listener.accept()
     listener.close()
     _serve_socket(conn, device, conn.getsockname()[0])
-
-
-# -- progress -------------------------------------------------------------------------------------
-class Progress:
-    """The live line on stderr, after the seed program's:
-        [12.345s] WRITE paged 64KiB x256, tcp direct, 1 rail: 63%, views=..., bytes=..., bw=...Gbps(..%), ...Mops
-    On a terminal it is redrawn about 5 times a second; elsewhere (CI logs) only each row's
-    final line is written. The driver thread updates the counters; a daemon thread draws."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self.live = enabled and sys.stderr.isatty()
-        self.t_run = time.perf_counter()
-        self.label = ""
-        self.status: str | None = "starting"
-        self.seconds = 1.0
-        self.line_bps: int | None = None
-        self.t0 = 0.0
-        self.views = self.nbytes = 0
-        self._lock = threading.Lock()  # one writer at a time on stderr
-        if self.live:
-            threading.Thread(target=self._draw, daemon=True, name="bw-progress").start()
-
-    def begin(self, label: str, seconds: float, line_bps: int | None, status: str = "warming up") -> None:
-        self.label, self.seconds, self.line_bps, self.status = label, seconds, line_bps, status
-
-    def timing(self) -> None:
-        self.views = self.nbytes = 0
-        self.t0 = time.perf_counter()
-        self.status = None
-
-    def add(self, views: int, nbytes: int) -> None:
-        self.views += views
-        self.nbytes += nbytes
-
-    def end(self, seconds: float | None = None, text: str | None = None) -> None:
-        """Writes the row's final line: its numbers over the timed `seconds`, or `text`."""
-        line = self._head() + (text or self._numbers(seconds, 100))
-        self.label = ""  # nothing to redraw until the next row
-        self.say(line)
-
-    def say(self, text: str) -> None:
-        """A line of its own (on a terminal: in place of the live line)."""
-        if self.enabled:
-            with self._lock:
-                sys.stderr.write(("\r" + text + "\x1b[K\n") if self.live else text + "\n")
-                sys.stderr.flush()
-
-    def _head(self) -> str:
-        return f"[{time.perf_counter() - self.t_run:.3f}s] {self.label}: "
-
-    def _numbers(self, dt: float, pct: int) -> str:
-        dt = max(dt, 1e-9)
-        gbps = self.nbytes * 8 / dt / 1e9
-        line = f"{pct}%, views={self.views}, bytes={fmt_bytes(self.nbytes)}, bw={gbps:.3f}Gbps"
-        if self.line_bps:
-            line += f"({100 * gbps * 1e9 / self.line_bps:.1f}%)"
-        return line + f", {self.views / dt / 1e6:.3f}Mops"
-
-    def _draw(self) -> None:
-        while True:
-            time.sleep(0.2)
-            with self._lock:
-                if self.label:
-                    dt = time.perf_counter() - self.t0
-                    text = self.status or self._numbers(dt, min(99, int(100 * dt / self.seconds)))
-                    sys.stderr.write("\r" + self._head() + text + "\x1b[K")
-                    sys.stderr.flush()
 
 
 # -- the driver -----------------------------------------------------------------------------------
@@ -888,9 +702,7 @@ def table(rows: list[dict]) -> str:
             ref = paged.get((r["op"], r["page_bytes"], r["pages"], r["rails"]))
             cells.append(f"{r['gbps'] / ref:.2f}" if r["layout"] == "views" and r["gbps"] and ref else "-")
         lines.append(cells)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-                     for line in lines)
+    return aligned(lines, 2)
 
 
 def summary(args, rows: list[dict]) -> str:
@@ -997,17 +809,12 @@ def run_local(args) -> int:
     else:
         peer_device = "cpu"
     mine, theirs = socket.socketpair()
-    proc = mp.get_context("spawn").Process(target=_serve_socket, args=(theirs, peer_device, "127.0.0.1"),
-                                           daemon=True, name="bw-peer")
-    proc.start()
+    proc = spawn(_serve_socket, (theirs, peer_device, "127.0.0.1"), "bw-peer")
     theirs.close()
     try:
         rows = drive(args, mine, "127.0.0.1", args.device, Progress())
     finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        reap([proc])
     return report(args, rows)
 
 
@@ -1023,15 +830,14 @@ def run_listen(args) -> int:
     if args.gpus == 1:
         _serve_listener(listeners[0], devices[0])
         return 0
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_serve_listener, args=(s, d), name=f"bw-peer{i}")
-             for i, (s, d) in enumerate(zip(listeners, devices))]
-    for p in procs:
-        p.start()
+    procs = [spawn(_serve_listener, (s, d), f"bw-peer{i}") for i, (s, d) in enumerate(zip(listeners, devices))]
     for s in listeners:
         s.close()
-    for p in procs:
-        p.join()
+    try:
+        for p in procs:
+            p.join()
+    finally:
+        reap(procs)
     return max(p.exitcode or 0 for p in procs)
 
 
@@ -1057,25 +863,24 @@ def run_connect(args) -> int:
         return report(args, drive(args, sock, host, args.device, Progress()))
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(len(ports)), ctx.Queue()
-    procs = [ctx.Process(target=_drive_worker, args=(args, host, port, i, barrier, results), name=f"bw-driver{i}")
+    procs = [spawn(_drive_worker, (args, host, port, i, barrier, results), f"bw-driver{i}")
              for i, port in enumerate(ports)]
-    for p in procs:
-        p.start()
     per_gpu: list = [None] * len(ports)
     answered = 0
-    while answered < len(procs):
-        try:
-            rank, rows, error = results.get(timeout=1)
-        except queue.Empty:
-            if any(p.is_alive() for p in procs):
-                continue
-            break  # a driver died without a word (the others' barrier waits end in time)
-        answered += 1
-        per_gpu[rank] = rows
-        if error:
-            print(f"driver {rank} failed: {error}", file=sys.stderr)
-    for p in procs:
-        p.join()
+    try:
+        while answered < len(procs):
+            try:
+                rank, rows, error = results.get(timeout=1)
+            except queue.Empty:
+                if any(p.is_alive() for p in procs):
+                    continue
+                break  # a driver died without a word (the others' barrier waits end in time)
+            answered += 1
+            per_gpu[rank] = rows
+            if error:
+                print(f"driver {rank} failed: {error}", file=sys.stderr)
+    finally:
+        reap(procs)
     if None in per_gpu:
         return 1
     return report(args, merge(per_gpu))
@@ -1193,6 +998,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    exit_on_sigterm()
     try:
         if args.listen is not None:
             return run_listen(args)

@@ -27,12 +27,7 @@ try:
 except ImportError:  # run from a checkout without installing: use the in-place build
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from torch_p2p import _C
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+from _common import exit_on_sigterm, parse_size, reap, spawn
 
 
 def hold(nbytes: int, queue, done) -> None:
@@ -74,13 +69,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2, 4, 8], metavar="N")
     ap.add_argument("--seconds", type=float, default=0.5, help="per row (default 0.5)")
     args = ap.parse_args(argv)
+    exit_on_sigterm()
     ctx = mp.get_context("spawn")
     print(f"# process_vm_writev / readv, {args.pages} random pages a call, {os.cpu_count()} cores")
     print(f"{'op':5}  {'page':>6}  {'threads':>7}  {'GB/s':>7}  {'us/call':>8}")
     for size in args.sizes:
         queue, done = ctx.Queue(), ctx.Event()
-        child = ctx.Process(target=hold, args=(2 * args.pages * size, queue, done), daemon=True)
-        child.start()
+        child = spawn(hold, (2 * args.pages * size, queue, done), "cma-holder")
         try:
             pid, remote = queue.get(timeout=60)
             local = torch.ones(2 * args.pages * size, dtype=torch.uint8)
@@ -96,7 +91,7 @@ def main(argv=None) -> int:
                     print(f"{'write' if write else 'read':5}  {size >> 10:4}KiB  {threads:7}  {gbs:7.2f}  {us:8.1f}", flush=True)
         finally:
             done.set()
-            child.join(timeout=10)
+            reap([child], 10)
     return 0
 
 

@@ -16,12 +16,19 @@ this table's baseline, not with back-to-back writes.
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-import torch_p2p as p2p
+try:
+    import torch_p2p as p2p
+except ImportError:  # run from a checkout without installing: use the in-place build
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch_p2p as p2p
+from _common import exit_on_sigterm, reap, spawn
 
 
 def peer(device: str, conn) -> None:
@@ -49,10 +56,9 @@ def main() -> None:
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
 
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=peer, args=(args.device, there))
-    child.start()
+    exit_on_sigterm()
+    here, there = mp.get_context("spawn").Pipe()
+    child = spawn(peer, (args.device, there), "idle-peer")
     try:
         remote = p2p.RemoteTensor.from_bytes(here.recv())
         with p2p.Engine(args.device) as engine:
@@ -90,7 +96,7 @@ def main() -> None:
                 print(f"{gap * 1e6:9.0f} {w:9.0f} {o:12.1f} {w / o:11.2f}", flush=True)
     finally:
         here.send(0)
-        child.join()
+        reap([child])
 
 
 if __name__ == "__main__":

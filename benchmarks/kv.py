@@ -65,7 +65,7 @@ except ImportError:  # run from a checkout without installing: use the in-place 
 from torch_p2p import kv
 
 import _baselines
-from bw import Progress
+from _common import Progress, aligned, exit_on_sigterm, reap, spawn
 
 BLOCK = 16
 CHUNK_TOKENS = 4096  # the stand-in forward's GEMMs go this many tokens at a time
@@ -572,21 +572,15 @@ def tables(rows: list[dict]) -> str:
                            str(r["pages"]), fmt(r["ms"], ".3f"), fmt(r["gbps"], ".2f"), fmt(r["contig_gbps"], ".2f"),
                            fmt(r["ratio"], ".2f"), fmt(r["base_ms"], ".3f"), fmt(r["base_gbps"], ".2f"),
                            fmt(r["speedup"], ".1f")] for r in moves]
-        out.append(_aligned(lines))
+        out.append(aligned(lines, 4))
     streams = [r for r in rows if r["kind"] == "stream"]
     if streams:
         head = ["model", "tokens", "route", "MiB", "layer ms", "prefill ms", "+push ms", "tail ms", "tail/layer"]
         lines = [head] + [[r["model"], str(r["tokens"]), r["route"], f"{r['bytes'] / 2**20:.1f}",
                            fmt(r["layer_ms"], ".3f"), fmt(r["prefill_ms"], ".2f"), fmt(r["streamed_ms"], ".2f"),
                            fmt(r["tail_ms"], ".3f"), fmt(r["tail_per_layer"], ".3f")] for r in streams]
-        out.append(_aligned(lines))
+        out.append(aligned(lines, 4))
     return "\n\n".join(out)
-
-
-def _aligned(lines: list[list[str]]) -> str:
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    return "\n".join("  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-                     for line in lines)
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -689,13 +683,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    exit_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="kv-") as tmp:
         store = os.path.join(tmp, "dist-store")
-        ctx = mp.get_context("spawn")
-        conn, child_conn = ctx.Pipe()
-        proc = ctx.Process(target=_decode_main, args=(child_conn, args.peer_device, store), daemon=True,
-                           name="kv-decode")
-        proc.start()
+        conn, child_conn = mp.get_context("spawn").Pipe()
+        proc = spawn(_decode_main, (child_conn, args.peer_device, store), "kv-decode")
         child_conn.close()
         try:
             rows = Driver(args, conn, Progress(), store).run()
@@ -708,9 +700,7 @@ def main(argv=None) -> int:
 
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+            reap([proc])
     return report(args, rows)
 
 

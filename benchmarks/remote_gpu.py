@@ -79,6 +79,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import torch_p2p as p2p  # noqa: E402
+from _common import exit_on_sigterm, reap, spawn  # noqa: E402
 
 METHODS = ["local", "local-pinned", "remote-pageable", "remote-pinned", "remote-staged", "remote-direct"]
 DEFAULT_SIZES = "1e4,1e5,1e6,1e7,1e8,4e8"
@@ -259,11 +260,8 @@ class ServerProcess:
     """The client's handle on the child: commands over the pipe, every wait bounded."""
 
     def __init__(self, device: str, engine_kwargs: dict):
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, device, engine_kwargs), daemon=True,
-                                name="remote_gpu-server")
-        self.proc.start()
+        self._conn, child = mp.get_context("spawn").Pipe()
+        self.proc = spawn(_serve, (child, device, engine_kwargs), "remote_gpu-server")
         child.close()
 
     def send(self, cmd: str, *args) -> None:
@@ -295,10 +293,7 @@ class ServerProcess:
                 self._conn.send(None)
             except OSError:
                 pass
-            self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
+        reap([self.proc])
         self._conn.close()
 
 
@@ -740,6 +735,7 @@ def bench_method(method: str, args, master: tuple, gen: torch.Generator, client:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    exit_on_sigterm()
     if args.provider.split(";")[0] == "shm" and "FI_SHM_DISABLE_CMA" not in os.environ:
         # shm settles once per endpoint, at its first peer, whether it copies with CMA, which
         # cannot reach GPU memory: the client's host engine meets the staged server first and

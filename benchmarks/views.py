@@ -45,14 +45,9 @@ try:
 except ImportError:  # run from a checkout without installing: use the in-place build
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_p2p as p2p
+from _common import parse_size
 
 TARGET_US = 0.15  # per view pair, the views form's parse
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
 
 
 def best_us(fn, seconds: float, repeat: int) -> float:

@@ -49,7 +49,7 @@ except ImportError:  # run from a checkout without installing: use the in-place 
 import torch_p2p.weights as pw
 
 import _baselines
-from bw import fmt_bytes, parse_size
+from _common import aligned, exit_on_sigterm, fmt_bytes, parse_size, reap, spawn
 
 # (vocab, hidden, layers, heads, kv heads, head dim, intermediate, tied embeddings, qkv bias):
 # the models' published configs.
@@ -85,26 +85,39 @@ def shapes(model: str, layers: int | None) -> dict[str, tuple]:
     return out
 
 
+USABLE = 0.8  # of a device's free memory: the rest is for CUDA contexts, NCCL and the engines
+CHECK_ELEMS = 1 << 24  # checksum() converts this many elements at a time
+
+
 def free_bytes(device: str) -> int:
-    """Memory this run may fill: the device's free memory, or the host's available memory."""
+    """A device's free memory, or the host's available memory."""
     if torch.device(device).type == "cuda":
         return torch.cuda.mem_get_info(torch.device(device))[0]
     with open("/proc/meminfo") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
 
-def fit_layers(args, model: str) -> int | None:
-    """The most decoder layers of `model` whose copies fill at most half of the free memory: None
-    when the whole model fits, 0 when not even one layer does. Each process (the source, each
-    destination) peaks near 4 copies: its tensors, the baseline's buckets and the checksum's
-    conversions."""
+def process_budget(devices: list[str], free=free_bytes) -> int:
+    """Bytes each process may fill: `devices[i]` is process i's device, and the processes on one
+    device (all of them on host memory) share its free memory; the least share of any device."""
+    return min(int(free(d) * USABLE) // devices.count(d) for d in set(devices))
+
+
+def process_bytes(spec: dict, elem: int, bucket: int) -> int:
+    """What one process holds at its peak: its tensors, the baseline's bucket and checksum()'s
+    int64 copy of one slice."""
+    return sum(math.prod(s) for s in spec.values()) * elem + bucket + CHECK_ELEMS * 8
+
+
+def fit_layers(args, model: str, budget: int) -> int | None:
+    """The most decoder layers of `model` that fit in `budget` bytes per process: None when the
+    whole model fits, 0 when not even one layer does."""
     elem = max(DTYPES[args.dtype].itemsize, DTYPES[args.source_dtype or args.dtype].itemsize)
-    budget = free_bytes(args.device) // 2 // (4 * (1 + max(args.dests)) * elem)
     full = PRESETS[model][2]
-    if sum(math.prod(s) for s in shapes(model, full).values()) <= budget:
+    fits = [n for n in range(1, full + 1) if process_bytes(shapes(model, n), elem, args.bucket) <= budget]
+    if full in fits:
         return None
-    return max([n for n in range(1, full) if sum(math.prod(s) for s in shapes(model, n).values()) <= budget],
-               default=0)
+    return max(fits, default=0)
 
 
 def state_dict(spec: dict, dtype, device, fill: bool) -> dict[str, torch.Tensor]:
@@ -119,9 +132,15 @@ def state_dict(spec: dict, dtype, device, fill: bool) -> dict[str, torch.Tensor]
 
 
 def checksum(tensors, dtype) -> int:
-    """Order-independent sum of the bits of every tensor as `dtype` (bitwise check)."""
+    """Order-independent sum of the bits of every tensor as `dtype` (bitwise check), a slice of
+    CHECK_ELEMS at a time (bounded memory)."""
     ints = {2: torch.int16, 4: torch.int32}[torch.empty((), dtype=dtype).element_size()]
-    return sum(int(t.to(dtype).view(ints).to(torch.int64).sum()) for t in tensors)
+    total = 0
+    for t in tensors:
+        flat = t.reshape(-1)
+        for at in range(0, flat.numel(), CHECK_ELEMS):
+            total += int(flat[at:at + CHECK_ELEMS].to(dtype).view(ints).to(torch.int64).sum())
+    return total
 
 
 def buckets(tensors: list, elem: int, bucket_bytes: int) -> list[list[int]]:
@@ -190,6 +209,11 @@ def destination(conn, rank: int, args) -> None:
             cmd, *rest = conn.recv()
             if cmd == "bye":
                 break
+            if cmd == "undist":  # every rank at once: NCCL's teardown waits for its peers
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+                conn.send(("ok", None))
             if cmd == "join":
                 dest = pw.WeightDestination(engine, pw.whole(tensors), rest[0], name=f"dest{rank}",
                                             window=rest[1])
@@ -220,8 +244,13 @@ def destination(conn, rank: int, args) -> None:
         if dest is not None:
             dest.close()
         engine.close()
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # the source said bye before "undist": the teardown is out of order
+            raise RuntimeError("told to leave while still in the baseline's process group")
     except BaseException as e:  # noqa: BLE001 - reported to the source
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        sys.exit(1)
 
 
 def _dist_init(args, rank: int, device: str) -> None:
@@ -238,14 +267,11 @@ def _dist_init(args, rank: int, device: str) -> None:
 
 class Peers:
     def __init__(self, args):
-        ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for rank in range(1, max(args.dests) + 1):
-            mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=destination, args=(theirs, rank, args), daemon=True)
-            proc.start()
+            mine, theirs = mp.get_context("spawn").Pipe()
+            self.procs.append(spawn(destination, (theirs, rank, args), f"weights-dest{rank}"))
             self.conns.append(mine)
-            self.procs.append(proc)
 
     def ask(self, ranks, *cmd) -> list:
         for r in ranks:
@@ -260,16 +286,20 @@ class Peers:
             raise RuntimeError(f"destination {rank} failed: {value}")
         return value
 
-    def close(self) -> None:
+    def close(self) -> list[str]:
+        """Says bye to every destination; what went wrong in any of them on the way out."""
         for c in self.conns:
             try:
                 c.send(("bye",))
             except OSError:
                 pass
-        for p in self.procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+        reap(self.procs)
+        errors = []
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), 1):
+            if proc.exitcode:
+                said = conn.recv()[1] if conn.poll() else f"exit code {proc.exitcode}"
+                errors.append(f"destination {rank} failed on the way out: {said}")
+        return errors
 
 
 # -- the source ------------------------------------------------------------------------------------
@@ -278,7 +308,8 @@ def live(text: str) -> None:
     sys.stderr.flush()
 
 
-def run(args) -> list[dict]:
+def run(args) -> tuple[list[dict], list[str]]:
+    """The rows, and what went wrong in the destinations as they left."""
     spec = shapes(args.model, args.layers)
     dtype, src_dtype = DTYPES[args.dtype], DTYPES[args.source_dtype or args.dtype]
     device = device_of(args.device, 0)
@@ -304,8 +335,8 @@ def run(args) -> list[dict]:
         engine.close()
         baseline_rows(args, peers, tensors, dtype, rows)
     finally:
-        peers.close()
-    return rows
+        errors = peers.close()
+    return rows, errors
 
 
 def engine_row(args, peers, source, n, model_bytes, want, chunk, window, fanout) -> dict:
@@ -374,7 +405,11 @@ def baseline_rows(args, peers, tensors, dtype, rows) -> None:
         rows.append(dict(system=f"{backend} broadcast", n=n, chunk=args.bucket, window=None, fanout=None, seconds=s,
                          times=times, gbps_per_dest=model_bytes / s / 1e9, source_bytes=None,
                          model_bytes=model_bytes, ok=True, error=None))
+    for r in everyone:  # NCCL's teardown waits for every rank: all of them leave together
+        peers.conns[r - 1].send(("undist",))
     dist.destroy_process_group()
+    for r in everyone:
+        peers.answer(r)
 
 
 def table(rows: list[dict]) -> str:
@@ -391,9 +426,7 @@ def table(rows: list[dict]) -> str:
                       fmt_bytes(r["source_bytes"]) if r["source_bytes"] is not None else "-",
                       f"{r['seconds'] / one[key]:.2f}" if key in one else "-",
                       f"{base[r['n']] / r['seconds']:.2f}" if r["system"] == "torch_p2p" and r["n"] in base else "-"])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-                     for line in lines)
+    return aligned(lines, 1)
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -423,7 +456,10 @@ def parse_args(argv=None):
     gpu = torch.cuda.is_available()
     ap.add_argument("--model", choices=sorted(PRESETS), default=None,
                     help=f"shapes (default: the first of {', '.join(DEFAULT_MODELS)} that fits the free memory)")
-    ap.add_argument("--layers", type=int, default=None, help="keep only this many decoder layers (default: as many as fit in half the free memory)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only this many decoder layers (default: as many as fit in the memory each process "
+                         "may fill: 80%% of its device's free memory shared by the processes on that device; on CPU "
+                         "of the host's available memory shared by all processes)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="the destinations' dtype")
     ap.add_argument("--source-dtype", choices=sorted(DTYPES), default=None,
                     help="the source's dtype (default: --dtype; another one converts on the way)")
@@ -451,30 +487,35 @@ def parse_args(argv=None):
         ap.error("--plot needs matplotlib: pip install matplotlib")
     if args.baseline == "auto":
         args.baseline = "nccl" if torch.device(args.device).type == "cuda" else "gloo"
+    if args.model is None or args.layers is None:
+        devices = [device_of(args.device, i) for i in range(1 + max(args.dests))]
+        budget = process_budget(devices)
+        where = (f"{fmt_bytes(budget)} per process ({USABLE:.0%} of the free memory of "
+                 f"{', '.join(sorted(set(devices)))}, shared by the {len(devices)} processes on them)")
     if args.model is None:  # the largest default that fits, cut to the layers that fit
-        args.model = next((m for m in DEFAULT_MODELS if fit_layers(args, m) != 0), None)
+        args.model = next((m for m in DEFAULT_MODELS if fit_layers(args, m, budget) != 0), None)
         if args.model is None:
-            ap.error(f"not even --model tiny fits in half the free memory of {args.device}")
+            ap.error(f"not even --model tiny fits in {where}")
         if args.model != DEFAULT_MODELS[0]:
-            live(f"# {args.model}: the largest default model that fits in half the free memory of {args.device} "
-                 f"(pass --model to choose)")
-    if args.layers is None and (fit := fit_layers(args, args.model)) is not None:
+            live(f"# {args.model}: the largest default model that fits in {where} (pass --model to choose)")
+    if args.layers is None and (fit := fit_layers(args, args.model, budget)) is not None:
         if fit == 0:
-            ap.error(f"{args.model} does not fit in half the free memory of {args.device} even with one layer: "
-                     f"pass a smaller --model or fewer --dests")
+            ap.error(f"{args.model} does not fit in {where} even with one layer: pass a smaller --model or "
+                     f"fewer --dests")
         args.layers = fit
-        live(f"# {args.model} cut to {fit} of its {PRESETS[args.model][2]} layers to fit in half the free memory "
-             f"of {args.device} (pass --model and --layers to choose)")
+        live(f"# {args.model} cut to {fit} of its {PRESETS[args.model][2]} layers to fit in {where} "
+             f"(pass --model and --layers to choose)")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    exit_on_sigterm()
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="weights-") as tmp:
         args.store = os.path.join(tmp, "store")
-        rows = run(args)
+        rows, errors = run(args)
     title = (f"{args.model} {args.dtype}, source {args.source_dtype or args.dtype} on {args.device}, "
              f"provider {args.provider or 'auto'}{', no IPC' if args.no_ipc else ''}, "
              f"{args.rails or 'default'} rails, median of {args.updates}")
@@ -485,7 +526,9 @@ def main(argv=None) -> int:
             json.dump(rows, f, indent=1)
     if args.plot:
         plot(rows, args.plot, title)
-    return 0 if all(r["ok"] for r in rows) else 1
+    for error in errors:
+        print(f"! {error}")
+    return 0 if all(r["ok"] for r in rows) and not errors else 1
 
 
 if __name__ == "__main__":
