@@ -29,28 +29,21 @@ by default, which the route maps and copies with memcpy; with --host-memory priv
 copies between the two processes), else "direct" or "staged" over the provider; the table's
 title names it.
 
-Columns:
-  Gbps   payload, 10^9 bits per second of time.perf_counter() around the timed calls
-  %line  Gbps / sum of the rails' link speeds, where the provider reports them (EFA, verbs);
-         "-" elsewhere (tcp, shm: loopback and shared memory have no line rate)
-  Mops   million views per second (views: pages on paged rows, calls on contiguous ones; the
-         progress line's views= counts the same)
-  <baseline> Gbps  the baseline's Gbps for the same bytes per call (the column is named after
-         --baseline, e.g. "tcp Gbps"); ratio = Gbps / baseline Gbps; one pair per baseline
-
 Baselines (--baseline, one or several; by default memcpy on the ipc and cma routes, else tcp where the
 line rate is unknown: loopback, shm):
   tcp    plain TCP to the same peer address, one stream per rail, Python sockets
          (sendall / recv_into on preallocated buffers, one thread per stream)
   nccl   torch.distributed send/recv between the same two processes, GPU tensors (paged rows:
-         one batch_isend_irecv of the call's pages); in local mode NCCL is held to its socket
+         batch_isend_irecv of the call's pages, at most 4096 per group: NCCL does not finish
+         one group of 65,536); in local mode NCCL is held to its socket
          transport on lo (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1
          NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo, unless set), or with --nccl-nvlink left to its
          own choice (NVLink between GPUs of one host); it needs the peer on another GPU
   gloo   the same with gloo on CPU tensors
   memcpy cudaMemcpyPeerAsync of the call's bytes as one block, GPU to GPU in this process
-         (local mode): the ceiling of the same-host route; on host memory, one memcpy per page
-         of the row's pages, one thread of this process: one core's ceiling
+         (local mode): the ceiling of the same-host route; on host memory ("1-thread memcpy"),
+         one memcpy per page of the row's pages on one thread of this process: one core's
+         ceiling, while the cma route copies on several (the title and rows say how many)
   nixl   NIXL (pip install 'torch_p2p[nixl]') between the same buffers, the row's pages in the
          row's orders as one descriptor each, one transfer per call, --window in flight; UCX
          backend, plus a nixl-libfabric column (its LIBFABRIC backend) where libfabric >= 1.21
@@ -112,6 +105,17 @@ from _common import (Channel, PeerFailed, Progress, SocketChannel, StoreBarrier,
                      exit_on_sigterm, fmt_size, parse_size, reap, spawn)
 
 CONTROL_TIMEOUT_S = 300.0  # longest wait for the peer's answer (checks of big buffers included)
+LEGEND = """\
+columns:
+  MiB/call       bytes one call moves (pages x page size), in MiB
+  Gbps           payload, 1e9 bits per second of the timed calls (time.perf_counter() around them)
+  %line          Gbps / the rails' link speed, where the provider reports one (EFA, verbs); "-" on
+                 loopback, shm and the same-host routes (ipc, cma), which have no line rate
+  Mops           million views per second: pages on paged and views rows, calls on contiguous rows
+  <b> Gbps       baseline <b> moving the same bytes per call, measured in this run
+  ratio          Gbps / the baseline's Gbps to its left (above 1: torch_p2p is faster)
+  x paged        a views row's Gbps / the paged row's of the same op, page size and pages: what a
+                 list of views costs against p2p.pages()"""
 
 
 # -- buffers --------------------------------------------------------------------------------------
@@ -410,12 +414,12 @@ class Driver:
         domains = ",".join(dict.fromkeys(nic.domain for nic in engine.plan.rails))
         self.engine_facts = dict(provider=engine.provider, domains=domains, device=str(self.device),
                                  peer_device=peer_device, rails=len(engine.plan.rails), line_rate_bps=line,
-                                 data_path=engine.data_path, route=route)
+                                 data_path=engine.data_path, route=route,
+                                 copy_threads=copy_threads() if route == "cma" else None)
         # Said before the first row runs: what is measured, and why %line may stay empty.
         memory = f" ({self.args.host_memory} memory)" if self.device.type == "cpu" else ""
-        self.progress.say(f"# {engine.provider} [{domains}], route {route}, data path {engine.data_path}, "
-                          f"{self.device}{memory} -> peer {peer_device}; %line is "
-                          + (f"of {line / 1e9:g} Gbps" if line else "'-': the provider reports no link speed"))
+        self.progress.say(f"# {self.device}{memory} -> peer {peer_device}: {route_long(self.engine_facts)}; %line is "
+                          + (f"of {line / 1e9:g} Gbps" if line else "'-': no link speed is known on this route"))
 
     def _buffer(self, engine: p2p.Engine, page_bytes: int, pages: int) -> None:
         shared = self.args.host_memory == "shared"
@@ -435,8 +439,7 @@ class Driver:
                    prepared=self.args.prepared,
                    gpus=1, gbps=None, mops=None, seconds=None, bytes=None, calls=None, views=None,
                    baseline=None, baseline_gbps=None, ratio=None, baselines={}, ratios={}, ok=False, error=None)
-        label = (f"{op.upper()} {layout} {fmt_size(page_bytes)} x{pages}, {facts['provider'].split(';')[0]} "
-                 f"{facts['route']}, {rails} rail{'s' * (rails > 1)}")
+        label = f"{op.upper()} {layout} {fmt_size(page_bytes)} x{pages}, {route_short(facts)}"
         call_bytes = pages * page_bytes
         paged = layout in ("paged", "views")
         if paged:
@@ -680,8 +683,9 @@ def merge(per_gpu: list[list[dict]]) -> list[dict]:
 def table(rows: list[dict]) -> str:
     head = ["op", "layout", "page", "pages", "rails", "MiB/call", "Gbps", "%line", "Mops"]
     names = list(dict.fromkeys(name for r in rows for name in r["baselines"]))
+    host = rows[0]["device"].startswith("cpu")
     for name in names:
-        head += [f"{name} Gbps", "ratio"]
+        head += [f"{'1-thread memcpy' if name == 'memcpy' and host else name} Gbps", "ratio"]
     paged = {(r["op"], r["page_bytes"], r["pages"], r["rails"]): r["gbps"] for r in rows if r["layout"] == "paged"}
     beside = any(r["layout"] == "views" for r in rows) and paged
     if beside:
@@ -692,7 +696,7 @@ def table(rows: list[dict]) -> str:
                  f"{r['pages'] * r['page_bytes'] / (1 << 20):.2f}"]
         if r["ok"]:
             line = r["line_rate_bps"]
-            cells += [f"{r['gbps']:.3f}", f"{100 * r['gbps'] * 1e9 / line:.1f}" if line else "-", f"{r['mops']:.4f}"]
+            cells += [f"{r['gbps']:.3f}", f"{100 * r['gbps'] * 1e9 / line:.1f}" if line else "-", f"{r['mops']:.3g}"]
         else:
             cells += ["CORRUPT" if (r["error"] or "").startswith("CORRUPT") else "FAILED", "-", "-"]
         for name in names:
@@ -708,9 +712,44 @@ def table(rows: list[dict]) -> str:
 def summary(args, rows: list[dict]) -> str:
     r = rows[0]
     gpus = f", {r['gpus']} process pairs summed" if r["gpus"] > 1 else ""
-    return (f"# torch_p2p bw: {r['provider']} [{r['domains']}], {r['device']} -> peer {r['peer_device']} "
-            f"(route {r['route']}, data path {r['data_path']}){gpus}, "
-            f"window {args.window}{', prepared calls' if args.prepared else ''}, {args.duration:g} s per row; Gbps = 1e9 bit/s, Mops = million views/s")
+    return (f"# torch_p2p bw: {r['device']} -> peer {r['peer_device']}, {route_long(r)}{gpus}, "
+            f"window {args.window}{', prepared calls' if args.prepared else ''}, {args.duration:g} s per row")
+
+
+def copy_threads() -> int:
+    """The cma route's copy threads in this process (csrc/core/copies.cpp names them)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return names.count("p2p-copy")
+
+
+def _threads(n: int) -> str:
+    return f"{n} copy thread{'s' * (n != 1)}" if n else "copied by the worker thread"
+
+
+def route_short(facts: dict) -> str:
+    """The route in a row's live line: what carries the bytes."""
+    if facts["route"] == "ipc":
+        return "ipc"
+    if facts["route"] == "cma":
+        return f"cma, {_threads(facts['copy_threads'])}"
+    rails = facts["rails"]
+    return f"{facts['provider'].split(';')[0]} {facts['route']}, {rails} rail{'s' * (rails > 1)}"
+
+
+def route_long(facts: dict) -> str:
+    """The route in a title: the same-host routes name no provider, the fabric names no copy threads."""
+    if facts["route"] == "ipc":
+        return "route ipc (CUDA IPC: the GPUs' copy engines, no fabric)"
+    if facts["route"] == "cma":
+        return f"route cma (host memory copied between the processes, {_threads(facts['copy_threads'])}; no fabric)"
+    how = "the NIC reads and writes the memory" if facts["route"] == "direct" else "through pinned host slots"
+    return f"route {facts['route']} over {facts['provider']} [{facts['domains']}] ({how})"
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -754,6 +793,7 @@ def report(args, rows: list[dict]) -> int:
     title = summary(args, rows)
     print(title)
     print(table(rows))
+    print(LEGEND)
     failed = [r for r in rows if not r["ok"]]
     for r in failed:
         print(f"! {r['op']} {r['layout']} {fmt_size(r['page_bytes'])} x{r['pages']}, {r['rails']} rails: {r['error']}")
@@ -920,7 +960,7 @@ def new_buffer(pages: int, page_bytes: int, device: torch.device, shared: bool) 
 
 # -- command line -----------------------------------------------------------------------------------
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, epilog=LEGEND, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_device = "cuda:0" if torch.cuda.is_available() else "cpu"
     ap.add_argument("--sizes", nargs="+", type=parse_size, default=[4 << 10, 64 << 10, 1 << 20, 16 << 20],
                     metavar="SIZE", help="page sizes, e.g. 4K 64K 1M 16M (default); multiples of 8 bytes")
@@ -998,7 +1038,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    exit_on_sigterm()
     try:
         if args.listen is not None:
             return run_listen(args)
@@ -1013,4 +1052,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

@@ -69,7 +69,6 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2, 4, 8], metavar="N")
     ap.add_argument("--seconds", type=float, default=0.5, help="per row (default 0.5)")
     args = ap.parse_args(argv)
-    exit_on_sigterm()
     ctx = mp.get_context("spawn")
     print(f"# process_vm_writev / readv, {args.pages} random pages a call, {os.cpu_count()} cores")
     print(f"{'op':5}  {'page':>6}  {'threads':>7}  {'GB/s':>7}  {'us/call':>8}")
@@ -96,4 +95,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

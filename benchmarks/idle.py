@@ -56,7 +56,6 @@ def main() -> None:
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
 
-    exit_on_sigterm()
     here, there = mp.get_context("spawn").Pipe()
     child = spawn(peer, (args.device, there), "idle-peer")
     try:
@@ -100,4 +99,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

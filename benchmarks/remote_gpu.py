@@ -735,7 +735,6 @@ def bench_method(method: str, args, master: tuple, gen: torch.Generator, client:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    exit_on_sigterm()
     if args.provider.split(";")[0] == "shm" and "FI_SHM_DISABLE_CMA" not in os.environ:
         # shm settles once per endpoint, at its first peer, whether it copies with CMA, which
         # cannot reach GPU memory: the client's host engine meets the staged server first and
@@ -799,4 +798,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

@@ -21,9 +21,9 @@ packed into --bucket buffers broadcast one after the other, as RL frameworks do;
 larger than a bucket is broadcast alone. NCCL needs one GPU per process: with fewer GPUs it is
 skipped, and said so.
 
-Columns: s/update (median), GB/s per destination (state-dict bytes / s), the source's bytes
-sent per update (torch_p2p: written by the source; relays make the other copies), ratio =
-baseline s / torch_p2p s. A live line per row goes to stderr; the table to stdout.
+A live line per row goes to stderr; the table to stdout (columns: see the end). The whole model
+runs by default wherever it fits: each process may fill 80% of its device's free memory, shared
+by the processes on that device (on CPUs, the host's available memory shared by all of them).
 """
 from __future__ import annotations
 
@@ -62,6 +62,15 @@ PRESETS = {
 }
 DEFAULT_MODELS = ("llama3-8b", "llama3.2-1b", "qwen2.5-0.5b", "tiny")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+LEGEND = """\
+columns:
+  s/update      median seconds of one update, push to the last byte at every destination
+  GB/s/dest     state-dict bytes / s/update, per destination (1e9 bytes/s)
+  source sent   bytes the source wrote per update (torch_p2p: relays between destinations make
+                the other copies)
+  x N=1         s/update / the N=1 row's of the same chunk, window and fanout: how the time grows
+                with destinations (1.00: not at all)
+  ratio         the baseline's s/update at the same N / torch_p2p's (above 1: torch_p2p is faster)"""
 
 
 def shapes(model: str, layers: int | None) -> dict[str, tuple]:
@@ -452,7 +461,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, epilog=LEGEND, formatter_class=argparse.RawDescriptionHelpFormatter)
     gpu = torch.cuda.is_available()
     ap.add_argument("--model", choices=sorted(PRESETS), default=None,
                     help=f"shapes (default: the first of {', '.join(DEFAULT_MODELS)} that fits the free memory)")
@@ -510,7 +519,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    exit_on_sigterm()
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="weights-") as tmp:
@@ -521,6 +529,7 @@ def main(argv=None) -> int:
              f"{args.rails or 'default'} rails, median of {args.updates}")
     print("# torch_p2p.weights: " + title)
     print(table(rows))
+    print(LEGEND)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -532,4 +541,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

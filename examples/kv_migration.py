@@ -2,7 +2,7 @@
 transformer: a small Llama from `transformers`, built from a config with random weights in
 both processes (the same seed; nothing is downloaded).
 
-    python examples/kv_migration.py                          # tcp over loopback, CPU
+    python examples/kv_migration.py                          # a GPU and the next one, else host memory
     python examples/kv_migration.py --provider shm
     python examples/kv_migration.py --device cuda:0 --peer-device cuda:1
 
@@ -99,7 +99,7 @@ def prefill(model, prompt: torch.Tensor, layers: list, blocks: list[int], stream
     hooks = [layer.register_forward_hook(after_layer(i)) for i, layer in enumerate(model.model.layers)]
     try:
         with torch.no_grad():
-            logits = model(prompt, past_key_values=past, use_cache=True).logits
+            logits = model(prompt, cache=past, use_cache=True).logits
     finally:
         for h in hooks:
             h.remove()
@@ -119,7 +119,7 @@ def greedy(model, past, first: int) -> list[int]:
     device = next(model.parameters()).device
     with torch.no_grad():
         for _ in range(NEW_TOKENS - 1):
-            logits = model(torch.tensor([[out[-1]]], device=device), past_key_values=past, use_cache=True).logits
+            logits = model(torch.tensor([[out[-1]]], device=device), cache=past, use_cache=True).logits
             out.append(int(logits[0, -1].argmax()))
     return out
 
@@ -130,7 +130,7 @@ def one_process(model, prompt: torch.Tensor) -> list[int]:
 
     past = DynamicCache(config=model.config)
     with torch.no_grad():
-        first = int(model(prompt, past_key_values=past, use_cache=True).logits[0, -1].argmax())
+        first = int(model(prompt, cache=past, use_cache=True).logits[0, -1].argmax())
     return greedy(model, past, first)
 
 
@@ -194,8 +194,9 @@ def main() -> None:
             table = BlockTable(64, seed=1)
             conn.send(cache.handle.to_bytes())
             peer = kv.KVCacheHandle.from_bytes(conn.recv())
-            print(f"prefill on {args.device}, decode on {args.peer_device}, route {engine.route(peer.mailbox)} "
-                  f"({engine.provider}); {cache}")
+            route = engine.route(peer.mailbox)
+            over = "" if route in ("ipc", "cma") else f" over {engine.provider}"
+            print(f"prefill on {args.device}, decode on {args.peer_device}, route {route}{over}; {cache}")
             for tag, (op, tokens) in enumerate(PROMPTS.items(), start=1):
                 prompt = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tag))
                 prompt = prompt.to(args.device)

@@ -1,9 +1,14 @@
 """Two processes on one machine: the owner registers a tensor and hands over its RemoteTensor;
 the writer writes non-contiguous views into it and reads them back.
 
-    python examples/quickstart.py                 # tcp over loopback
-    python examples/quickstart.py --provider shm  # shared memory
+    python examples/quickstart.py                 # a GPU and the next one (the ipc route), else
+                                                  # host memory (the cma route: the kernel copies)
+    python examples/quickstart.py --provider shm  # the fabric route, when same-host routes are off
     python examples/quickstart.py --device cuda:0 --peer-device cuda:1
+
+The engine picks a route per peer (engine.route): between processes of one host, CUDA IPC for
+GPU memory and the kernel's cross-memory copies for host memory; the provider (tcp by default,
+held to loopback) carries the rest. The last line names the route the bytes took.
 
 The RemoteTensor travels as bytes (here through a multiprocessing pipe; any side channel
 works: a store, an HTTP call, a file). No world, ranks or rendezvous in the engine itself.
@@ -65,7 +70,9 @@ def main() -> None:
             cache = conn.recv()
             assert torch.equal(cache[:, 5], src[:, 2].cpu())
             assert torch.equal(cache[1, ::2], src[1, ::2].cpu())
-            print("ok: views written, mirrored and read back over", engine.provider)
+            route = engine.route(remote)
+            how = {"ipc": "CUDA IPC", "cma": "cross-memory copies"}.get(route, f"{engine.provider}, {route}")
+            print(f"ok: views written, mirrored and read back; route {route} ({how})")
     finally:
         child.join(30)
         if child.is_alive():
