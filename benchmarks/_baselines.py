@@ -194,7 +194,7 @@ def dist_init(backend: str, store, rank: int, device: torch.device) -> None:
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
-def _dist_batch(tensor: torch.Tensor, n: int, rank: int, sender: int, pages: int = 1) -> None:
+def _dist_batch(tensor: torch.Tensor, n: int, rank: int, sender: int, pages: int, group_ops: int) -> None:
     import torch.distributed as dist
 
     if pages == 1:
@@ -207,7 +207,7 @@ def _dist_batch(tensor: torch.Tensor, n: int, rank: int, sender: int, pages: int
     views = tensor.view(pages, -1)
     order = torch.randperm(pages, generator=torch.Generator().manual_seed(rank)).tolist()
     op = dist.isend if rank == sender else dist.irecv
-    groups = [order[at:at + DIST_GROUP_OPS] for at in range(0, pages, DIST_GROUP_OPS)]
+    groups = [order[at:at + group_ops] for at in range(0, pages, group_ops)]
     for _ in range(n):
         for group in groups:
             for work in dist.batch_isend_irecv([dist.P2POp(op, views[i], 1 - rank) for i in group]):
@@ -219,7 +219,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def serve_dist(nbytes: int, send: bool, device: torch.device, pages: int = 1) -> None:
+def serve_dist(nbytes: int, send: bool, device: torch.device, pages: int = 1,
+               group_ops: int = DIST_GROUP_OPS) -> None:
     """The peer's half (rank 1): runs the batches rank 0 announces until it announces 0."""
     import torch.distributed as dist
 
@@ -230,11 +231,12 @@ def serve_dist(nbytes: int, send: bool, device: torch.device, pages: int = 1) ->
         n = int(count.item())
         if n == 0:
             break
-        _dist_batch(data, n, 1, 1 if send else 0, pages)
+        _dist_batch(data, n, 1, 1 if send else 0, pages, group_ops)
     _sync(device)
 
 
-def measure_dist(nbytes: int, send: bool, device: torch.device, seconds: float, pages: int = 1):
+def measure_dist(nbytes: int, send: bool, device: torch.device, seconds: float, pages: int = 1,
+                 group_ops: int = DIST_GROUP_OPS):
     """The driver's half (rank 0): one batch to warm up (and to create NCCL's p2p
     communicator), then batches of about 0.1 s until `seconds` have passed. Every batch is
     announced to the peer with a count, so both sides post matching operations."""
@@ -249,7 +251,7 @@ def measure_dist(nbytes: int, send: bool, device: torch.device, seconds: float, 
         count.fill_(n)
         dist.send(count, 1)
         if n:
-            _dist_batch(data, n, 0, sender, pages)
+            _dist_batch(data, n, 0, sender, pages, group_ops)
         _sync(device)
         return time.perf_counter() - t
 

@@ -274,7 +274,7 @@ class Decode:
             time.sleep(0.0001)
         return when[0]
 
-    def do_dist(self, backend, nbytes, send, pages):
+    def do_dist(self, backend, nbytes, send, pages, group_ops):
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -283,7 +283,7 @@ class Decode:
             _baselines.dist_init(backend, dist.FileStore(self.store_path, 2), 1, self.device)
         else:
             self.conn.send(("ok", None))
-        _baselines.serve_dist(nbytes, send, self.device, pages)
+        _baselines.serve_dist(nbytes, send, self.device, pages, group_ops)
 
 
 def _decode_main(conn, device: str, store_path: str) -> None:
@@ -440,13 +440,13 @@ class Driver:
             import torch.distributed as dist
 
             self.conn.send(("dist", dict(backend=self.baseline, nbytes=nbytes, send=op == "pull",
-                                         pages=facts["pages"])))
+                                         pages=facts["pages"], group_ops=self.args.dist_group)))
             self.reply("dist")
             if not dist.is_initialized():
                 _baselines.dist_env(True, nvlink=True)
                 _baselines.dist_init(self.baseline, dist.FileStore(self.store_path, 2), 0, self.device)
             moved, seconds = _baselines.measure_dist(nbytes, op == "push", self.device, self.args.duration,
-                                                     facts["pages"])
+                                                     facts["pages"], self.args.dist_group)
             self.reply("dist")
             self.base_ms[key] = seconds / (moved / nbytes)
         return self.base_ms[key]
@@ -633,6 +633,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def report(args, rows: list[dict]) -> int:
     title = (f"# torch_p2p kv: {args.device} -> peer {args.peer_device}, block size {BLOCK}, median of "
              f"{args.repeat} requests; GB/s = 1e9 bytes/s")
+    if args.baseline in ("nccl", "gloo"):
+        title += f"; {args.baseline}: batch_isend_irecv, {args.dist_group} pages per group"
     print(title)
     print(tables(rows))
     print(LEGEND)
@@ -665,6 +667,9 @@ def parse_args(argv=None):
                     help="batch_isend_irecv of the same pages, at most 4096 per group (default: nccl on GPUs, gloo on "
                          "CPUs), or NIXL or Mooncake moving the same blocks")
     ap.add_argument("--duration", type=float, default=1.0, metavar="S", help="seconds of baseline per row")
+    ap.add_argument("--dist-group", type=int, default=_baselines.DIST_GROUP_OPS, metavar="N",
+                    help=f"pages per batch_isend_irecv group of the nccl / gloo baseline (default "
+                         f"{_baselines.DIST_GROUP_OPS}: NCCL does not finish one group of 65,536)")
     ap.add_argument("--no-stream", dest="stream", action="store_false", help="no layer-streaming rows")
     ap.add_argument("--layer-ms", type=float, default=None, metavar="MS",
                     help="the stand-in forward's time per layer (default: the model's FLOPs on GPUs, 20 on CPUs)")
@@ -689,8 +694,8 @@ def parse_args(argv=None):
         args.baseline = "nccl" if on_gpu else "gloo"
     if args.layer_ms is None and not on_gpu:
         args.layer_ms = 20.0
-    if min(args.tokens) < 1 or args.repeat < 1 or args.duration <= 0:
-        ap.error("--tokens and --repeat must be >= 1 and --duration > 0")
+    if min(args.tokens) < 1 or args.repeat < 1 or args.duration <= 0 or args.dist_group < 1:
+        ap.error("--tokens, --repeat and --dist-group must be >= 1 and --duration > 0")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # now, not after the sweep
         ap.error("--plot needs matplotlib: pip install matplotlib")
     return args
