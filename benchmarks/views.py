@@ -45,7 +45,7 @@ try:
 except ImportError:  # run from a checkout without installing: use the in-place build
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_p2p as p2p
-from _common import parse_size
+from _common import aligned, parse_size
 
 TARGET_US = 0.15  # per view pair, the views form's parse
 
@@ -119,9 +119,7 @@ def table(rows: list[dict]) -> str:
     head = ["what", "op", "form", "pages", "page", "us/call", "us/view", "x pages"]
     lines = [head] + [[r["what"], r["op"], r["form"], str(r["pages"]), f"{r['page_bytes'] >> 10}KiB",
                        f"{r['us_per_call']:.2f}", f"{r['us_per_view']:.3f}", f"{r['x_pages']:.1f}"] for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
-                     for line in lines)
+    return aligned(lines, 3)
 
 
 def main(argv=None) -> int:

@@ -1,8 +1,8 @@
 """A trainer pushes fresh weights to inference processes after every optimizer step
 (torch_p2p.weights), and each checks its outputs against the trainer's for that version.
 
-    python examples/weight_update.py                   # CPU, tcp over loopback
-    python examples/weight_update.py --device cuda     # GPUs round robin (one GPU is enough)
+    python examples/weight_update.py                   # GPUs round robin if any (one is enough)
+    python examples/weight_update.py --device cpu      # host memory (the cma route between processes)
 
 Processes: the trainer (this one: a transformers Llama with random weights, fp32, whole
 tensors) and inference processes that receive each version:
