@@ -983,7 +983,8 @@ def parse_args(argv=None):
     ap.add_argument("--host-memory", choices=["shared", "private"], default="shared",
                     help="host buffers in shared memory (share_memory_(), default: the cma route maps the "
                          "peer's and copies with memcpy) or private (the kernel copies between the processes)")
-    ap.add_argument("--duration", type=float, default=1.0, metavar="S", help="timed seconds per row (default 1)")
+    ap.add_argument("--duration", type=float, default=0.5, metavar="S",
+                    help="timed seconds per row (default 0.5)")
     ap.add_argument("--window", type=int, default=4, metavar="N",
                     help="calls in flight (default 4); 1 also reports each call's latency (median, p99)")
     ap.add_argument("--baseline", nargs="+", default=["auto"],
