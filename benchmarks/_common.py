@@ -93,7 +93,7 @@ def exit_on_sigterm() -> None:
 # -- the live line ---------------------------------------------------------------------------------
 class Progress:
     """The live line on stderr, after the seed program's:
-        [12.345s] WRITE paged 64KiB x256, tcp direct, 1 rail: 63% of 1 s, views=..., bytes=..., bw=...Gbps(..%), ...ops/s
+        [12.345s] WRITE paged 64KiB x256, tcp direct, 1 rail: 0.6 of 1 s, views=..., bytes=..., bw=...Gbps, ...views/s
     On a terminal it is redrawn about 5 times a second; elsewhere (CI logs) only each row's
     final line is written. The driver thread updates the counters; a daemon thread draws."""
 

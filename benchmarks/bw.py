@@ -35,10 +35,10 @@ line rate is unknown: loopback, shm):
          (sendall / recv_into on preallocated buffers, one thread per stream)
   nccl   torch.distributed send/recv between the same two processes, GPU tensors (paged rows:
          batch_isend_irecv of the call's pages, at most 4096 per group: NCCL does not finish
-         one group of 65,536); in local mode NCCL is held to its socket
-         transport on lo (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1
-         NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo, unless set), or with --nccl-nvlink left to its
-         own choice (NVLink between GPUs of one host); it needs the peer on another GPU
+         one group of 65,536); in local mode NCCL is held to its socket transport on lo
+         (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket
+         NCCL_SOCKET_IFNAME=lo, unless set), or with --nccl-nvlink left to its own choice
+         (NVLink between GPUs of one host); it needs the peer on another GPU
   gloo   the same with gloo on CPU tensors
   memcpy cudaMemcpyPeerAsync of the call's bytes as one block, GPU to GPU in this process
          (local mode): the ceiling of the same-host route; on host memory ("1-thread memcpy"),

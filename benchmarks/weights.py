@@ -218,11 +218,6 @@ def destination(conn, rank: int, args) -> None:
             cmd, *rest = conn.recv()
             if cmd == "bye":
                 break
-            if cmd == "undist":  # every rank at once: NCCL's teardown waits for its peers
-                import torch.distributed as dist
-
-                dist.destroy_process_group()
-                conn.send(("ok", None))
             if cmd == "join":
                 dest = pw.WeightDestination(engine, pw.whole(tensors), rest[0], name=f"dest{rank}",
                                             window=rest[1])
@@ -249,6 +244,11 @@ def destination(conn, rank: int, args) -> None:
                                       device=device)
                 for _ in range(updates + 1):
                     broadcast_update(list(tensors.values()), dtype, args.bucket, groups[n], False, buf)
+                conn.send(("ok", None))
+            elif cmd == "undist":  # every rank at once: NCCL's teardown waits for its peers
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
                 conn.send(("ok", None))
         if dest is not None:
             dest.close()
