@@ -41,7 +41,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_rate(per_s: float, unit: str) -> str:
-    """A rate with the SI prefix that keeps three significant digits: 0.00042 Mops is 420 ops."""
+    """A rate with the SI prefix that keeps three significant digits: 420 views/s, not 0.000 Mops."""
     for prefix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if per_s >= scale:
             return f"{per_s / scale:.3g}{prefix}{unit}"

@@ -102,7 +102,7 @@ except ImportError:  # run from a checkout without installing: use the in-place 
 
 import _baselines
 from _common import (Channel, PeerFailed, Progress, SocketChannel, StoreBarrier, StoreChannel, aligned,
-                     exit_on_sigterm, fmt_size, parse_size, reap, spawn)
+                     exit_on_sigterm, fmt_rate, fmt_size, parse_size, reap, spawn)
 
 CONTROL_TIMEOUT_S = 300.0  # longest wait for the peer's answer (checks of big buffers included)
 LEGEND = """\
@@ -111,7 +111,8 @@ columns:
   Gbps           payload, 1e9 bits per second of the timed calls (time.perf_counter() around them)
   %line          Gbps / the rails' link speed, where the provider reports one (EFA, verbs); "-" on
                  loopback, shm and the same-host routes (ipc, cma), which have no line rate
-  Mops           million views per second: pages on paged and views rows, calls on contiguous rows
+  views/s        views per second (k = 1e3, M = 1e6): pages on paged and views rows, calls on
+                 contiguous rows
   <b> Gbps       baseline <b> moving the same bytes per call, measured in this run
   ratio          Gbps / the baseline's Gbps to its left (above 1: torch_p2p is faster)
   x paged        a views row's Gbps / the paged row's of the same op, page size and pages: what a
@@ -681,7 +682,7 @@ def merge(per_gpu: list[list[dict]]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = ["op", "layout", "page", "pages", "rails", "MiB/call", "Gbps", "%line", "Mops"]
+    head = ["op", "layout", "page", "pages", "rails", "MiB/call", "Gbps", "%line", "views/s"]
     names = list(dict.fromkeys(name for r in rows for name in r["baselines"]))
     host = rows[0]["device"].startswith("cpu")
     for name in names:
@@ -696,7 +697,7 @@ def table(rows: list[dict]) -> str:
                  f"{r['pages'] * r['page_bytes'] / (1 << 20):.2f}"]
         if r["ok"]:
             line = r["line_rate_bps"]
-            cells += [f"{r['gbps']:.3f}", f"{100 * r['gbps'] * 1e9 / line:.1f}" if line else "-", f"{r['mops']:.3g}"]
+            cells += [f"{r['gbps']:.3f}", f"{100 * r['gbps'] * 1e9 / line:.1f}" if line else "-", fmt_rate(r['mops'] * 1e6, "")]
         else:
             cells += ["CORRUPT" if (r["error"] or "").startswith("CORRUPT") else "FAILED", "-", "-"]
         for name in names:

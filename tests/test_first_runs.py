@@ -71,7 +71,7 @@ def test_bw_on_host_memory_names_the_cma_route_and_its_copy_threads():
     rows = [line for line in err.splitlines() if line.startswith("[") and " x16, " in line]
     assert rows and all("cma, 2 copy threads" in line for line in rows), err
     assert "1-thread memcpy Gbps" in out, out
-    for word in ("MiB/call", "Mops", "ratio", "x paged", "%line"):
+    for word in ("MiB/call", "views/s", "ratio", "x paged", "%line"):
         assert re.search(rf"^  {re.escape(word)}\s", out, re.MULTILINE), f"{word} is not explained:\n{out}"
     assert "100%" not in err and "0.000Mops" not in err, err
 
