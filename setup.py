@@ -78,7 +78,16 @@ def extension():
     return (CUDAExtension if cuda else CppExtension)(**kwargs)
 
 
+class BuildKept(BuildExtension):
+    """Object files under build/temp of the tree, for every build: `pip install -e .` would
+    otherwise compile in a new temporary directory each time, every source again."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = os.path.join(ROOT, "build", "temp")
+
+
 setup(
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildKept.with_options(use_ninja=True)},
 )
