@@ -98,12 +98,18 @@ def run_model(name: str, updates: int, workdir: str) -> dict:
             engine.send_weights()
             pushes.append(engine.push_seconds)
 
+        # Paused, as vLLM's RL protocol has it: pausing also clears the prefix cache, whose
+        # blocks hold the KV of the weights before.
+        server.pause()
         by_torch_p2p(), by_safetensors()  # warm-up: first-touch of buffers, page cache
         p2p_s = _median(by_torch_p2p, updates, trainer)
         push_s = statistics.median(pushes[1:])
         disk_s = _median(by_safetensors, updates, trainer)
+        server.resume()
         reloaded = server.generate(PROMPTS, 12)
+        server.pause()
         by_torch_p2p()
+        server.resume()
         pushed = server.generate(PROMPTS, 12)
         if pushed != reloaded:
             raise AssertionError(f"{name}: tokens after the torch_p2p update differ from those after reloading "

@@ -58,12 +58,14 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError(f"vLLM server not up in time:\n{self.log_tail()}")
 
-    def generate(self, prompts: list[str], max_tokens: int) -> list[str]:
-        """Greedy continuations, every one `max_tokens` long."""
-        r = requests.post(self.url + "/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
+    def generate(self, prompts: list[str], max_tokens: int) -> list[tuple[str, list[float]]]:
+        """Greedy continuations, every one `max_tokens` long, each with its tokens' logprobs
+        (which a slight difference in the weights changes even where the tokens stay)."""
+        r = requests.post(self.url + "/v1/completions", timeout=300, json={
+            "model": "tiny", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": 1})
         r.raise_for_status()
-        return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+        return [(c["text"], c["logprobs"]["token_logprobs"]) for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
 
     def pause(self) -> None:
         """Stops generation for a weight update and clears the prefix cache: blocks cached

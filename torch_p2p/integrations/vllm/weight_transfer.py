@@ -112,7 +112,7 @@ class TorchP2PWeightTransferEngine(WeightTransferEngine[TorchP2PInitInfo, TorchP
             name: torch.empty(shape, dtype=model_dtype if dtype.is_floating_point else dtype, device=self.device)
             for name, dtype, shape in zip(init_info.names, init_info.dtypes, init_info.shapes)}
         self._engine = torch_p2p.Engine(str(self.device), provider=init_info.provider)
-        rank = self.parallel_config.rank
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self._dest = pw.WeightDestination(self._engine, pw.whole(self._buffers), init_info.leader_address,
                                           name=f"vllm-{os.getpid()}/rank{rank}")
         try:
