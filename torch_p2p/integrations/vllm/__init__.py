@@ -14,15 +14,26 @@ WEIGHT_BACKEND = "torch_p2p"
 
 
 def register() -> None:
-    """Registers the connector and the weight-transfer engine with vLLM's factories (lazily:
-    vLLM imports the classes when a configuration names them). Safe to call more than once."""
+    """Registers the connector and the weight-transfer engines (inference and trainer side)
+    with vLLM's factories, lazily: vLLM imports a class when a configuration names it. Safe to
+    call more than once (vLLM runs plugins in every process, sometimes twice in one)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
+                                                          WeightTransferTrainerFactory)
 
-    if CONNECTOR not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(
-            CONNECTOR, "torch_p2p.integrations.vllm.connector", "TorchP2PConnector")
-    if WEIGHT_BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(
-            WEIGHT_BACKEND, "torch_p2p.integrations.vllm.weight_transfer",
-            "TorchP2PWeightTransferEngine")
+    module = "torch_p2p.integrations.vllm."
+    _once(KVConnectorFactory.register_connector, CONNECTOR, module + "connector", "TorchP2PConnector")
+    _once(WeightTransferEngineFactory.register_engine, WEIGHT_BACKEND, module + "weight_transfer",
+          "TorchP2PWeightTransferEngine")
+    _once(WeightTransferTrainerFactory.register_engine, WEIGHT_BACKEND, module + "weight_transfer",
+          "TorchP2PTrainerWeightTransferEngine")
+
+
+def _once(register_fn, *args) -> None:
+    # The factories' registries are private; what they promise is this error on a second
+    # registration of a name.
+    try:
+        register_fn(*args)
+    except ValueError as e:
+        if "already registered" not in str(e):
+            raise

@@ -1,0 +1,99 @@
+"""The "torch_p2p" weight-transfer backend in a real vLLM server: a trainer (this process)
+pushes new weights into a running instance selected by its --weight-transfer-config alone, and
+the instance then generates exactly what an instance started from those weights generates: the
+same greedy tokens with the same logprobs (bitwise: same kernels, one thread). The logprobs
+because a few wrong bytes may leave every greedy token as it was."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+# A submodule: inside pytest, a bare "vllm" may resolve to this tests/vllm folder (a namespace
+# package) where vLLM is not installed.
+pytest.importorskip("vllm.distributed.weight_transfer.base")
+
+from tiny_model import make_tiny_llama, prompt  # noqa: E402
+from vllm_server import START_TIMEOUT, Server  # noqa: E402
+
+PROMPTS = [prompt(5), prompt(23, offset=3), prompt(60, offset=11)]
+MAX_TOKENS = 16
+
+
+@pytest.fixture
+def servers():
+    started: list[Server] = []
+
+    def start(*args, **kwargs) -> Server:
+        started.append(Server(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.kill()
+
+
+def _state_dict(model_dir: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(model_dir, "model.safetensors"))
+
+
+def _update(server, engine) -> None:
+    server.pause()
+    engine.send_weights()
+    server.resume()
+
+
+@pytest.mark.timeout(1500)
+def test_trainer_pushes_two_versions_into_a_running_server(tmp_path, servers):
+    import torch
+    from transformers import LlamaForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
+
+    from torch_p2p.integrations.vllm.weight_transfer import TorchP2PTrainerInitInfo
+
+    start, second, third = (make_tiny_llama(str(tmp_path / f"m{seed}"), seed=seed) for seed in (0, 1, 2))
+    served = servers(start, str(tmp_path / "served.log"), weight_backend="torch_p2p")
+    reference = servers(second, str(tmp_path / "ref1.log"))
+    deadline = time.monotonic() + START_TIMEOUT
+    served.wait_ready(deadline)
+    reference.wait_ready(deadline)
+    before, expected = served.generate(PROMPTS, MAX_TOKENS), reference.generate(PROMPTS, MAX_TOKENS)
+    assert [text for text, _ in before] != [text for text, _ in expected], \
+        "the two weight sets must give other tokens, or the test proves little"
+
+    # The trainer: a model whose parameters change in place, as an optimizer step changes them.
+    # The backend comes from the entry point, as in any trainer process.
+    load_general_plugins()
+    trainer = LlamaForCausalLM.from_pretrained(start, dtype=torch.float32)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        TorchP2PTrainerInitInfo(rank=0, timeout=60.0), client=HTTPVLLMWeightSyncClient(served.url, timeout=120),
+        source=ModuleSource(trainer))
+    try:
+        total = sum(p.numel() * p.element_size() for p in trainer.parameters())
+        with torch.no_grad():
+            trainer.load_state_dict(_state_dict(second))
+        _update(served, engine)
+        assert served.generate(PROMPTS, MAX_TOKENS) == expected
+        assert served.weight_version() == "1"
+        (worker,) = engine.last_result.received
+        assert worker.startswith("vllm-") and engine.last_result.bytes_sent == total
+
+        # A second version; its reference instance starts meanwhile (two instances at most).
+        reference.kill()
+        reference = servers(third, str(tmp_path / "ref2.log"))
+        with torch.no_grad():
+            trainer.load_state_dict(_state_dict(third))
+        _update(served, engine)
+        reference.wait_ready(time.monotonic() + START_TIMEOUT)
+        expected = reference.generate(PROMPTS, MAX_TOKENS)
+        assert served.generate(PROMPTS, MAX_TOKENS) == expected
+        assert served.weight_version() == "2"
+        assert engine.last_result.received == [worker] and engine.last_result.version == 2
+    finally:
+        engine.shutdown()
