@@ -180,8 +180,8 @@ class KVTransfer:
         start = time.perf_counter()
         nbytes = len(local_blocks) * self.cache.block_bytes
         try:
-            peer = self._handshake(where, remote_engine_id)
-            handshake = time.perf_counter() - start
+            peer, fetched = self._handshake(where, remote_engine_id)
+            handshake = time.perf_counter() - start if fetched else 0.0
             begun = time.perf_counter()
             fut = self.cache.pull(peer, remote_blocks, local_blocks, notify=notify, timeout=self.timeout)
         except BaseException as e:  # reported as a failed load, never raised into vLLM's step
@@ -197,10 +197,11 @@ class KVTransfer:
             self._loaded.put(Pulled(request_id, len(local_blocks), nbytes, time.perf_counter() - begun, handshake, err))
         fut.add_done_callback(done)
 
-    def _handshake(self, where: tuple[str, int], remote_engine_id: str) -> kv.KVCacheHandle:
+    def _handshake(self, where: tuple[str, int], remote_engine_id: str) -> tuple[kv.KVCacheHandle, bool]:
+        """The handle of the engine at `where`, and whether it was fetched now."""
         known = self._peers.get(where)
         if known is not None and known[0] == remote_engine_id:
-            return known[1]
+            return known[1], False
         info = json.loads(fetch(*where, timeout=self.timeout))
         if info["engine_id"] != remote_engine_id:
             raise ValueError(f"{where[0]}:{where[1]} serves engine {info['engine_id']}, not {remote_engine_id}")
@@ -208,7 +209,7 @@ class KVTransfer:
             raise ValueError(f"engine {remote_engine_id} has layers {info['layers']}, this one {self.names}")
         peer = kv.KVCacheHandle.from_bytes(base64.b64decode(info["handle"]))
         self._peers[where] = (remote_engine_id, peer)
-        return peer
+        return peer, True
 
     # -- prefill side ----------------------------------------------------------------------------
     def hold(self, request_id: str, lease: float | None = None) -> None:

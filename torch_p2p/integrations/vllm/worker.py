@@ -24,7 +24,6 @@ class Worker:
         self._loading: dict[str, list[int]] = {}  # request -> its local blocks
         self._failed: set[str] = set()
         self._failed_blocks: set[int] = set()
-        self.stats = dict(pulls=0, pulled_blocks=0, pulled_bytes=0, failed_loads=0, freed=0, expired=0)
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         first = next(iter(kv_caches.values()))
@@ -69,7 +68,6 @@ class Worker:
             return set(), set(), set()
         freed, loaded = self.transfer.poll()
         for request_id, pulled in freed.items():
-            self.stats["freed" if pulled else "expired"] += 1
             if pulled:
                 logger.info("TorchP2PConnector: request %s's blocks freed: a decode engine pulled them", request_id)
             else:
@@ -83,9 +81,6 @@ class Worker:
             if self._loading.pop(p.request_id, None) is None:
                 continue  # notify-only: nothing was waiting for it
             done.add(p.request_id)
-            self.stats["pulls"] += 1
-            self.stats["pulled_blocks"] += p.blocks
-            self.stats["pulled_bytes"] += p.bytes
             logger.info("TorchP2PConnector: pulled %d blocks (%d bytes) of request %s in %.3f ms "
                         "(handshake %.3f ms)", p.blocks, p.bytes, p.request_id, p.seconds * 1e3,
                         p.handshake_seconds * 1e3)
@@ -99,7 +94,6 @@ class Worker:
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         blocks = self._loading.pop(request_id, None)
-        self.stats["failed_loads"] += 1
         logger.error("TorchP2PConnector: loading request %s failed: %s: %s", request_id, type(error).__name__, error)
         if blocks is not None:  # a notify-only load has nothing to redo
             self._failed.add(request_id)
