@@ -156,3 +156,13 @@ def test_side_channel_and_tags():
     with pytest.raises(OSError):
         from peer_helpers import free_port
         fetch("127.0.0.1", free_port(), timeout=2)
+
+
+def test_side_channel_port_taken():
+    caches = vllm_caches("cpu", False, seed=None)
+    first = KVTransfer(caches, "cpu", engine_id="a", port=0)
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{first.side_channel.port}"):
+            KVTransfer(caches, "cpu", engine_id="b", port=first.side_channel.port)
+    finally:
+        first.close()

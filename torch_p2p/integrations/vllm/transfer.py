@@ -153,7 +153,14 @@ class KVTransfer:
         self.engine_id, self.timeout, self.lease = engine_id, timeout, lease
         self.info = json.dumps(dict(engine_id=engine_id, layers=self.names,
                                     handle=base64.b64encode(self.cache.handle.to_bytes()).decode())).encode()
-        self.side_channel = SideChannel(host, port, self.info) if port is not None else None
+        try:
+            self.side_channel = SideChannel(host, port, self.info) if port is not None else None
+        except OSError as e:
+            self.cache.close()
+            if self._own_engine:
+                self.engine.close()
+            raise OSError(e.errno, f"TorchP2PConnector's side channel cannot listen on {host}:{port} "
+                                   f"({e.strerror}): give each instance of a host its own side_channel_port") from e
         self._peers: dict[tuple[str, int], tuple[str, kv.KVCacheHandle]] = {}
         # Handshakes leave the model's step: a slow or dead prefill host delays only its requests.
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="torch_p2p-load")
