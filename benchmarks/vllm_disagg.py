@@ -8,6 +8,8 @@ Per prompt length, medians over the repeats:
             timed around LLM.generate inside its instance
   load      in the decode worker, from the step that starts the request's load to the step
             that reports it done (benchmarks/_vllm_timed.py: one clock for both connectors)
+  pull      TorchP2PConnector's own log: the pull alone, issue to completion (NixlConnector
+            logs no such time)
 
     /work/venv-vllm/bin/python benchmarks/vllm_disagg.py [--lengths 64 512 1536] [--repeats 5]
 
@@ -65,7 +67,10 @@ def run(name: str, model: str, lengths: list[int], repeats: int, port: int) -> d
             done, seen = done[seen:], len(done)
             if len(done) != repeats or any(d[3] == "True" for d in done):
                 raise RuntimeError(f"{name}: {len(done)} loads for {repeats} requests, or one failed:\n{decode.tail()}")
-            rows[n] = (statistics.median(ttft), statistics.median(float(d[2]) for d in done))
+            pulls = [float(m.group(1)) / 1e3 for line in decode.grep("TorchP2PConnector: pulled")
+                     if (m := re.search(r" in ([\d.]+) ms", line))]
+            rows[n] = (statistics.median(ttft), statistics.median(float(d[2]) for d in done),
+                       statistics.median(pulls[-repeats:]) if pulls else float("nan"))
         return rows
     finally:
         prefill.kill()
@@ -91,11 +96,11 @@ def main() -> None:
     print(f"\nLlama {args.layers} layers, hidden {args.hidden} (KV {kib:.0f} KiB a token, float32), "
           f"block 32, medians of {args.repeats}; ratio = torch_p2p / nixl")
     print(f"{'tokens':>7} {'KV MiB':>7} | {'TTFT torch_p2p':>14} {'TTFT nixl':>10} {'ratio':>6} | "
-          f"{'load torch_p2p':>14} {'load nixl':>10} {'ratio':>6}")
+          f"{'load torch_p2p':>14} {'load nixl':>10} {'ratio':>6} | {'pull torch_p2p':>14}")
     for n in args.lengths:
-        (t_ours, l_ours), (t_nixl, l_nixl) = results["torch_p2p"][n], results["nixl"][n]
+        (t_ours, l_ours, pull), (t_nixl, l_nixl, _) = results["torch_p2p"][n], results["nixl"][n]
         print(f"{n:>7} {n * kib / 1024:>7.1f} | {t_ours * 1e3:>11.1f} ms {t_nixl * 1e3:>7.1f} ms {t_ours / t_nixl:>6.2f} | "
-              f"{l_ours * 1e3:>11.2f} ms {l_nixl * 1e3:>7.2f} ms {l_ours / l_nixl:>6.2f}")
+              f"{l_ours * 1e3:>11.2f} ms {l_nixl * 1e3:>7.2f} ms {l_ours / l_nixl:>6.2f} | {pull * 1e3:>11.2f} ms")
 
 
 if __name__ == "__main__":
