@@ -190,7 +190,7 @@ class KVTransfer:
             peer, fetched = self._handshake(where, remote_engine_id)
             handshake = time.perf_counter() - start if fetched else 0.0
             begun = time.perf_counter()
-            fut = self.cache.pull(peer, remote_blocks, local_blocks, notify=notify, timeout=self.timeout)
+            fut = self.cache.pull(peer, remote_blocks, local_blocks, timeout=self.timeout)
         except BaseException as e:  # reported as a failed load, never raised into vLLM's step
             self._loaded.put(Pulled(request_id, len(local_blocks), nbytes, 0.0, time.perf_counter() - start, e))
             return
@@ -199,6 +199,9 @@ class KVTransfer:
             err = None
             try:
                 f.value()
+                # The blocks are here: tell the prefill side without waiting for it to hear (a
+                # notice that fails leaves its blocks to the lease).
+                self.cache.pull(peer, [], [], notify=notify, timeout=self.timeout)
             except BaseException as e:
                 err = e
             self._loaded.put(Pulled(request_id, len(local_blocks), nbytes, time.perf_counter() - begun, handshake, err))
