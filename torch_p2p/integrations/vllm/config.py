@@ -1,0 +1,35 @@
+"""TorchP2PConnector's settings: kv_connector_extra_config keys, then environment variables,
+then defaults."""
+from __future__ import annotations
+
+import os
+
+DEFAULTS = {
+    # The prefill side's side channel: decode workers fetch its cache handle there once.
+    "side_channel_host": ("TORCH_P2P_SIDE_CHANNEL_HOST", "127.0.0.1"),
+    "side_channel_port": ("TORCH_P2P_SIDE_CHANNEL_PORT", 5610),
+    # Seconds a finished prefill request's blocks wait for a pull before they are freed.
+    "kv_lease_duration": ("TORCH_P2P_KV_LEASE", 30.0),
+    # Seconds a handshake or a pull may take before the request's load fails.
+    "transfer_timeout": ("TORCH_P2P_TRANSFER_TIMEOUT", 10.0),
+}
+
+
+def setting(kv_transfer_config, key: str):
+    env, default = DEFAULTS[key]
+    value = kv_transfer_config.get_from_extra_config(key, None)
+    if value is None:
+        value = os.environ.get(env, default)
+    try:
+        return type(default)(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"TorchP2PConnector: {key} (kv_connector_extra_config, or ${env}) must be a "
+                         f"{type(default).__name__}, not {value!r}") from None
+
+
+def engine_port(vllm_config) -> int:
+    """The first side-channel port of this engine; its tensor-parallel worker r serves port +
+    r (data-parallel engines get ranges of their own)."""
+    parallel = vllm_config.parallel_config
+    base = setting(vllm_config.kv_transfer_config, "side_channel_port")
+    return base + parallel.data_parallel_index * parallel.tensor_parallel_size
