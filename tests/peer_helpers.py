@@ -189,6 +189,21 @@ def drop_ptrace_capability(state) -> None:
         raise OSError(ctypes.get_errno(), "capset")
 
 
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def ptrace_errno(state, pid: int) -> int:
+    """What the OS answers this process's process_vm_readv of one byte of process `pid`: EPERM
+    where it has no ptrace access to it, EFAULT where it has (address 1 is never mapped)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    byte = ctypes.create_string_buffer(1)
+    local, remote = _Iovec(ctypes.addressof(byte), 1), _Iovec(1, 1)
+    if libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) == 1:
+        return 0
+    return ctypes.get_errno()
+
+
 def start_engine(state, provider: str, **kwargs) -> bytes:
     state["engine"] = p2p.Engine("cpu", **engine_kwargs(provider, **kwargs))
     state["engine.shared"] = shares_memory(provider)

@@ -48,6 +48,7 @@ def test_pinned_worker_spins_unless_told(monkeypatch):
     ("TORCH_P2P_POST_BATCH", "many", "TORCH_P2P_POST_BATCH must be an integer"),
     ("TORCH_P2P_MAX_CHUNK", "-1", "TORCH_P2P_MAX_CHUNK must be an integer"),
     ("TORCH_P2P_POST_BATCH", "0", "sizes and batch must be positive"),
+    ("TORCH_P2P_CMA_PTRACE", "all", 'TORCH_P2P_CMA_PTRACE must be "peers" or "any"'),
 ])
 def test_bad_variables_raise(monkeypatch, var, value, message):
     monkeypatch.setenv(var, value)

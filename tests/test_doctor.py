@@ -148,6 +148,21 @@ def test_warns_cma_off_under_yama_scope_2(tmp_path, monkeypatch):
     assert report["routes"][0]["route"] == "cma"
 
 
+def test_warns_ptrace_opened_to_any(tmp_path, monkeypatch):
+    """TORCH_P2P_CMA_PTRACE=any opens the process to every process of the user: a warning where
+    Yama's scope 1 would otherwise keep it closed, none where nothing is opened."""
+    env = {"FI_EFA_USE_DEVICE_RDMA": "1", "TORCH_P2P_CMA_PTRACE": "any"}
+    monkeypatch.setattr(doctor, "ptrace_scope", lambda: 1)
+    report, _ = aws_report(p5(tmp_path), env=env)
+    assert any("TORCH_P2P_CMA_PTRACE=any: every process of this user" in p for p in problems(report))
+    assert "every process of this user" in report["ptrace"]
+    report, _ = aws_report(p5(tmp_path / "a"), env={"FI_EFA_USE_DEVICE_RDMA": "1"})
+    assert "lets one same-host peer" in report["ptrace"] and not any("PTRACE" in p for p in problems(report))
+    monkeypatch.setattr(doctor, "ptrace_scope", lambda: 0)
+    report, _ = aws_report(p5(tmp_path / "b"), env=env)
+    assert not any("TORCH_P2P_CMA_PTRACE" in p for p in problems(report))
+
+
 def test_no_provider_at_all():
     report = doctor.collect(env={}, offers={p: ABSENT for p in doctor.PROVIDERS}, gpu_pcis=[])
     assert report["default_provider"] is None

@@ -71,6 +71,20 @@ def ptrace_scope() -> int:
         return 0
 
 
+def ptrace_consent(scope: int, env: dict[str, str]) -> str:
+    """What an engine's cma route lets other processes do to its process
+    (csrc/routes/host_cma/ptrace_consent.h)."""
+    if env.get("TORCH_P2P_CMA", "1") == "0" or scope >= 2:
+        return "the cma route is off: engines open their process to no one"
+    if scope == 0:
+        return ("no Yama consent needed (scope 0 or no Yama): every process of this user may read and write "
+                "any other, engine or not")
+    if env.get("TORCH_P2P_CMA_PTRACE") == "any":
+        return "TORCH_P2P_CMA_PTRACE=any: an engine's process lets every process of this user read and write it"
+    return ("scope 1: an engine's process lets one same-host peer read and write it (the first that copies its "
+            "private host memory); tensors in shared memory reach every peer as descriptors, without consent")
+
+
 def routes(gpus: int, peer_access: Callable[[int, int], bool], offer: dict[str, Any] | None,
            env: dict[str, str], scope: int = 0) -> list[dict[str, Any]]:
     """The route a transfer between each pair of devices of this host takes (and to another host)."""
@@ -116,6 +130,7 @@ def collect(*, env: dict[str, str] | None = None, offers: dict[str, dict] | None
         "gpus": gpu_plans(offer, gpu_pcis, sysfs, allowed_cpus),
         "ptrace_scope": (scope := ptrace_scope()),
         "routes": routes(len(gpu_pcis), peer_access, offer, env, scope),
+        "ptrace": ptrace_consent(scope, env),
         "settings": settings(env),
         "tcp_rails": topology.default_tcp_rails(),
     }
@@ -180,8 +195,13 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
                  "unset TORCH_P2P_NUM_RAILS (and TORCH_P2P_DOMAINS): every NIC of the GPU becomes a rail")
     if env.get("TORCH_P2P_CMA", "1") != "0" and (scope := report.get("ptrace_scope", 0)) >= 2:
         warn(f"kernel.yama.ptrace_scope is {scope}: the cma route is off, host memory between processes "
-             "of this host takes the fabric", "sysctl kernel.yama.ptrace_scope=1 (the engine then consents "
-             "to its peers with PR_SET_PTRACER)")
+             "of this host takes the fabric", "sysctl kernel.yama.ptrace_scope=1 (an engine's process then "
+             "consents to one peer's copies of its private memory with PR_SET_PTRACER)")
+    if env.get("TORCH_P2P_CMA_PTRACE") == "any" and report.get("ptrace_scope", 0) == 1:
+        warn("TORCH_P2P_CMA_PTRACE=any: every process of this user may read and write the memory of a "
+             "process that opens an engine, as if kernel.yama.ptrace_scope were 0",
+             "unset it (each process then consents to one peer); tensors in shared memory "
+             "(share_memory_() before register) reach every peer without consent")
     if env.get("TORCH_P2P_SHM_FAST") == "1":
         warn("TORCH_P2P_SHM_FAST=1: shm RMA checks no key, access or bounds",
              "unset it unless every local process of this user is trusted")
@@ -215,6 +235,7 @@ def render(report: dict[str, Any], warnings: list[dict[str, str]]) -> str:
     lines.append("routes:")
     for r in report["routes"]:
         lines.append(f"  {r['from']} -> {r['to']}: {r['route']}")
+    lines.append(f"ptrace: {report['ptrace']}")
     lines.append("settings: " + (", ".join(f"{k}={v}" for k, v in report["settings"].items()) or "none set"))
     if "check" in report:
         lines.append("check (loopback, this process; baseline: memcpy of the same bytes, same run):")

@@ -92,6 +92,8 @@ void validate(const Config& c) {
   P2P_CHECK(c.timeout_s > 0 && c.peer_timeout_s > 0, ErrorKind::Value, "timeouts must be positive");
   P2P_CHECK(c.cma_threads >= -1 && c.cma_threads <= 64, ErrorKind::Value, "cma_threads must be -1 (auto) to 64, not ",
             c.cma_threads);
+  P2P_CHECK(c.cma_ptrace == "peers" || c.cma_ptrace == "any", ErrorKind::Value,
+            "TORCH_P2P_CMA_PTRACE must be \"peers\" or \"any\", not \"", c.cma_ptrace, "\"");
   P2P_CHECK(c.profile.empty() || c.profile == "efa", ErrorKind::Value, "TORCH_P2P_PROFILE must be \"efa\" or unset, not \"",
             c.profile, "\"");
 }

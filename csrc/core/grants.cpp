@@ -92,6 +92,7 @@ Grants::Grant* Grants::on_message(Peer& p, std::string_view body) {
   if (kind != kAnswer) r.fail("unknown kind");
   Grant g;
   g.answered = true;
+  g.region = region;
   g.ptr = r.get<uint64_t>();
   g.nbytes = r.get<uint64_t>();
   g.access = r.get<uint8_t>();
@@ -119,6 +120,7 @@ void Grants::answer(Peer& p, uint64_t region, uint64_t key) {
     refused = Status::error(ErrorKind::Remote, cat("the owner refused region ", region, ": not a host region with that key"));
   const bool ok = refused.ok();
   if (ok) granted_[region].insert(p.incarnation);
+  if (ok && granting_) granting_(p, *r);
   uint32_t known = 0;
   if (ok) {
     std::vector<uint64_t> base, keys;

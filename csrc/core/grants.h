@@ -43,6 +43,7 @@ class Grants {
   // What the owner answered for one region: its address, size and access, or why not.
   struct Grant {
     bool answered = false;
+    uint64_t region = 0;  // its id
     uint64_t ptr = 0;  // the region's address in the owner's process
     uint64_t nbytes = 0;
     uint8_t access = 0;
@@ -56,11 +57,14 @@ class Grants {
   // Owner side: why peer p gets no answer at all (the route is off, the peer out of its
   // reach), or ok to answer from the region's registration.
   using Refusal = std::function<Status(const Peer& p)>;
+  // Owner side: called before an answer that grants `region` to p is sent, so that what p
+  // needs beside the answer (a descriptor, the OS's consent) is there when the answer comes.
+  using Granting = std::function<void(Peer& p, const Region& region)>;
 
   // route: the route's id (its messages carry it); what: the messages' name in parse errors
   // (a literal, "cma message").
-  Grants(RouteHost& host, uint8_t route, const char* what, Refusal refusal)
-      : host_(host), route_(route), what_(what), refusal_(std::move(refusal)) {}
+  Grants(RouteHost& host, uint8_t route, const char* what, Refusal refusal, Granting granting = nullptr)
+      : host_(host), route_(route), what_(what), refusal_(std::move(refusal)), granting_(std::move(granting)) {}
 
   // Initiator side.
   // Whether the owner answered for every region t reaches.
@@ -90,6 +94,12 @@ class Grants {
       return true;
     });
     return Status{};
+  }
+
+  // The answer for region r of peer `peer`, or null where none came.
+  const Grant* find(uint64_t peer, const RemoteRegion& r) const {
+    auto it = grants_.find(key_of(peer, r));
+    return it != grants_.end() && it->second.answered ? &it->second : nullptr;
   }
 
   // The grants of the call that resolve() last passed, by its remote region index.
@@ -131,6 +141,7 @@ class Grants {
   const uint8_t route_;
   const char* const what_;
   const Refusal refusal_;
+  const Granting granting_;
   // Initiator side.
   std::map<Key, Grant> grants_;  // asked, answered or not
   std::unordered_map<uint64_t, std::vector<Transfer*>> waiting_;  // by peer

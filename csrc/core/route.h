@@ -101,6 +101,9 @@ class PeerCopies {
   // Whether the OS lets us at p's memory: tried once per peer with a one-byte read at `addr`,
   // an address p gave us to reach; false (and logged once) if it refuses.
   virtual bool allowed(Peer& p, uint64_t addr) = 0;
+  // Lets p's process copy this process's memory where the OS wants our consent first; false
+  // (logged once) where it cannot have it: its copies would be refused.
+  virtual bool consent(const Peer& p) = 0;
   // Starts copying spans between our memory and p's (write: ours into p's); owner.copied()
   // follows, never before copy() returns.
   virtual void copy(Peer& p, std::vector<Span> spans, bool write, CopyOwner& owner) = 0;

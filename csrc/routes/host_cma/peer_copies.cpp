@@ -14,7 +14,9 @@ namespace p2p::cma {
 
 using engine::Peer;
 
-bool Route::reaches(const Peer& p) const { return copies_ && peer_reaches(p.address, nullptr); }
+bool Route::reaches(const Peer& p) const {
+  return copies_ && peer_reaches(p.address, nullptr) && !denied_.count(p.incarnation);
+}
 
 bool Route::allowed(Peer& p, uint64_t addr) {
   if (tried_.insert(p.incarnation).second) {
@@ -24,7 +26,11 @@ bool Route::allowed(Peer& p, uint64_t addr) {
     if (process_vm_readv(static_cast<pid_t>(p.address.pid), &local, 1, &remote, 1, 0) != 1 && errno != ESRCH) {
       denied_[p.incarnation] = std::strerror(errno);
       P2P_LOG(Warn, "the cma route to peer ", hex(p.incarnation), " (pid ", p.address.pid, ") is not allowed: ",
-              denied_[p.incarnation], "; its host-memory transfers and staged host hops take the fabric");
+              denied_[p.incarnation], "; its host memory that is not mapped and its staged host hops take the fabric",
+              scope_ == 1 ? " (kernel.yama.ptrace_scope 1: a process consents to one peer; tensors in shared memory, "
+                            "share_memory_() before register, need no consent, and TORCH_P2P_CMA_PTRACE=any in the "
+                            "peer lets every process of its user copy its memory)"
+                          : "");
     } else {
       P2P_LOG(Info, "the cma route reaches peer ", hex(p.incarnation), " (pid ", p.address.pid, ")");
     }

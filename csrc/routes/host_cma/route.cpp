@@ -1,19 +1,16 @@
 #include "routes/host_cma/route.h"
 
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <thread>
 
 #include "common/log.h"
-#include "common/process.h"
+#include "routes/host_cma/ptrace_consent.h"
 
 namespace p2p::cma {
 
@@ -23,25 +20,10 @@ using engine::Transfer;
 
 namespace {
 
-// Yama's ptrace_scope, or 0 where Yama is absent.
-int ptrace_scope() {
-  std::ifstream in("/proc/sys/kernel/yama/ptrace_scope");
-  int scope = 0;
-  return in >> scope ? scope : 0;
-}
-
-// The shared-memory file of process `pid` (its descriptor there), mapped into this process
-// from the region's byte at `file.offset` for `nbytes`; null with errno set where the OS or the
-// file does not allow it, or the descriptor names another file by now. Taking another
-// process's descriptor (pidfd_getfd, Linux 5.6) needs the same permission as cross-memory
-// attach.
-std::shared_ptr<uint8_t> map_file(pid_t pid, const engine::HostFile& file, uint64_t nbytes, bool writable) {
-#ifdef SYS_pidfd_getfd
-  const int pidfd = open_pidfd(pid);
-  if (pidfd < 0) return nullptr;
-  const int fd = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, file.fd, 0));
-  close(pidfd);
-  if (fd < 0) return nullptr;
+// The shared-memory file `fd` (ours now; closed here) mapped into this process from the
+// region's byte at `file.offset` for `nbytes`; null with errno set where the descriptor does not
+// name the file the owner answered with, or is too short for the region.
+std::shared_ptr<uint8_t> map_file(int fd, const engine::HostFile& file, uint64_t nbytes, bool writable) {
   struct stat st {};
   const uint64_t offset = file.offset, page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t start = offset / page * page;
@@ -52,17 +34,14 @@ std::shared_ptr<uint8_t> map_file(pid_t pid, const engine::HostFile& file, uint6
       static_cast<uint64_t>(st.st_ino) != file.inode || static_cast<uint64_t>(st.st_size) < offset + nbytes)
     errno = errno ? errno : ESTALE;
   else
-    base = mmap(nullptr, len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd,
-                static_cast<off_t>(start));
+    base = mmap(nullptr, len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, static_cast<off_t>(start));
+  const int error = errno;
   close(fd);
+  errno = error;
   if (base == MAP_FAILED) return nullptr;
   return std::shared_ptr<uint8_t>(static_cast<uint8_t*>(base) + (offset - start), [base, len](uint8_t*) {
     munmap(base, len);
   });
-#else
-  errno = ENOSYS;
-  return nullptr;
-#endif
 }
 
 }  // namespace
@@ -70,19 +49,22 @@ std::shared_ptr<uint8_t> map_file(pid_t pid, const engine::HostFile& file, uint6
 Route::Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, std::string host_id)
     : host_(host), id_(id), host_id_(std::move(host_id)),
       engine_memory_(config.cuda_device < 0 && config.data_path != engine::DataPath::Staged),
-      grants_(host, id, "cma message", [this](const Peer&) {
-        return on_ ? Status{} : Status::error(ErrorKind::Remote, "the owner's cma route is off");
-      }) {
+      grants_(
+          host, id, "cma message",
+          [this](const Peer&) {
+            return on_ ? Status{} : Status::error(ErrorKind::Remote, "the owner's cma route is off");
+          },
+          [this](Peer& p, const engine::Region& region) { granting(p, region); }) {
   if (!config.cma || host_id_.empty()) return;
-  const int scope = ptrace_scope();
-  if (scope >= 2) {
-    P2P_LOG(Warn, "the same-host host-memory route (cma) is off: kernel.yama.ptrace_scope is ", scope,
+  scope_ = ptrace_scope();
+  if (scope_ >= 2) {
+    P2P_LOG(Warn, "the same-host host-memory route (cma) is off: kernel.yama.ptrace_scope is ", scope_,
             " (0 or 1 lets processes of one user copy each other's memory); host memory takes the fabric");
     return;
   }
-  // Scope 1 lets only ancestors attach: peers on this host may, with this consent.
-  if (scope == 1 && prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) != 0) {
-    P2P_LOG(Warn, "the same-host host-memory route (cma) is off: prctl(PR_SET_PTRACER): ", std::strerror(errno));
+  // Scope 1 lets only ancestors attach; by default the owner consents to one peer at a time.
+  if (scope_ == 1 && config.cma_ptrace == "any" && !consent_to_any()) {
+    P2P_LOG(Warn, "the same-host host-memory route (cma) is off: prctl(PR_SET_PTRACER, any): ", std::strerror(errno));
     return;
   }
   size_t threads = config.cma_threads >= 0 ? static_cast<size_t>(config.cma_threads) : 0;
@@ -101,11 +83,14 @@ Route::Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, 
 Route::~Route() { stop(); }
 
 bool Route::reaches(const engine::EngineAddress& a, const RemoteRegion* region) {
-  return engine_memory_ && peer_reaches(a, region);
+  if (!engine_memory_ || !peer_reaches(a, region)) return false;
+  if (!denied_.count(a.incarnation)) return true;
+  const engine::Grants::Grant* grant = region ? grants_.find(a.incarnation, *region) : nullptr;
+  return grant && grant->mapped;
 }
 
 bool Route::peer_reaches(const engine::EngineAddress& a, const RemoteRegion* region) const {
-  if (!on_ || a.host != host_id_ || !(a.routes & (1u << id_)) || denied_.count(a.incarnation)) return false;
+  if (!on_ || a.host != host_id_ || !(a.routes & (1u << id_))) return false;
   return !region || (region->device_type == 0 && !region->staged);
 }
 
@@ -116,6 +101,12 @@ bool Route::take(Transfer& t) {
     if (r->cuda_device >= 0 || r->staged) return false;
   for (const auto& r : t.remote)
     if (!peer_reaches(t.peer->address, r.get())) return false;
+  if (map_ && !listening_) {  // before our first ask: owners push descriptors before they answer
+    listening_ = true;
+    if (!descriptors_.listen(host_.incarnation()))
+      P2P_LOG(Info, "the cma route cannot take peers' shared-memory files (listening: ", std::strerror(errno),
+              "); the kernel copies them");
+  }
   ++t.pending;  // until the copy ends
   host_.started(t, id_);
   if (!try_start(t)) grants_.wait(t);
@@ -137,9 +128,15 @@ bool Route::try_start(Transfer& t) {
     return true;
   }
   Peer& p = *t.peer;
+  std::shared_ptr<const void> mapped = in_mappings(spans);
+  if (!mapped && denied_.count(p.incarnation)) {  // the kernel would copy, and the OS refuses it
+    --t.pending;
+    t.route = engine::TransferRoute::Direct;
+    host_.fall_back(t);
+    return true;
+  }
   if (t.state != engine::TransferState::Running) t.enter(engine::TransferState::Running);
   host_.watch_process(p);  // a mapped copy outlives its peer: the process watch fails the transfer
-  std::shared_ptr<const void> mapped = in_mappings(spans);
   copying_[copies_->submit(static_cast<pid_t>(p.address.pid), std::move(spans),
                            t.kind == engine::TransferKind::Write, std::move(mapped))] = &t;
   return true;
@@ -195,34 +192,57 @@ Status Route::outcome(Peer& p, int error) {
 void Route::on_message(Peer& p, std::string_view body) {
   engine::Grants::Grant* grant = grants_.on_message(p, body);
   if (!grant) return;  // an ask (answered), or nothing new
-  if (grant->refused.ok() && grant->nbytes > 0) allowed(p, grant->ptr);
-  const bool denied = denied_.count(p.incarnation) > 0;
-  if (!denied && map_ && grant->refused.ok() && grant->file.fd >= 0) map(p, *grant);
-  grants_.resume(p, [&](Transfer& t) {
-    if (denied && t.reported()) {
-      host_.done(t, {});
-    } else if (denied) {
-      --t.pending;
-      t.route = engine::TransferRoute::Direct;
-      host_.fall_back(t);
-    } else {
-      return try_start(t);
-    }
-    return true;
-  });
+  if (map_ && grant->refused.ok() && grant->file.fd >= 0) map(p, *grant);
+  // Only the kernel's copies need the OS's leave: tried at the first region we do not map.
+  if (grant->refused.ok() && grant->nbytes > 0 && !grant->mapped) allowed(p, grant->ptr);
+  grants_.resume(p, [&](Transfer& t) { return try_start(t); });
 }
 
 void Route::map(const Peer& p, engine::Grants::Grant& grant) {
-  grant.mapped = map_file(static_cast<pid_t>(p.address.pid), grant.file, grant.nbytes, grant.access & engine::kRemoteWrite);
+  const pid_t pid = static_cast<pid_t>(p.address.pid);
+  const int fd = descriptors_.take(pid, grant.region);
+  errno = 0;
+  if (fd >= 0) grant.mapped = map_file(fd, grant.file, grant.nbytes, grant.access & engine::kRemoteWrite);
   if (!logged_maps_.insert(p.incarnation).second) return;
   if (grant.mapped)
     P2P_LOG(Info, "the cma route maps the shared memory of peer ", hex(p.incarnation), " (pid ", p.address.pid, ")");
   else
-    P2P_LOG(Info, "the cma route cannot map the shared memory of peer ", hex(p.incarnation), " (pid ",
-            p.address.pid, "): ", std::strerror(errno), "; the kernel copies it");
+    P2P_LOG(Info, "the cma route cannot map the shared memory of peer ", hex(p.incarnation), " (pid ", p.address.pid,
+            "): ", fd < 0 ? "its descriptor did not come (the owner logs why)" : std::strerror(errno),
+            "; the kernel copies it");
 }
 
-void Route::peer_failed(Peer& p) { grants_.peer_failed(p); }
+void Route::granting(Peer& p, const engine::Region& region) {
+  if (region.file.fd >= 0) {
+    const std::string why =
+        descriptors_.push(p.incarnation, static_cast<pid_t>(p.address.pid), region.id, region.file.fd);
+    if (why.empty()) return;
+    if (logged_pushes_.insert(p.incarnation).second)
+      P2P_LOG(Info, "the cma route cannot pass the shared memory of region ", region.id, " to peer ",
+              hex(p.incarnation), " (pid ", p.address.pid, "): ", why, "; the peer's kernel copies it");
+  }
+  consent(p);
+}
+
+bool Route::consent(const Peer& p) {
+  if (scope_ != 1) return true;  // 0: none needed (the route is off above 1)
+  pid_t holder = 0;
+  if (consent_to(static_cast<pid_t>(p.address.pid), holder)) return true;
+  if (unconsented_.insert(p.incarnation).second)
+    P2P_LOG(Warn, "the cma route cannot let peer ", hex(p.incarnation), " (pid ", p.address.pid,
+            ") copy this process's private host memory: kernel.yama.ptrace_scope is 1 and ",
+            holder ? cat("the consent (one process) is process ", holder, "'s")
+                   : cat("prctl(PR_SET_PTRACER) failed: ", std::strerror(errno)),
+            "; that peer's transfers of it take the fabric. Tensors in shared memory (share_memory_() before "
+            "register) need no consent; TORCH_P2P_CMA_PTRACE=any lets every process of this user read and "
+            "write this one");
+  return false;
+}
+
+void Route::peer_failed(Peer& p) {
+  grants_.peer_failed(p);
+  descriptors_.forget(static_cast<pid_t>(p.address.pid));
+}
 
 void Route::release(uint64_t peer, uint64_t region) { grants_.release(peer, region); }
 

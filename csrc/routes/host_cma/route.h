@@ -8,10 +8,13 @@
 // region, the initiator asks the owner for it and checks every call against the answer, which
 // is the owner's registration (a handle that lies gets nothing more than the truth).
 //
-// The OS decides whether one process may copy another's memory (ptrace access mode: same user,
-// and Yama's ptrace_scope 0, or 1 with the owner's consent, which the route gives with
-// PR_SET_PTRACER). The first answer of each peer is tried with a one-byte read: a peer the OS
-// keeps us from is logged once and its transfers take the fabric.
+// The OS decides whether one process may copy another's private memory (ptrace access mode:
+// same user, and Yama's ptrace_scope 0, or 1 with the owner's consent, which the owner gives
+// to one peer before answering it: ptrace_consent.h). The first answer of each peer for memory
+// the kernel copies is tried with a one-byte read: a peer the OS keeps us from is logged once
+// and its transfers take the fabric, except to regions we map. A region in a shared-memory
+// file needs no leave of the OS: its owner hands us the file's descriptor over a Unix socket
+// before the answer (descriptors.h) and we map it.
 //
 // A dead peer: its copies fail at once (ESRCH) and the worker fails the peer; nothing of the
 // route waits on another process, so no lock or copy of a dead peer holds anything up.
@@ -32,6 +35,7 @@
 #include "core/copies.h"
 #include "core/grants.h"
 #include "core/route.h"
+#include "routes/host_cma/descriptors.h"
 
 namespace p2p::cma {
 
@@ -60,17 +64,22 @@ class Route final : public engine::Route, public engine::PeerCopies {
   // PeerCopies (peer_copies.cpp).
   bool reaches(const engine::Peer& p) const override;
   bool allowed(engine::Peer& p, uint64_t addr) override;
+  bool consent(const engine::Peer& p) override;
   void copy(engine::Peer& p, std::vector<Span> spans, bool write, engine::CopyOwner& owner) override;
 
  private:
-  // reaches(), for host memory of this engine whatever its device.
+  // reaches(), for host memory of this engine whatever its device, whether or not the OS
+  // lets the kernel copy (a mapped region needs no leave).
   bool peer_reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) const;
   // Starts t's copy once every region it touches is answered; false if one is not.
   bool try_start(engine::Transfer& t);
   // How a copy with p that ended with `error` ends: fails p first if its process is gone.
   Status outcome(engine::Peer& p, int error);
-  // Maps the owner's shared-memory file of a grant, where the OS lets us; logs the first
-  // outcome with each peer.
+  // Owner side, before answering p for `region`: hands p the region's file, or where it
+  // cannot, consents to p's copies.
+  void granting(engine::Peer& p, const engine::Region& region);
+  // Maps the owner's shared-memory file of a grant, from the descriptor it passed; logs the
+  // first outcome with each peer.
   void map(const engine::Peer& p, engine::Grants::Grant& grant);
   // After resolve(): where every region of the call is mapped, points `spans` into the
   // mappings and returns what keeps them; else null (the kernel copies).
@@ -82,10 +91,16 @@ class Route final : public engine::Route, public engine::PeerCopies {
   const bool engine_memory_;  // this engine's own memory is host memory the route may move
   bool on_ = false;
   bool map_ = false;  // maps owners' shared-memory files (cma_map)
+  int scope_ = 0;     // Yama's ptrace_scope
+  bool listening_ = false;  // for owners' descriptors (from the first take(): our incarnation is set)
+  Descriptors descriptors_;
+  // Owner side.
+  std::unordered_set<uint64_t> unconsented_;  // peers we could not consent to (logged)
+  std::unordered_set<uint64_t> logged_pushes_;  // peers whose failed descriptor push was logged
   std::unique_ptr<Copies> copies_;
   engine::Grants grants_;
   // Initiator side.
-  std::unordered_map<uint64_t, std::string> denied_;  // peers the OS keeps us from: why
+  std::unordered_map<uint64_t, std::string> denied_;  // peers whose memory the OS keeps from our kernel copies: why
   std::unordered_set<uint64_t> tried_;                // peers whose access was tried
   std::unordered_set<uint64_t> logged_maps_;          // peers whose first mapping was logged
   std::unordered_map<uint64_t, engine::Transfer*> copying_;  // by ticket

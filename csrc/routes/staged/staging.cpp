@@ -32,10 +32,14 @@ using namespace engine;
 
 Route::Route(RouteHost& host, uint8_t id, PeerCopies* same_host)
     : host_(host), id_(id), same_host_(same_host),
-      grants_(host, id, "staged message", [this](const Peer& p) {
-        return same_host_ && same_host_->reaches(p) ? Status{}
-                                                    : Status::error(ErrorKind::Remote, "the owner does not reach this peer by cma");
-      }) {}
+      grants_(
+          host, id, "staged message",
+          [this](const Peer& p) {
+            return same_host_ && same_host_->reaches(p)
+                       ? Status{}
+                       : Status::error(ErrorKind::Remote, "the owner does not reach this peer by cma");
+          },
+          [this](Peer& p, const Region&) { same_host_->consent(p); }) {}  // p copies into the region
 
 size_t Route::request_run_limit() const {
   // Header, fixed fields, one (base, key) per local rail, the slot's address, then 12 bytes a run.
@@ -129,7 +133,8 @@ bool Route::make_jobs(Transfer& t) {
     const size_t max_runs = remote_staged ? request_run_limit() : kMaxJobRuns;
     job.bytes = Striper::fill_slot(t.at, t.runs, max_runs, slot->bytes, job.runs);
     if (remote_staged) {
-      job.cma = same_host_ && same_host_->reaches(*t.peer);  // the owner may copy with our slot
+      // The owner may copy with our slot, where we let its process.
+      job.cma = same_host_ && same_host_->reaches(*t.peer) && same_host_->consent(*t.peer);
       job.steps[0] = write ? Step::Pack : Step::Request;
       job.steps[1] = write ? Step::Request : Step::Unpack;
     } else {
