@@ -41,6 +41,17 @@ SHM_2_CRASH_REASON = ("shm, libfabric 2.6.0: SIGSEGV in shm's progress (it would
 SHM_2_CRASH = pytest.mark.skipif(not SHM_1, reason=SHM_2_CRASH_REASON)
 
 
+@pytest.fixture(params=["tcp", pytest.param("shm", marks=SHM_2_CRASH)])
+def fabric_pair(request):
+    """Two engines of this process that reach each other over the provider's RMA (the cma
+    route off): (a, b). Tests that need an environment setting set it in a fixture of theirs
+    marked autouse, which runs first."""
+    with p2p.Engine("cpu", **engine_kwargs(request.param)) as a, \
+            p2p.Engine("cpu", **engine_kwargs(request.param)) as b:
+        assert a.route(b.address) == "direct"
+        yield a, b
+
+
 # The staged path on host memory drives the same protocol as GPU staging; small slots make
 # transfers cross many of them.
 STAGED = dict(data_path="staged", staging_bytes=1 << 20, staging_slot_bytes=128 << 10)
