@@ -286,14 +286,17 @@ def recv_many(state, n: int, timeout: float = 60) -> list:
     return out
 
 
-def expect_notification(state, tag: int, name: str, seed: int, timeout: float = 60) -> dict:
-    """Waits for notification(tag) and checks, right then, that `name` holds pattern(seed)."""
-    e = state["engine"]
-    fut = e.notification(tag, timeout=timeout)
-    state["notify.ready"] = True
-    p2p.wait(fut, timeout + 10)
-    t = state[name]
-    got = t.view(torch.uint8).reshape(-1)
+def await_notification(state, tag: int, timeout: float = 60) -> None:
+    """Calls notification(tag) and returns: the waiter is in place before anything that the
+    parent does next (check_notification collects it)."""
+    state["notification"] = state["engine"].notification(tag, timeout=timeout)
+
+
+def check_notification(state, name: str, seed: int, timeout: float = 60) -> dict:
+    """Waits for await_notification's future and checks, right then, that `name` holds
+    pattern(seed)."""
+    p2p.wait(state.pop("notification"), timeout)
+    got = state[name].view(torch.uint8).reshape(-1)
     expected = pattern(seed, got.numel())
     return {"equal": bool(torch.equal(got, expected)),
             "mismatched_bytes": int((got != expected).sum())}
