@@ -1,5 +1,3 @@
-import os
-
 import pytest
 import torch
 
@@ -17,6 +15,16 @@ PROVIDERS = {
     "cma": dict(provider="tcp", domains=["lo"]),
     "mapped": dict(provider="tcp", domains=["lo"]),
 }
+
+
+# One process per GPU where there are two; both on one GPU otherwise (still two processes).
+PEER_GPU = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+
+# The peer_timeout of tests whose peers die or fall silent: short, so that they end soon.
+PEER_TIMEOUT = 2.0
+
+# The route a host engine of each provider takes to a peer of the same provider on this host.
+ROUTES = {"tcp": "direct", "shm": "direct", "cma": "cma", "mapped": "cma"}
 
 
 def engine_kwargs(provider: str, **extra) -> dict:
@@ -78,6 +86,14 @@ def link(request, peer):
     link.path = path
     yield link
     link.close()
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No placement settings from the environment (rails, domains, cores): tests of the
+    topology plan set what they test."""
+    for var in ("TORCH_P2P_DOMAINS", "TORCH_P2P_NUM_RAILS", "TORCH_P2P_CPUS"):
+        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(params=sorted(PROVIDERS))

@@ -9,13 +9,11 @@ import torch
 
 import helpers
 import torch_p2p as p2p
-from conftest import engine_kwargs
+from conftest import PEER_GPU, engine_kwargs
 from peer import Peer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
-# One process per GPU where there are two; both on one GPU otherwise (still two processes).
-PEER_GPU = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 POISON = -7.0
 
 

@@ -18,12 +18,11 @@ import torch
 
 import peer_helpers as ph
 import torch_p2p as p2p
-from conftest import SHM_1, SHM_2_CRASH, engine_kwargs
+from conftest import PEER_TIMEOUT, SHM_1, SHM_2_CRASH, engine_kwargs
 from peer import Peer, PeerFailed
 from torch_p2p import _C
 
 PROVIDERS = ["tcp", "shm"]
-PEER_TIMEOUT = 2.0
 MARGIN = 3.0  # seconds of slack on top of peer_timeout on a loaded machine
 
 SHM_WEDGE = ("BUG (shm provider, libfabric 1.17): a peer killed while one of our operations to it "
@@ -699,6 +698,33 @@ def test_transfer_timeout(provider):
             a.write_slices(src, [rb], timeout=0)
         # The peer is fine afterwards.
         p2p.wait(a.write_slices(src, [rb]), 20)
+
+
+@pytest.mark.timeout(120)
+def test_engine_timeout_and_send_timeout():
+    """The engine's timeout= is the deadline of calls given none (a's write), and
+    send(timeout=) bounds a message on an engine whose own deadline is far off (c's): to a
+    hung peer both fail with TimeoutError (peer_timeout being longer still), and the peer is
+    fine afterwards."""
+    with p2p.Engine("cpu", **engine_kwargs("tcp", peer_timeout=60, timeout=0.5)) as a, \
+            p2p.Engine("cpu", **engine_kwargs("tcp", peer_timeout=60, timeout=60)) as c, Peer() as b:
+        address = b.call(ph.start_engine, "tcp")
+        rb = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", 8 << 20))
+        src = torch.ones(8 << 20, dtype=torch.uint8)
+        a.register(src)
+        p2p.wait(a.write_slices(src[:10], [rb[:10]]), 10)
+        p2p.wait(c.connect(address), 10)
+        with ph.stopped(b.pid, 20):
+            start = time.monotonic()
+            errors = ph.wait_all([a.write_slices(src, [rb]), c.send(address, b"x" * (1 << 20), timeout=0.5)], 10)
+            took = time.monotonic() - start
+        assert [type(e) for e in errors] == [p2p.TimeoutError] * 2, errors
+        assert took >= 0.4, took  # not before the deadline; wait_all bounds a hang
+        p2p.wait(c.send(address, b"after", timeout=10), 20)
+        got = b.call(ph.recv, 10)[1]
+        if got != b"after":  # the timed-out message may still arrive: the timeout ends our wait
+            got = b.call(ph.recv, 10)[1]
+        assert got == b"after"
 
 
 @pytest.mark.timeout(120)

@@ -16,10 +16,8 @@ import helpers
 import peer_helpers as ph
 import torch_p2p as p2p
 from torch_p2p import _C
-from conftest import engine_kwargs
+from conftest import PEER_GPU, ROUTES, engine_kwargs, shares_memory
 from peer import Peer
-
-PEER_GPU = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 cuda = pytest.mark.cuda
 
 
@@ -37,9 +35,11 @@ def test_address_names_the_host_and_process():
 def test_host_engines_take_the_fabric_or_cma(provider):
     """Host memory never takes the IPC route: the fabric, or on one host the cma route where it
     is on; data_path="staged" keeps the staged path."""
-    expected = "cma" if provider in ("cma", "mapped") else "direct"
+    expected = ROUTES[provider]
     with p2p.Engine("cpu", **engine_kwargs(provider)) as a, p2p.Engine("cpu", **engine_kwargs(provider)) as b:
         t = torch.zeros(16)
+        if shares_memory(provider):
+            t.share_memory_()
         region = b.register(t)
         assert a.route(b.address) == expected
         assert a.route(region.remote) == expected

@@ -18,12 +18,11 @@ import torch
 import peer_helpers as ph
 import torch_p2p as p2p
 from torch_p2p import _C
-from conftest import SHM_1, engine_kwargs
+from conftest import PEER_TIMEOUT, SHM_1, engine_kwargs
 from peer import Peer
 
 PROVIDERS = ["tcp", "shm", "cma"]
 N, GUARD = 4096, 4096
-PEER_TIMEOUT = 2.0
 
 
 @pytest.fixture(scope="module", params=PROVIDERS)
