@@ -331,3 +331,26 @@ def test_forged_address_of_a_known_incarnation_does_not_hijack_the_peer(provider
         assert b.call(ph.checksum, "t") == ph.zlib.crc32(bytes(range(64)))
         p2p.wait(a.send(address, b"still the real one"), 10)
         assert b.call(ph.recv, 5)[1] == b"still the real one"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fast", [False, True], ids=["checked", "fast"])
+def test_shm_fast_rma_setting(monkeypatch, fast):
+    """TORCH_P2P_SHM_FAST=1 turns shm's unchecked fast RMA back on: the initiator copies into
+    the target with CMA, so a write to a stopped target completes (README, Security). Off (the
+    default), the target's provider serves each RMA, so a stopped target holds the write."""
+    env = {"TORCH_P2P_SHM_FAST": "1" if fast else "0"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with Peer(env=env) as b, p2p.Engine("cpu", **engine_kwargs("shm", peer_timeout=60)) as a:
+        b.call(ph.start_engine, "shm")
+        remote = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", 1 << 20))
+        src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+        a.register(src)
+        p2p.wait(a.write_slices(src[:16], [remote[:16]]), 10)
+        with ph.stopped(b.pid, 30):
+            fut = a.write_slices(src, [remote])
+            done = ph.outcomes([fut], 3)[0]
+        assert done is None if fast else done == "pending", done
+        p2p.wait(fut, 20)
+        assert b.call(ph.checksum, "t") == ph.zlib.crc32(src.numpy().tobytes())
