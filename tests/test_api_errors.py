@@ -156,22 +156,28 @@ def test_out_of_bounds_destinations(link, target):
     assert_nothing_moved(link, target)
 
 
-def test_shape_mismatch(link, target):
-    src, remote = target.src, target.remote
-    with pytest.raises(ValueError, match=r"source view 0 has shape \[3, 64\] but its RemoteTensor has "
-                                         r"shape \[4, 64\]"):
-        link.engine.write_slices([src[0:3]], [remote[0:4]])
-    with pytest.raises(ValueError, match=r"source view 0 has shape \[64\] but its RemoteTensor has "
-                                         r"shape \[2, 32\]"):
-        link.engine.write_slices([src[0]], [remote[0:2, :32]])  # as many elements is not enough
-    with pytest.raises(ValueError, match=r"destination view 1 has shape \[8\] but its RemoteTensor has "
-                                         r"shape \[8, 1\]"):
-        link.engine.read_slices([src[0], src[:, 0]], [remote[0], remote[:, 0:1]])
-    # Mirror mode needs the remote tensor laid out like the registered local one.
-    with pytest.raises(ValueError, match=r"mirror mode needs the RemoteTensor laid out like the registered local "
-                                         r"tensor: remote \[4, 64\]"):
-        link.engine.write_slices([src[0]], remote[0:4])
+def assert_refused(link, target, cases) -> None:
+    """Each (message pattern, call) raises ValueError with that message; nothing moved."""
+    for pattern, call in cases:
+        with pytest.raises(ValueError, match=pattern):
+            call()
     assert_nothing_moved(link, target)
+
+
+def test_shape_mismatch(link, target):
+    src, remote, e = target.src, target.remote, link.engine
+    assert_refused(link, target, [
+        (r"source view 0 has shape \[3, 64\] but its RemoteTensor has shape \[4, 64\]",
+         lambda: e.write_slices([src[0:3]], [remote[0:4]])),
+        # As many elements is not enough.
+        (r"source view 0 has shape \[64\] but its RemoteTensor has shape \[2, 32\]",
+         lambda: e.write_slices([src[0]], [remote[0:2, :32]])),
+        (r"destination view 1 has shape \[8\] but its RemoteTensor has shape \[8, 1\]",
+         lambda: e.read_slices([src[0], src[:, 0]], [remote[0], remote[:, 0:1]])),
+        # Mirror mode needs the remote tensor laid out like the registered local one.
+        (r"mirror mode needs the RemoteTensor laid out like the registered local tensor: remote \[4, 64\]",
+         lambda: e.write_slices([src[0]], remote[0:4])),
+    ])
 
 
 def test_dtype_mismatch(link, target):
@@ -188,15 +194,13 @@ def test_dtype_mismatch(link, target):
 
 
 def test_one_remote_tensor_per_view(link, target):
-    src, remote = target.src, target.remote
-    with pytest.raises(ValueError, match=r"expected one RemoteTensor per local view "
-                                         r"\(2 local views, 1 RemoteTensors\)"):
-        link.engine.write_slices([src[0], src[1]], [remote[0]])
-    with pytest.raises(ValueError, match=r"\(1 local views, 2 RemoteTensors\)"):
-        link.engine.read_slices([src[0]], [remote[0], remote[1]])
-    with pytest.raises(ValueError, match="no RemoteTensor given"):
-        link.engine.write_slices([src[0]], [])
-    assert_nothing_moved(link, target)
+    src, remote, e = target.src, target.remote, link.engine
+    assert_refused(link, target, [
+        (r"expected one RemoteTensor per local view \(2 local views, 1 RemoteTensors\)",
+         lambda: e.write_slices([src[0], src[1]], [remote[0]])),
+        (r"\(1 local views, 2 RemoteTensors\)", lambda: e.read_slices([src[0]], [remote[0], remote[1]])),
+        ("no RemoteTensor given", lambda: e.write_slices([src[0]], [])),
+    ])
 
 
 def test_arguments_of_the_wrong_type(link, target):
