@@ -1,5 +1,3 @@
-import os
-
 import pytest
 import torch
 
@@ -17,6 +15,16 @@ PROVIDERS = {
     "cma": dict(provider="tcp", domains=["lo"]),
     "mapped": dict(provider="tcp", domains=["lo"]),
 }
+
+
+# One process per GPU where there are two; both on one GPU otherwise (still two processes).
+PEER_GPU = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+
+# The peer_timeout of tests whose peers die or fall silent: short, so that they end soon.
+PEER_TIMEOUT = 2.0
+
+# The route a host engine of each provider takes to a peer of the same provider on this host.
+ROUTES = {"tcp": "direct", "shm": "direct", "cma": "cma", "mapped": "cma"}
 
 
 def engine_kwargs(provider: str, **extra) -> dict:
@@ -39,6 +47,17 @@ SHM_2_CRASH_REASON = ("shm, libfabric 2.6.0: SIGSEGV in shm's progress (it would
                       "the pointer is a bare offset), or when a peer's engine closed before we first "
                       "addressed it (not followed)")
 SHM_2_CRASH = pytest.mark.skipif(not SHM_1, reason=SHM_2_CRASH_REASON)
+
+
+@pytest.fixture(params=["tcp", pytest.param("shm", marks=SHM_2_CRASH)])
+def fabric_pair(request):
+    """Two engines of this process that reach each other over the provider's RMA (the cma
+    route off): (a, b). Tests that need an environment setting set it in a fixture of theirs
+    marked autouse, which runs first."""
+    with p2p.Engine("cpu", **engine_kwargs(request.param)) as a, \
+            p2p.Engine("cpu", **engine_kwargs(request.param)) as b:
+        assert a.route(b.address) == "direct"
+        yield a, b
 
 
 # The staged path on host memory drives the same protocol as GPU staging; small slots make
@@ -67,6 +86,14 @@ def link(request, peer):
     link.path = path
     yield link
     link.close()
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No placement settings from the environment (rails, domains, cores): tests of the
+    topology plan set what they test."""
+    for var in ("TORCH_P2P_DOMAINS", "TORCH_P2P_NUM_RAILS", "TORCH_P2P_CPUS"):
+        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(params=sorted(PROVIDERS))

@@ -7,19 +7,38 @@ import torch_p2p as p2p
 from conftest import engine_kwargs, shares_memory
 
 
-def start_engine(state, provider: str, **kwargs) -> bytes:
-    """Creates state["engine"]; returns its address."""
-    state["engine"] = p2p.Engine(kwargs.pop("device", "cpu"), **engine_kwargs(provider, **kwargs))
-    return state["engine"].address
+def start_engine(state, provider: str, *, key: str = "engine", device: str = "cpu", **kwargs) -> bytes:
+    """Creates state[key] (several engines per child: one key each); returns its address.
+    Host tensors registered for it go to shared memory first where `provider` says so
+    (conftest.shares_memory)."""
+    state[key] = p2p.Engine(device, **engine_kwargs(provider, **kwargs))
+    state[key + ".shared"] = shares_memory(provider)
+    return state[key].address
+
+
+def close_engine(state, key: str = "engine") -> None:
+    state.pop(key).close()
+    state.pop(key + ".shared", None)
+
+
+def _shared(state, t: torch.Tensor, engine: str = "engine") -> torch.Tensor:
+    if state.get(engine + ".shared") and t.device.type == "cpu":
+        t.share_memory_()
+    return t
 
 
 def make_target(state, name: str, shape, dtype=torch.float32, fill: float = -1.0, access: str = "rw",
                 device: str = "cpu") -> bytes:
     """Registers a tensor filled with `fill` under `name`; returns its RemoteTensor bytes."""
-    t = torch.full(shape, fill, dtype=dtype, device=device)
+    t = _shared(state, torch.full(shape, fill, dtype=dtype, device=device))
     state[name] = t
     state[f"{name}.region"] = state["engine"].register(t, access=access)
     return state[f"{name}.region"].remote.to_bytes()
+
+
+def target(state, name: str, nbytes: int, fill: int = 0, access: str = "rw") -> bytes:
+    """make_target of `nbytes` bytes."""
+    return make_target(state, name, (nbytes,), torch.uint8, fill, access)
 
 
 def fetch(state, name: str) -> torch.Tensor:
@@ -30,12 +49,8 @@ def put(state, name: str, value: torch.Tensor) -> None:
     state[name].copy_(value)
 
 
-def deregister(state, name: str) -> None:
+def close_region(state, name: str) -> None:
     state[f"{name}.region"].close()
-
-
-def close_engine(state) -> None:
-    state.pop("engine").close()
 
 
 # -- Seeded data, poison and bitwise comparison (both sides) -----------------------------------
@@ -75,28 +90,14 @@ def assert_same_bits(got: torch.Tensor, expected: torch.Tensor) -> None:
                              f"{wrong[0].tolist()}")
 
 
-# -- Engines and regions kept under names, several engines per child ---------------------------
-
-def start_named_engine(state, key: str, provider: str, **kwargs) -> bytes:
-    """Like start_engine, under state[key]; returns its address."""
-    state[key] = p2p.Engine("cpu", **engine_kwargs(provider, **kwargs))
-    state[key + ".shared"] = shares_memory(provider)
-    return state[key].address
-
-
-def stop_named_engine(state, key: str) -> None:
-    state.pop(key).close()
-    state.pop(key + ".shared", None)
-
+# -- Regions of named engines ------------------------------------------------------------------
 
 def make_region(state, name: str, shape, dtype=torch.float32, seed: int | None = None, access: str = "rw",
                 transpose: bool = False, engine: str = "engine") -> bytes:
     """Registers a contiguous tensor of `shape` under `name`: seeded random contents, or poison
     when seed is None. With transpose the registered tensor (so the handle) is its 2-D
     transpose. Returns the RemoteTensor bytes."""
-    t = poisoned(shape, dtype) if seed is None else random_tensor(shape, dtype, seed)
-    if state.get(engine + ".shared"):
-        t.share_memory_()
+    t = _shared(state, poisoned(shape, dtype) if seed is None else random_tensor(shape, dtype, seed), engine)
     state[name] = t
     state[f"{name}.region"] = state[engine].register(t.t() if transpose else t, access=access)
     return state[f"{name}.region"].remote.to_bytes()
@@ -105,9 +106,7 @@ def make_region(state, name: str, shape, dtype=torch.float32, seed: int | None =
 def make_expanded(state, name: str, rows: int, cols: int, engine: str = "engine") -> bytes:
     """Registers a [rows, cols] float32 tensor whose rows all share one row of storage
     (stride 0): a handle with overlapping elements."""
-    t = poisoned((cols,), torch.float32)
-    if state.get(engine + ".shared"):
-        t.share_memory_()
+    t = _shared(state, poisoned((cols,), torch.float32), engine)
     state[name] = t
     state[f"{name}.region"] = state[engine].register(t.expand(rows, cols))
     return state[f"{name}.region"].remote.to_bytes()
@@ -144,11 +143,11 @@ class Link:
         Link._started += 1
         self.key = f"engine-{Link._started}"
         self._regions = 0
-        peer.call(start_named_engine, self.key, provider, **{**options, **(remote_options or {})})
+        peer.call(start_engine, provider, key=self.key, **{**options, **(remote_options or {})})
         try:
             self.engine = p2p.Engine("cpu", **engine_kwargs(provider, **options))
         except BaseException:
-            peer.call(stop_named_engine, self.key)
+            peer.call(close_engine, self.key)
             raise
 
     def remote(self, shape, dtype=torch.float32, *, seed: int | None = None, access: str = "rw",
@@ -172,7 +171,7 @@ class Link:
 
     def close(self) -> None:
         self.engine.close()
-        self.peer.call(stop_named_engine, self.key)
+        self.peer.call(close_engine, self.key)
 
     def _new_name(self) -> str:
         self._regions += 1

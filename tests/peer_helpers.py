@@ -4,7 +4,8 @@
     (torch_p2p._C._encode_remote) so that every CRC is right and the engine's local checks pass;
   - waiting on futures, stopping and resuming processes;
   - steps that run inside Peer children (tests/peer.py): each takes `state` first and reports
-    facts (counts, exception names, times) for the test to check.
+    facts (counts, exception names, times) for the test to check; those that start and close
+    engines and registered tensors are tests/helpers.py's, imported here.
 
 Times that cross processes are time.monotonic(): one clock for every process of the machine.
 """
@@ -21,7 +22,8 @@ import zlib
 import torch
 
 import torch_p2p as p2p
-from conftest import engine_kwargs, shares_memory
+from conftest import engine_kwargs
+from helpers import close_engine, close_region, fetch, start_engine, target  # noqa: F401 - steps for Peer children
 from torch_p2p import _C
 
 # -- forged handles ----------------------------------------------------------------------------
@@ -35,10 +37,10 @@ def tampered(remote: p2p.RemoteTensor, **changes) -> p2p.RemoteTensor:
     _C._decode_remote."""
     fields = _C._decode_remote(remote.to_bytes())
     for key, value in changes.items():
-        target = fields if key in fields else fields["region"]
-        if key not in target:
+        where = fields if key in fields else fields["region"]
+        if key not in where:
             raise KeyError(key)
-        target[key] = value
+        where[key] = value
     return p2p.RemoteTensor.from_bytes(_C._encode_remote(fields))
 
 
@@ -204,12 +206,6 @@ def ptrace_errno(state, pid: int) -> int:
     return ctypes.get_errno()
 
 
-def start_engine(state, provider: str, **kwargs) -> bytes:
-    state["engine"] = p2p.Engine("cpu", **engine_kwargs(provider, **kwargs))
-    state["engine.shared"] = shares_memory(provider)
-    return state["engine"].address
-
-
 def guarded_target(state, name: str, nbytes: int, guard: int = 4096, access: str = "rw",
                    fill: int = 0xAB, guard_fill: int = 0x5A) -> bytes:
     """Registers `nbytes` in the middle of a larger buffer; the `guard` bytes on each side are
@@ -233,26 +229,9 @@ def buffer_bytes(state, name: str) -> bytes:
     return bytes(state[name + ".buf"])
 
 
-def target(state, name: str, nbytes: int, fill: int = 0, access: str = "rw") -> bytes:
-    t = torch.full((nbytes,), fill, dtype=torch.uint8)
-    if state.get("engine.shared"):
-        t.share_memory_()
-    state[name] = t
-    state[name + ".region"] = state["engine"].register(t, access=access)
-    return state[name + ".region"].remote.to_bytes()
-
-
 def checksum(state, name: str, start: int = 0, stop: int | None = None) -> int:
     t = state[name]
     return zlib.crc32(t.view(torch.uint8).numpy()[start:stop].tobytes())
-
-
-def close_region(state, name: str) -> None:
-    state[name + ".region"].close()
-
-
-def close_engine(state) -> None:
-    state.pop("engine").close()
 
 
 def disconnect(state, address: bytes, timeout: float = 10) -> None:
@@ -301,14 +280,17 @@ def recv_many(state, n: int, timeout: float = 60) -> list:
     return out
 
 
-def expect_notification(state, tag: int, name: str, seed: int, timeout: float = 60) -> dict:
-    """Waits for notification(tag) and checks, right then, that `name` holds pattern(seed)."""
-    e = state["engine"]
-    fut = e.notification(tag, timeout=timeout)
-    state["notify.ready"] = True
-    p2p.wait(fut, timeout + 10)
-    t = state[name]
-    got = t.view(torch.uint8).reshape(-1)
+def await_notification(state, tag: int, timeout: float = 60) -> None:
+    """Calls notification(tag) and returns: the waiter is in place before anything that the
+    parent does next (check_notification collects it)."""
+    state["notification"] = state["engine"].notification(tag, timeout=timeout)
+
+
+def check_notification(state, name: str, seed: int, timeout: float = 60) -> dict:
+    """Waits for await_notification's future and checks, right then, that `name` holds
+    pattern(seed)."""
+    p2p.wait(state.pop("notification"), timeout)
+    got = state[name].view(torch.uint8).reshape(-1)
     expected = pattern(seed, got.numel())
     return {"equal": bool(torch.equal(got, expected)),
             "mismatched_bytes": int((got != expected).sum())}

@@ -14,8 +14,7 @@ import torch
 
 import helpers
 import torch_p2p as p2p
-from conftest import DATA_PATHS, PROVIDERS, engine_kwargs
-from peer import Peer
+from conftest import DATA_PATHS, engine_kwargs, shares_memory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,6 +82,8 @@ def test_the_handle_of_a_closed_local_region_fails_through_the_future(provider):
     with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=2.0)) as engine:
         src = helpers.random_tensor(SHAPE, torch.float32, 1)
         mine = helpers.poisoned(SHAPE, torch.float32)
+        if shares_memory(provider):
+            mine.share_memory_()
         engine.register(src)
         region = engine.register(mine)
         region.close()
@@ -95,7 +96,10 @@ def test_the_handle_of_a_closed_local_region_is_refused_at_once(provider):
     with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=2.0)) as engine:
         src = helpers.random_tensor(SHAPE, torch.float32, 1)
         engine.register(src)
-        region = engine.register(helpers.poisoned(SHAPE, torch.float32))
+        mine = helpers.poisoned(SHAPE, torch.float32)
+        if shares_memory(provider):
+            mine.share_memory_()
+        region = engine.register(mine)
         region.close()
         with pytest.raises((p2p.ClosedError, ValueError)):
             engine.write_slices([src[0]], [region.remote[0]])
@@ -152,22 +156,28 @@ def test_out_of_bounds_destinations(link, target):
     assert_nothing_moved(link, target)
 
 
-def test_shape_mismatch(link, target):
-    src, remote = target.src, target.remote
-    with pytest.raises(ValueError, match=r"source view 0 has shape \[3, 64\] but its RemoteTensor has "
-                                         r"shape \[4, 64\]"):
-        link.engine.write_slices([src[0:3]], [remote[0:4]])
-    with pytest.raises(ValueError, match=r"source view 0 has shape \[64\] but its RemoteTensor has "
-                                         r"shape \[2, 32\]"):
-        link.engine.write_slices([src[0]], [remote[0:2, :32]])  # as many elements is not enough
-    with pytest.raises(ValueError, match=r"destination view 1 has shape \[8\] but its RemoteTensor has "
-                                         r"shape \[8, 1\]"):
-        link.engine.read_slices([src[0], src[:, 0]], [remote[0], remote[:, 0:1]])
-    # Mirror mode needs the remote tensor laid out like the registered local one.
-    with pytest.raises(ValueError, match=r"mirror mode needs the RemoteTensor laid out like the registered local "
-                                         r"tensor: remote \[4, 64\]"):
-        link.engine.write_slices([src[0]], remote[0:4])
+def assert_refused(link, target, cases) -> None:
+    """Each (message pattern, call) raises ValueError with that message; nothing moved."""
+    for pattern, call in cases:
+        with pytest.raises(ValueError, match=pattern):
+            call()
     assert_nothing_moved(link, target)
+
+
+def test_shape_mismatch(link, target):
+    src, remote, e = target.src, target.remote, link.engine
+    assert_refused(link, target, [
+        (r"source view 0 has shape \[3, 64\] but its RemoteTensor has shape \[4, 64\]",
+         lambda: e.write_slices([src[0:3]], [remote[0:4]])),
+        # As many elements is not enough.
+        (r"source view 0 has shape \[64\] but its RemoteTensor has shape \[2, 32\]",
+         lambda: e.write_slices([src[0]], [remote[0:2, :32]])),
+        (r"destination view 1 has shape \[8\] but its RemoteTensor has shape \[8, 1\]",
+         lambda: e.read_slices([src[0], src[:, 0]], [remote[0], remote[:, 0:1]])),
+        # Mirror mode needs the remote tensor laid out like the registered local one.
+        (r"mirror mode needs the RemoteTensor laid out like the registered local tensor: remote \[4, 64\]",
+         lambda: e.write_slices([src[0]], remote[0:4])),
+    ])
 
 
 def test_dtype_mismatch(link, target):
@@ -184,15 +194,13 @@ def test_dtype_mismatch(link, target):
 
 
 def test_one_remote_tensor_per_view(link, target):
-    src, remote = target.src, target.remote
-    with pytest.raises(ValueError, match=r"expected one RemoteTensor per local view "
-                                         r"\(2 local views, 1 RemoteTensors\)"):
-        link.engine.write_slices([src[0], src[1]], [remote[0]])
-    with pytest.raises(ValueError, match=r"\(1 local views, 2 RemoteTensors\)"):
-        link.engine.read_slices([src[0]], [remote[0], remote[1]])
-    with pytest.raises(ValueError, match="no RemoteTensor given"):
-        link.engine.write_slices([src[0]], [])
-    assert_nothing_moved(link, target)
+    src, remote, e = target.src, target.remote, link.engine
+    assert_refused(link, target, [
+        (r"expected one RemoteTensor per local view \(2 local views, 1 RemoteTensors\)",
+         lambda: e.write_slices([src[0], src[1]], [remote[0]])),
+        (r"\(1 local views, 2 RemoteTensors\)", lambda: e.read_slices([src[0]], [remote[0], remote[1]])),
+        ("no RemoteTensor given", lambda: e.write_slices([src[0]], [])),
+    ])
 
 
 def test_arguments_of_the_wrong_type(link, target):
@@ -283,7 +291,7 @@ def test_write_to_a_region_its_owner_deregistered_fails_through_the_future(link)
     try:
         src = helpers.random_tensor(SHAPE, torch.float32, 1)
         name, gone = own.remote(SHAPE)
-        own.peer.call(helpers.deregister, name)
+        own.peer.call(helpers.close_region, name)
         with own.engine.register(src):
             future = own.engine.write_slices([src[0]], [gone[0]])
             with pytest.raises(p2p.ClosedError, match="deregistered by its owner"):
@@ -301,7 +309,7 @@ def test_a_deregistered_remote_region_is_refused_and_the_peer_lives_on(peer, pro
         live_name, live = own.remote(SHAPE)
         with own.engine.register(src):
             p2p.wait(own.engine.write_slices([src], [live]), timeout=30)  # connected
-            own.peer.call(helpers.deregister, name)
+            own.peer.call(helpers.close_region, name)
             # Refused here (the owner's RegionClosed arrived first) or by the owner's provider.
             with pytest.raises((p2p.ClosedError, p2p.RemoteError), match="deregistered by its owner|RMA write"):
                 p2p.wait(own.engine.write_slices([src[0]], [gone[0]]), timeout=30)
@@ -362,3 +370,31 @@ def test_stream_wait_needs_a_cuda_engine(link, target):
     with pytest.raises(ValueError, match="stream_wait needs a CUDA engine"):
         link.engine.stream_wait(fut)
     p2p.wait(fut, timeout=60)
+
+
+def test_a_message_over_1_gib_is_refused():
+    """send() takes up to 1 GiB (README): one byte more is refused before anything is sent.
+    (bytes(n) is calloc'ed: its pages are not touched until the engine copies them.)"""
+    with p2p.Engine("cpu", **engine_kwargs("tcp")) as a:
+        with pytest.raises(ValueError, match="at most 1073741824 bytes"):
+            a.send(a.address, bytes((1 << 30) + 1))
+
+
+def test_deregister_a_region():
+    """engine.deregister(region) is region.close(): the region is closed, its tensor is no
+    longer a source, its handle fails, and deregistering again does nothing."""
+    with p2p.Engine("cpu", **engine_kwargs("tcp")) as e:
+        src, dst = torch.ones(64), torch.zeros(64)
+        source, target = e.register(src), e.register(dst)
+        p2p.wait(e.write_slices([src], [target.remote]), 10)
+        e.deregister(source)
+        assert source.closed and not target.closed
+        with pytest.raises(ValueError, match="not inside a tensor registered"):
+            e.write_slices([src], [target.remote])
+        e.deregister(target)
+        back = torch.zeros(64)
+        e.register(back)
+        with pytest.raises(p2p.ClosedError):
+            p2p.wait(e.read_slices([back], [target.remote]), 10)
+        e.deregister(target)
+        assert target.closed

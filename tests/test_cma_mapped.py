@@ -20,10 +20,6 @@ MAPS = "the cma route maps the shared memory of peer"
 ROWS, ROW = 64, 16 << 10
 
 
-def _fetch(state, name: str) -> torch.Tensor:
-    return state[name].clone()
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("memory", ["shared", "private", "shared, map off"])
 def test_shared_memory_is_mapped(capfd, memory):
@@ -36,7 +32,7 @@ def test_shared_memory_is_mapped(capfd, memory):
         remote = b.call(ph.target, "t", ROWS * ROW)
         assert a.call(ph.route_to, remote) == "cma"
         assert a.call(ph.round_trips, remote, 5, ROWS, ROW) == []
-        assert torch.equal(b.call(_fetch, "t"), ph.after_round_trips(5, ROWS, ROW))
+        assert torch.equal(b.call(ph.fetch, "t"), ph.after_round_trips(5, ROWS, ROW))
         second = b.call(ph.target, "u", ROWS * ROW)  # a second region of the same peer
         assert a.call(ph.round_trips, second, 6, ROWS, ROW) == []
     said = capfd.readouterr().err.count(MAPS)
@@ -58,7 +54,7 @@ def test_read_only_shared_region():
             forged = ph.tampered(remote, access=ph.READ | ph.WRITE)
             error = ph.wait_all([a.write_slices([buf.fill_(1)], [forged])], 30)[0]
         assert isinstance(error, p2p.RemoteError) and "owner" in str(error), error
-        assert (b.call(_fetch, "t") == 7).all()
+        assert (b.call(ph.fetch, "t") == 7).all()
 
 
 @pytest.mark.timeout(120)
@@ -76,7 +72,7 @@ def test_tampered_handle_refused(op):
             call = a.write_slices if op == "write" else a.read_slices
             error = ph.wait_all([call(buf, [forged])], 30)[0]
         assert isinstance(error, p2p.RemoteError) and "owner" in str(error), error
-        assert (b.call(_fetch, "t") == 0xAB).all()
+        assert (b.call(ph.fetch, "t") == 0xAB).all()
         assert (buf == 0x11).all()
 
 

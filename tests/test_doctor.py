@@ -12,10 +12,7 @@ from topologies import FakeSysfs, efa, p4d, p5, p5en
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for var in ("TORCH_P2P_DOMAINS", "TORCH_P2P_NUM_RAILS", "TORCH_P2P_CPUS"):
-        monkeypatch.delenv(var, raising=False)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def offer(provider, nics, hmem=True):

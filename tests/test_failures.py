@@ -18,12 +18,11 @@ import torch
 
 import peer_helpers as ph
 import torch_p2p as p2p
-from conftest import SHM_1, SHM_2_CRASH, engine_kwargs
+from conftest import PEER_TIMEOUT, SHM_1, SHM_2_CRASH, engine_kwargs
 from peer import Peer, PeerFailed
 from torch_p2p import _C
 
 PROVIDERS = ["tcp", "shm"]
-PEER_TIMEOUT = 2.0
 MARGIN = 3.0  # seconds of slack on top of peer_timeout on a loaded machine
 
 SHM_WEDGE = ("BUG (shm provider, libfabric 1.17): a peer killed while one of our operations to it "
@@ -36,6 +35,12 @@ SHM_SPIN = ("BUG (shm provider, libfabric 1.17): a peer killed while it holds th
             "region leaves our worker thread spinning forever in pthread_spin_lock inside "
             "fi_writemsg/fi_readmsg/fi_send to it: no future completes (liveness never runs), close() "
             "never returns. Timing-dependent: most kills during a stream of writes hit it")
+
+
+# A timing-dependent bug fails some runs only, so its marker cannot be strict (an XPASS is a
+# run the timing spared); it names what the failure raises: the scenario's pytest.fail (the
+# engine stopped answering) or an assertion on the futures' outcomes.
+SCENARIO_FAILED = (AssertionError, pytest.fail.Exception)
 
 
 def _errors_by_type(errors) -> dict:
@@ -58,7 +63,8 @@ def _host(provider, **kwargs):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("provider", [
-    "tcp", "cma", pytest.param("shm", marks=pytest.mark.xfail(SHM_1, strict=False, reason=SHM_SPIN))])
+    "tcp", "cma", pytest.param("shm", marks=pytest.mark.xfail(SHM_1, strict=False, raises=SCENARIO_FAILED,
+                                                              reason=SHM_SPIN))])
 def test_dead_peer_fails_every_future_within_bound(provider):
     """b dies (kill -9) in the middle of a stream of writes from a. Every future involving b
     fails with PeerError within peer_timeout + margin (tcp: the dropped connection, at once;
@@ -183,7 +189,7 @@ def test_cma_refused_by_the_os_takes_the_fabric(capfd):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(SHM_1, strict=True, reason=SHM_SPIN)
+@pytest.mark.xfail(SHM_1, strict=True, raises=AssertionError, reason=SHM_SPIN)
 def test_dead_shm_peer_holding_its_lock():
     """shm: b is killed while it surely holds its region's lock. Its futures must still fail
     with PeerError within the bound."""
@@ -217,7 +223,8 @@ def test_dead_shm_peer_holding_its_lock():
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("provider", [
-    "tcp", pytest.param("shm", marks=pytest.mark.xfail(SHM_1, strict=True, reason=SHM_WEDGE + "; or " + SHM_SPIN))])
+    "tcp", pytest.param("shm", marks=pytest.mark.xfail(SHM_1, strict=True, raises=SCENARIO_FAILED,
+                                                       reason=SHM_WEDGE + "; or " + SHM_SPIN))])
 def test_engine_usable_after_peer_died_mid_transfer(provider):
     """b dies with writes from a in flight (stopped first, so they surely are). Afterwards a
     still writes to and reads from c (verified), and sends to a new peer d. (On the cma route a
@@ -249,12 +256,13 @@ def test_engine_usable_after_peer_died_mid_transfer(provider):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("provider", [
-    "tcp", pytest.param("shm", marks=pytest.mark.xfail(SHM_1, strict=False, reason=SHM_SPIN))])
+@pytest.mark.parametrize("provider", PROVIDERS)
 def test_idle_peer_died_then_used(provider):
     """b dies while nothing is in flight; the next write, read and send fail with PeerError
     within peer_timeout + margin; then an explicit connect fails the same way. (A connect() to
-    a peer still believed Ready completes at once, as documented, so it comes second.)"""
+    a peer still believed Ready completes at once, as documented, so it comes second.) On shm
+    an idle b holds its region's lock for no longer than a poll, so SHM_SPIN does not apply;
+    _scenario fails the test, not the run, should the engine stop answering."""
     budget = PEER_TIMEOUT + MARGIN
     with _host(provider) as a, Peer() as b:
         address = b.call(ph.start_engine, provider, peer_timeout=PEER_TIMEOUT)
@@ -331,7 +339,8 @@ def test_hung_peer_is_declared_dead(provider):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("provider", ["tcp", pytest.param("shm", marks=pytest.mark.xfail(SHM_1, strict=False, reason=SHM_HOL))])
+@pytest.mark.parametrize("provider", ["tcp", pytest.param("shm", marks=pytest.mark.xfail(
+    SHM_1, strict=False, raises=AssertionError, reason=SHM_HOL))])
 def test_hung_peer_does_not_stall_others(provider):
     """While b is stopped with our write to it in flight, writes and messages to c go on."""
     with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=30)) as a, Peer() as b, Peer() as c:
@@ -376,7 +385,8 @@ def test_nobody_listens(provider):
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(bool(os.environ.get("TORCH_P2P_SANITIZED")),
                     reason="crashes a child on purpose; scripts/sanitize.sh would count the SEGV as a report")
-@pytest.mark.xfail(strict=True, reason="BUG (shm provider, libfabric 1.17; 2.6.0 crashes too): fi_av_insert() of the address "
+# Not gated on the version: 2.6.0 crashes too. The child's death reaches us as EOF on its pipe.
+@pytest.mark.xfail(strict=True, raises=EOFError, reason="BUG (shm provider, libfabric 1.17; 2.6.0 crashes too): fi_av_insert() of the address "
                    "of an shm endpoint that was closed in the same process segfaults (in Rail::insert "
                    "<- Worker::peer_for <- Worker::connect); the whole process dies")
 def test_connect_to_engine_closed_in_same_process_shm():
@@ -388,10 +398,10 @@ def test_connect_to_engine_closed_in_same_process_shm():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("provider", ["tcp", pytest.param("shm", marks=SHM_2_CRASH)])
 def test_unreachable_address_does_not_stall_other_peers(provider):
     """While a connect() to an address where nobody listens is pending, messages and writes
-    to a live peer go on at their usual speed."""
+    to a live peer complete: before that connect has failed (it fails after peer_timeout)."""
     with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=3)) as a, Peer() as b, Peer() as g:
         address = b.call(ph.start_engine, provider)
         rb = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", 1 << 20))
@@ -408,12 +418,11 @@ def test_unreachable_address_does_not_stall_other_peers(provider):
         p2p.wait(a.connect(address), 10)
         pending = a.connect(dead)
         time.sleep(0.1)
-        start = time.monotonic()
         errors = ph.wait_all([a.send(address, b"x"), a.write_slices(src, [rb])], 5)
-        took = time.monotonic() - start
+        still_pending = not pending.done()
         ph.wait_all([pending], 10)
         assert errors == [None, None], errors
-        assert took < 1.0, f"a live peer's operations took {took:.1f} s"
+        assert still_pending, "the live peer's operations ended only once the unreachable connect had"
 
 
 @pytest.mark.timeout(60)
@@ -445,11 +454,10 @@ def test_peer_closing_fails_our_transfers_promptly(provider):
         p2p.wait(a.write_slices(buf, [rb]), 10)
         b.call(ph.close_engine)
         time.sleep(0.5)
-        start = time.monotonic()
         errors = ph.wait_all([a.write_slices(buf, [rb]), a.send(address, b"?")], 10)
+        # "left" is the goodbye's error: a silent peer would fail as such after peer_timeout (30 s).
         assert all(isinstance(e, p2p.PeerError) for e in errors), errors
         assert "left" in str(errors[0])
-        assert time.monotonic() - start < 2
 
 
 @pytest.mark.timeout(120)
@@ -486,10 +494,9 @@ def test_peer_closed_after_disconnect_is_not_contacted(provider):
         time.sleep(0.3)  # c takes our goodbye
         c.call(ph.close_engine)
         time.sleep(0.3)  # and we take c's
-        start = time.monotonic()
         errors = ph.wait_all([a.write_slices(buf, [rc]), a.connect(c_address)], 10)
+        # "closed": known closed, refused without contacting c (a HELLO would end as "silent").
         assert all(isinstance(e, p2p.PeerError) and "closed" in str(e) for e in errors), errors
-        assert time.monotonic() - start < 1
         assert ph.wait_all([a.write_slices(buf, [rb]) for _ in range(5)], 10) == [None] * 5
 
 
@@ -528,7 +535,8 @@ def test_close_with_operations_in_flight(provider):
             took = time.monotonic() - start
             errors = ph.wait_all(pending, 5)
             waiter.join(10)
-    assert took < 5, f"close() took {took:.1f} s"
+    # No hang: a close() that waited for the stopped b would take until b resumes (20 s).
+    assert took < 15, f"close() took {took:.1f} s"
     assert all(isinstance(e, p2p.ClosedError) for e in errors), errors
     assert not waiter.is_alive() and isinstance(blocked[0], p2p.ClosedError)
     assert not a._dispatcher.is_alive()
@@ -548,8 +556,8 @@ def test_close_with_operations_in_flight(provider):
 @pytest.mark.timeout(60)
 def test_close_from_a_completion_callback():
     """Callbacks run on the dispatcher thread; closing the engine from one must not deadlock."""
-    with p2p.Engine("cpu", **engine_kwargs("shm")) as other:
-        a = p2p.Engine("cpu", **engine_kwargs("shm"))
+    with p2p.Engine("cpu", **engine_kwargs("tcp")) as other:
+        a = p2p.Engine("cpu", **engine_kwargs("tcp"))
         closed = threading.Event()
         first, second, third = a.recv(timeout=30), a.recv(timeout=30), a.recv(timeout=30)
 
@@ -587,19 +595,18 @@ def test_deregister_waits_for_local_operations(provider):
             with pytest.raises(p2p.TimeoutError):
                 region.close(timeout=0.5)
             took = time.monotonic() - start
-            assert 0.4 <= took <= 3, took
+            # It waited its timeout, not for the write (b stays stopped for 20 s).
+            assert 0.4 <= took < 15, took
             assert not fut.done()
             with pytest.raises(p2p.ClosedError):
                 a.write_slices(src[:10], [rb[:10]])
-            start = time.monotonic()
             if provider == "shm":
                 # shm: closing also waits for the peers that know us to release the region
                 # (README, Closing), and the stopped b cannot answer yet.
                 with pytest.raises(p2p.TimeoutError):
                     idle_region.close(timeout=0.5)
             else:
-                idle_region.close(timeout=5)  # nothing uses it: at once
-                assert time.monotonic() - start < 1
+                idle_region.close(timeout=5)  # nothing uses it: no TimeoutError, b being stopped
             assert idle_region.closed
         p2p.wait(fut, 20)
         region.close(timeout=10)
@@ -652,25 +659,22 @@ def test_recv_and_notification_time_out():
             fut = make()
             with pytest.raises(p2p.TimeoutError) as info:
                 p2p.wait(fut, 10)
-            assert 0.25 <= time.monotonic() - start <= 2.5
+            assert time.monotonic() - start >= 0.25  # not before its timeout; wait() bounds a hang
             assert isinstance(info.value, builtins.TimeoutError)
 
 
-@pytest.mark.timeout(60)
-def test_zero_or_negative_timeout_does_not_wait_forever():
-    with p2p.Engine("cpu", **engine_kwargs("shm")) as a:
-        for start in (lambda: a.recv(timeout=0), lambda: a.notification(1, timeout=-1.0)):
-            try:
-                fut = start()
-            except ValueError:
-                continue
-            deadline = time.monotonic() + 2
-            while not fut.done() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            done = fut.done()
-            if not done:
-                a.cancel(fut)
-            assert done, "still pending 2 s after a zero or negative timeout"
+def test_zero_or_negative_timeout_is_refused():
+    """A timeout of zero or less would never wait (or wait forever, as None does): every call
+    that takes one refuses it before starting anything."""
+    with p2p.Engine("cpu", **engine_kwargs("tcp")) as a:
+        buf = torch.zeros(64, dtype=torch.uint8)
+        remote = a.register(buf).remote
+        for call in (lambda t: a.recv(timeout=t), lambda t: a.notification(1, timeout=t),
+                     lambda t: a.send(a.address, b"x", timeout=t), lambda t: a.write_slices(buf, [remote], timeout=t),
+                     lambda t: a.read_slices(buf, [remote], timeout=t), lambda t: a.warm(remote, timeout=t)):
+            for timeout in (0, -1.0):
+                with pytest.raises(ValueError, match="timeout must be positive"):
+                    call(timeout)
 
 
 @pytest.mark.timeout(120)
@@ -687,12 +691,40 @@ def test_transfer_timeout(provider):
             start = time.monotonic()
             errors = ph.wait_all([a.write_slices(src, [rb], timeout=0.5)], 10)
             took = time.monotonic() - start
+        # TimeoutError, not after b resumes (20 s) nor as PeerError (peer_timeout is 60 s).
         assert isinstance(errors[0], p2p.TimeoutError), errors
-        assert 0.4 <= took <= 3, took
+        assert 0.4 <= took < 15, took
         with pytest.raises(ValueError):
             a.write_slices(src, [rb], timeout=0)
         # The peer is fine afterwards.
         p2p.wait(a.write_slices(src, [rb]), 20)
+
+
+@pytest.mark.timeout(120)
+def test_engine_timeout_and_send_timeout():
+    """The engine's timeout= is the deadline of calls given none (a's write), and
+    send(timeout=) bounds a message on an engine whose own deadline is far off (c's): to a
+    hung peer both fail with TimeoutError (peer_timeout being longer still), and the peer is
+    fine afterwards."""
+    with p2p.Engine("cpu", **engine_kwargs("tcp", peer_timeout=60, timeout=0.5)) as a, \
+            p2p.Engine("cpu", **engine_kwargs("tcp", peer_timeout=60, timeout=60)) as c, Peer() as b:
+        address = b.call(ph.start_engine, "tcp")
+        rb = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", 8 << 20))
+        src = torch.ones(8 << 20, dtype=torch.uint8)
+        a.register(src)
+        p2p.wait(a.write_slices(src[:10], [rb[:10]]), 10)
+        p2p.wait(c.connect(address), 10)
+        with ph.stopped(b.pid, 20):
+            start = time.monotonic()
+            errors = ph.wait_all([a.write_slices(src, [rb]), c.send(address, b"x" * (1 << 20), timeout=0.5)], 10)
+            took = time.monotonic() - start
+        assert [type(e) for e in errors] == [p2p.TimeoutError] * 2, errors
+        assert took >= 0.4, took  # not before the deadline; wait_all bounds a hang
+        p2p.wait(c.send(address, b"after", timeout=10), 20)
+        got = b.call(ph.recv, 10)[1]
+        if got != b"after":  # the timed-out message may still arrive: the timeout ends our wait
+            got = b.call(ph.recv, 10)[1]
+        assert got == b"after"
 
 
 @pytest.mark.timeout(120)
@@ -721,9 +753,7 @@ def test_cancel(provider):
             fut = a.write_slices(src, [rb])
             time.sleep(0.3)
             assert not fut.done()
-            start = time.monotonic()
             a.cancel(fut)
             with pytest.raises(p2p.CancelledError):
-                p2p.wait(fut, 5)
-            assert time.monotonic() - start < 2
+                p2p.wait(fut, 5)  # at once: b stays stopped for 20 s
         p2p.wait(a.write_slices(src, [rb]), 20)

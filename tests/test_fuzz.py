@@ -11,7 +11,6 @@ The CI part (>= 100k inputs) takes well under a minute; TORCH_P2P_FUZZ_SCALE mul
 import os
 import random
 import struct
-import time
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from hypothesis import strategies as st
 import peer_helpers as ph
 import torch_p2p as p2p
 from torch_p2p import _C
-from conftest import engine_kwargs
+from conftest import SHM_2_CRASH, engine_kwargs
 from peer import Peer
 
 SCALE = float(os.environ.get("TORCH_P2P_FUZZ_SCALE", "1"))
@@ -75,12 +74,13 @@ def seeds():
 
 # -- the oracle ------------------------------------------------------------------------------------
 
-def check_handle(data: bytes, views: bool = True) -> None:
-    """Parses `data`; ValueError is fine; anything else must be a consistent handle."""
+def check_handle(data: bytes, views: bool = True) -> bool:
+    """Parses `data`; ValueError is fine; anything else must be a consistent handle. Returns
+    whether it was accepted."""
     try:
         r = p2p.RemoteTensor.from_bytes(data)
     except ValueError:
-        return
+        return False
     t = _C._decode_remote(data)  # what was accepted, field by field
     region = t["region"]
     # Views stay inside the region (Python integers: no overflow).
@@ -110,23 +110,9 @@ def check_handle(data: bytes, views: bool = True) -> None:
                 v = r[index]
             except (IndexError, ValueError):
                 continue
-            except TypeError as exc:
-                # Known bug, see test_view_with_a_huge_stride_on_a_size_one_dimension.
-                if "incompatible function arguments" in str(exc) and _huge_stride_bug(r, index):
-                    KNOWN["view-stride-overflow"] += 1
-                    continue
-                raise
             assert isinstance(v, p2p.RemoteTensor)
             check_handle(v.to_bytes(), views=False)
-
-
-KNOWN = {"view-stride-overflow": 0}
-
-
-def _huge_stride_bug(r, index) -> bool:
-    """A slice with a step on a dimension whose stride times the step leaves int64."""
-    items = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, slice) and (i.step or 1) > 1 and r.stride(0) * i.step >= 2 ** 63 for i in items)
+    return True
 
 
 # -- mutations -----------------------------------------------------------------------------------------
@@ -319,19 +305,19 @@ def test_from_bytes_survives_mutations(seeds):
     """>= 100k mutated handles (structured with CRCs recomputed, raw, and both)."""
     n = int(100_000 * SCALE)
     accepted = 0
-    start = time.monotonic()
     for i, data in enumerate(_inputs(seeds, n, seed=5)):
         try:
-            check_handle(data)
+            accepted += check_handle(data)
         except Exception as exc:
             raise AssertionError(f"input {i} ({data.hex()}): {type(exc).__name__}: {exc}") from exc
-        accepted += 1
-    assert time.monotonic() - start < 120 * SCALE
+    # Both sides of the oracle run: about 7 % of these inputs parse (structured mutations with
+    # their CRCs right); a parser that refused all of them would pass the loop unchecked.
+    assert n // 50 <= accepted < n, f"{accepted} of {n} inputs accepted"
 
 
 def test_from_bytes_valid_seeds_round_trip(seeds):
     for data in seeds:
-        check_handle(data)
+        assert check_handle(data)
         assert p2p.RemoteTensor.from_bytes(data).to_bytes() == data
 
 
@@ -425,19 +411,22 @@ def test_error_text_that_is_not_utf8_does_not_kill_the_dispatcher():
 # -- engine addresses given to connect() ------------------------------------------------------------------
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("provider", ["shm", "tcp"])
+@pytest.mark.parametrize("provider", [pytest.param("shm", marks=SHM_2_CRASH), "tcp"])
 def test_connect_survives_mutated_addresses(provider):
     """Mutated addresses (shm: any rail bytes; tcp: rails stay sockaddrs on 127.0.0.1, only the
     port changes). connect() raises ValueError/TypeError at once or returns a future that
     completes (P2PError or ValueError) within peer_timeout + margin; the engine still works
     afterwards. Runs in a child so that a crash fails the test instead of killing pytest."""
+    n = int(3000 * SCALE)
     with Peer() as host:
-        r = host.call(connect_fuzz, provider, int(3000 * SCALE), 11, timeout=200)
+        r = host.call(connect_fuzz, provider, n, 11, timeout=200)
     assert r["pending"] == 0, r
     assert set(r["sync"]) <= {"ValueError", "TypeError"}, r["sync"]
     assert set(r["async"]) <= {"ok", "PeerError", "ValueError", "P2PError", "TimeoutError"}, r["async"]
     assert r["still_works"], r
-    assert r["decoded"] > 100, r  # enough inputs got past the checksum
+    # Both sides run: connect() takes more than half of these inputs past its checks (seed 11)
+    # and refuses the others.
+    assert n // 4 <= r["decoded"] < n, r
 
 
 def connect_fuzz(state, provider: str, n: int, seed: int, peer_timeout: float = 2.0) -> dict:

@@ -16,10 +16,8 @@ import helpers
 import peer_helpers as ph
 import torch_p2p as p2p
 from torch_p2p import _C
-from conftest import engine_kwargs
+from conftest import PEER_GPU, ROUTES, engine_kwargs, shares_memory
 from peer import Peer
-
-PEER_GPU = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 cuda = pytest.mark.cuda
 
 
@@ -37,9 +35,11 @@ def test_address_names_the_host_and_process():
 def test_host_engines_take_the_fabric_or_cma(provider):
     """Host memory never takes the IPC route: the fabric, or on one host the cma route where it
     is on; data_path="staged" keeps the staged path."""
-    expected = "cma" if provider in ("cma", "mapped") else "direct"
+    expected = ROUTES[provider]
     with p2p.Engine("cpu", **engine_kwargs(provider)) as a, p2p.Engine("cpu", **engine_kwargs(provider)) as b:
         t = torch.zeros(16)
+        if shares_memory(provider):
+            t.share_memory_()
         region = b.register(t)
         assert a.route(b.address) == expected
         assert a.route(region.remote) == expected
@@ -255,6 +255,14 @@ def gpu_random(shape, dtype, seed):
     return helpers.random_tensor(shape, dtype, seed).to("cuda:0")
 
 
+def source_and_target(a, b, n: int, seed: int):
+    """(b's n-byte target "t", a registered random source of n bytes here, its bytes on the host)."""
+    remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (n,)))
+    src = gpu_random((n,), torch.uint8, seed)
+    a.register(src)
+    return remote, src, src.cpu()
+
+
 def guards_whole(whole: torch.Tensor) -> bool:
     return bool((whole[:4096] == helpers.POISON).all() and (whole[-4096:] == helpers.POISON).all())
 
@@ -378,11 +386,7 @@ def test_ipc_stream_wait_holds_later_work_until_the_copy_is_done(ipc_pair):
     then a kernel on the stream that overwrites the source: the peer gets the bytes from
     before the overwrite."""
     a, b, _ = ipc_pair
-    n = 64 << 20
-    remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (n,)))
-    src = gpu_random((n,), torch.uint8, 7)
-    a.register(src)
-    want = src.cpu()
+    remote, src, want = source_and_target(a, b, 64 << 20, 7)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         fut = a.write_slices([src], [remote])
@@ -399,11 +403,7 @@ def test_ipc_stream_wait_waits_on_the_gpu_not_the_host(ipc_pair):
     the call is done (its stream waits on the GPU for an event after the copy; a call it did
     not find would be waited for on the host), and the work after it still follows the copy."""
     a, b, _ = ipc_pair
-    n = 1 << 20
-    remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (n,)))
-    src = gpu_random((n,), torch.uint8, 9)
-    a.register(src)
-    want = src.cpu()
+    remote, src, want = source_and_target(a, b, 1 << 20, 9)
     a.write_slices([src], [remote]).wait()  # the peer is known: nothing waits for its hello
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

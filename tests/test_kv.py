@@ -21,13 +21,12 @@ import torch
 import helpers
 import peer_helpers as ph
 import torch_p2p as p2p
-from conftest import engine_kwargs
+from conftest import PEER_GPU, engine_kwargs
 from peer import Peer
 from torch_p2p import kv
 
 pytestmark = pytest.mark.timeout(240)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEER_GPU = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 
 
 # -- caches as serving systems hold them (both processes build them alike) ----------------------
@@ -517,3 +516,26 @@ def test_cuda_example():
     pytest.importorskip("transformers")
     out = run_example("--device", "cuda:0", "--peer-device", PEER_GPU)
     assert "push: tokens match" in out and "pull: tokens match" in out, out
+
+
+@pytest.mark.parametrize("access", ["r", "w"])
+def test_cache_access_limits_what_peers_may_do(access):
+    """KVCache(access=): a read-only cache can be pulled from, not pushed into; a write-only
+    one the other way round. The refusal comes before anything moves."""
+    with p2p.Engine("cpu", **engine_kwargs("tcp")) as a, p2p.Engine("cpu", **engine_kwargs("tcp")) as b:
+        theirs = torch.arange(2 * 4 * 4 * 2 * 8, dtype=torch.float32).view(2, 4, 4, 2, 8)
+        before = theirs.clone()
+        limited = kv.KVCache(b, [theirs], "flash_attn", access=access)
+        ours = torch.full((2, 4, 4, 2, 8), -1.0)
+        mine = kv.KVCache(a, [ours], "flash_attn")
+        allowed, refused = (mine.pull, mine.push) if access == "r" else (mine.push, mine.pull)
+        with pytest.raises(ValueError, match="does not accept remote " + ("writes" if access == "r" else "reads")):
+            refused(limited.handle, [0], [1])
+        assert torch.equal(theirs, before)
+        p2p.wait(allowed(limited.handle, [1], [2]), 30)  # block 1 of the one side into block 2 of the other
+        if access == "r":
+            assert torch.equal(ours[:, 2], before[:, 1])
+        else:
+            assert torch.equal(theirs[:, 2], ours[:, 1]) and torch.equal(theirs[:, :2], before[:, :2])
+        mine.close()
+        limited.close()

@@ -63,9 +63,15 @@ def test_connect_disconnect_any_time(pair):
 
 @pytest.mark.timeout(120)
 def test_disconnect_unknown_peer_is_a_no_op(pair):
+    """Nothing to leave: the call completes, tells the stranger nothing (it can still reach
+    us) and leaves our peers as they were."""
     provider, a, b, address = pair
     with p2p.Engine("cpu", **engine_kwargs(provider)) as other:
-        p2p.wait(a.disconnect(other.address), 10)
+        assert p2p.wait(a.disconnect(other.address), 10) is None
+        p2p.wait(other.send(a.address, b"still here"), 10)
+        assert p2p.wait(a.recv(timeout=10), 20) == (other.address, b"still here")
+    p2p.wait(a.send(address, b"and b too"), 10)
+    assert b.call(ph.recv, 10) == (a.address, b"and b too")
 
 
 @pytest.mark.timeout(120)
@@ -174,15 +180,12 @@ def test_notification_completes_after_all_bytes(pair, waiter_first):
     dsts = [dst2d[i * cols:(i + 1) * cols] for i in order]
     tag = 0xFFFFFFFF if waiter_first else 17
     if waiter_first:
-        b.start(ph.expect_notification, tag, "nt", 1234, 60)
-        time.sleep(0.5)  # let b call notification() before the write starts
-        fut = a.write_slices(views, dsts, notify=tag)
+        b.call(ph.await_notification, tag, 60)
+        p2p.wait(a.write_slices(views, dsts, notify=tag), 60)
     else:
-        fut = a.write_slices(views, dsts, notify=tag)
-        b.start(ph.expect_notification, tag, "nt", 1234, 60)
-    p2p.wait(fut, 60)
-    result = b.result(timeout=90)
-    assert result == {"equal": True, "mismatched_bytes": 0}
+        p2p.wait(a.write_slices(views, dsts, notify=tag), 60)
+        b.call(ph.await_notification, tag, 60)
+    assert b.call(ph.check_notification, "nt", 1234, 60, timeout=90) == {"equal": True, "mismatched_bytes": 0}
     b.call(ph.close_region, "nt")
 
 

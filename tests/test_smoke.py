@@ -6,7 +6,7 @@ import torch
 
 import helpers
 import torch_p2p as p2p
-from conftest import engine_kwargs
+from conftest import ROUTES, engine_kwargs
 from peer import Peer
 
 
@@ -14,6 +14,7 @@ def test_write_then_read(provider):
     with Peer() as b, p2p.Engine("cpu", **engine_kwargs(provider)) as a:
         b.call(helpers.start_engine, provider)
         remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (8, 256)))
+        assert a.route(remote) == ROUTES[provider]
         src = torch.randn(8, 256)
         out = torch.zeros(8, 256)
         a.register(src)

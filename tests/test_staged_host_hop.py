@@ -39,13 +39,9 @@ def test_bytes_right_over_either_hop(capfd, hop, owner):
         remote = b.call(ph.target, "t", ROWS * ROW)
         assert a.call(ph.route_to, remote) == "staged"
         assert a.call(ph.round_trips, remote, 7, ROWS, ROW) == []
-        assert torch.equal(b.call(_fetch, "t"), ph.after_round_trips(7, ROWS, ROW))
+        assert torch.equal(b.call(ph.fetch, "t"), ph.after_round_trips(7, ROWS, ROW))
     said = capfd.readouterr().err.count(REACHES)
     assert said == (1 if hop == "cma" else 0), f"{REACHES!r} logged {said} times"
-
-
-def _fetch(state, name: str) -> torch.Tensor:
-    return state[name].clone()
 
 
 @pytest.mark.timeout(120)

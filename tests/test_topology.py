@@ -9,13 +9,7 @@ from torch_p2p import topology
 from torch_p2p.topology import Nic, gpu_pci_addresses, line_rate_bps, parse_cpulist, plan
 from topologies import FakeSysfs, aws_host, efa, p4d
 
-ENV = ("TORCH_P2P_DOMAINS", "TORCH_P2P_NUM_RAILS", "TORCH_P2P_CPUS")
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for var in ENV:
-        monkeypatch.delenv(var, raising=False)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def test_p5_each_gpu_gets_its_four_nics_and_a_local_core(tmp_path):

@@ -16,7 +16,7 @@ import torch
 
 import helpers
 import torch_p2p as p2p
-from conftest import DATA_PATHS, PROVIDERS
+from conftest import DATA_PATHS
 from peer import Peer
 
 pytestmark = pytest.mark.timeout(240)

@@ -1,18 +1,14 @@
-"""engine.warm(): first contact with a peer off the request path."""
+"""engine.warm(): first contact with a peer off the request path, on the fabric route
+(conftest.fabric_pair), where it reads from every pair of rails."""
 import pytest
 import torch
 
 import torch_p2p as p2p
+from conftest import engine_kwargs
 
 
-@pytest.fixture(params=["tcp", "shm"])
-def pair(request):
-    with p2p.Engine("cpu", request.param) as a, p2p.Engine("cpu", request.param) as b:
-        yield a, b
-
-
-def test_warm_reads_every_rail_pair_and_leaves_memory_alone(pair):
-    a, b = pair
+def test_warm_reads_every_rail_pair_and_leaves_memory_alone(fabric_pair):
+    a, b = fabric_pair
     dst = torch.arange(1 << 16, dtype=torch.int32)
     remote = b.register(dst).remote
     before = dst.clone()
@@ -29,31 +25,36 @@ def test_warm_reads_every_rail_pair_and_leaves_memory_alone(pair):
     assert dst[:4].tolist() == [7] * 4
 
 
-def test_warm_a_tiny_tensor_and_an_address(pair):
-    a, b = pair
-    one = torch.zeros(1, dtype=torch.float64)
-    a.warm(b.register(one).remote).wait()
+def test_warm_a_tiny_tensor_and_an_address(fabric_pair):
+    """A tensor smaller than one piece is read whole, once per warm() read; an address only
+    connects (nothing read, no scratch)."""
+    a, b = fabric_pair
     a.warm(b.address).wait()
+    assert a._warm_buffers == {}
+    one = torch.full((1,), 2.5, dtype=torch.float64)
+    a.warm(b.register(one).remote).wait()
+    (scratch,) = a._warm_buffers.values()
+    assert scratch.shape[0] == 1 and scratch[0, 0].item() == 2.5
 
 
-def test_warm_write_only_tensor_only_connects(pair):
-    a, b = pair
+def test_warm_write_only_tensor_only_connects(fabric_pair):
+    a, b = fabric_pair
     remote = b.register(torch.zeros(64, dtype=torch.uint8), access="w").remote
     a.warm(remote).wait()
     assert a._warm_buffers == {}
 
 
 def test_warm_a_closed_peer_fails():
-    with p2p.Engine("cpu", "tcp") as a:
-        b = p2p.Engine("cpu", "tcp")
+    with p2p.Engine("cpu", **engine_kwargs("tcp")) as a:
+        b = p2p.Engine("cpu", **engine_kwargs("tcp"))
         remote = b.register(torch.zeros(64, dtype=torch.uint8)).remote
         b.close()
         with pytest.raises(p2p.PeerError):
             a.warm(remote).wait()
 
 
-def test_warm_reads_again_once_the_first_read_is_done(pair):
-    a, b = pair
+def test_warm_reads_again_once_the_first_read_is_done(fabric_pair):
+    a, b = fabric_pair
     remote = b.register(torch.arange(1024, dtype=torch.int32)).remote
     reads, earlier_done, read = [], [], a.read_slices
 

@@ -14,12 +14,12 @@ import time
 import pytest
 import torch
 
+import peer_helpers as ph
 import torch_p2p as p2p
 import torch_p2p.weights as pw
-from conftest import engine_kwargs
+from conftest import PEER_TIMEOUT, engine_kwargs
 from peer import Peer
 
-PEER_TIMEOUT = 2.0
 
 # A transformer layer in miniature: column-parallel (dim 0), row-parallel (dim 1) and replicated
 # tensors, a 0-d one, odd sizes so that shards are uneven.
@@ -360,6 +360,67 @@ def test_relay_killed_mid_push_is_dropped_and_repaired(peers, position):
         result = p2p.wait(s.source.push(), 60)
         assert sorted(result.received) == survivors and result.dropped == {}
         s.check(c, dict((id(p), k) for p, k in s.dests)[id(c)])
+
+
+def dest_relayed(state, key) -> int:
+    """Bytes this destination wrote to its relay children in the last version."""
+    fanout = state[key][1]._impl.incoming.fanout
+    return 0 if fanout is None else fanout.sent_bytes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fanout", [1, 2])
+def test_relay_tree_follows_fanout(peers, fanout):
+    """Three destinations of one layout: a chain (fanout 1) has two of them forward the version
+    once each; a tree of fanout 2 has the first forward it to both others. The source writes it
+    once either way."""
+    a, b, c = peers
+    with Setup("tcp", chunk_bytes=2048, fanout=fanout) as s:
+        for i, peer in enumerate(peers):
+            s.add(peer, f"f{i}")
+        result = p2p.wait(s.source.push(), 60)
+        assert sorted(result.received) == ["f0", "f1", "f2"] and result.dropped == {}
+        whole = sum(t.numel() * 4 for t in s.full.values())
+        assert result.bytes_sent == whole
+        relayed = sorted(peer.call(dest_relayed, key) for peer, key in s.dests)
+        assert relayed == ([0, whole, whole] if fanout == 1 else [0, 0, 2 * whole]), relayed
+        for peer, key in s.dests:
+            s.check(peer, key)
+
+
+@pytest.mark.timeout(120)
+def test_destination_not_ready_in_ready_timeout_is_dropped(peers):
+    """A destination that does not answer the push's `begin` within ready_timeout (stopped,
+    here) is dropped with that reason, before the engine's peer_timeout would say it is
+    silent; the others get the version."""
+    a, b, _ = peers
+    with Setup("tcp", chunk_bytes=2048, ready_timeout=0.5) as s:
+        s.add(a, "ready")
+        s.add(b, "asleep")
+        with ph.stopped(b.pid, 30):
+            result = p2p.wait(s.source.push(), 20)
+        assert result.received == ["ready"] and list(result.dropped) == ["asleep"], result
+        assert "not ready within 0.5 s" in result.dropped["asleep"], result
+        s.check(a, "ready")
+
+
+@pytest.mark.timeout(120)
+def test_push_longer_than_timeout_drops_who_lacks_it(peers):
+    """A destination that stops mid-push is dropped once the push has taken `timeout`, with
+    that reason (before peer_timeout); the others get the version."""
+    a, _, _ = peers
+    with Peer() as slow, Setup("tcp", shapes=BIG, chunk_bytes=64 << 10, window=1, timeout=0.5) as s:
+        s.add(a, "fine")
+        s.add(slow, "slow")
+        slow.start(dest_stop_after, "slow", 2)
+        try:
+            result = p2p.wait(s.source.push(), 20)
+        finally:
+            ph.resume(slow.pid)
+        slow.result(timeout=30)
+        assert result.received == ["fine"] and list(result.dropped) == ["slow"], result
+        assert "the push took more than 0.5 s" in result.dropped["slow"], result
+        s.check(a, "fine")
 
 
 @pytest.mark.timeout(120)
