@@ -203,8 +203,7 @@ void Route::on_message(Peer& p, std::string_view body) {
       host_.done(t, {});
     } else if (denied) {
       --t.pending;
-      t.route = engine::TransferRoute::Direct;
-      host_.fall_back(t);
+      host_.pass_on(t);
     } else {
       return try_start(t);
     }
