@@ -8,6 +8,7 @@
 """
 from . import errors, topology
 from .engine import Engine, Pages, PreparedCall, Region, pages
+from ._shared import wait
 from .errors import CancelledError, ClosedError, P2PError, PeerError, RemoteError, TimeoutError
 from .remote import RemoteTensor
 
@@ -31,13 +32,3 @@ __all__ = [
     "wait",
 ]
 
-
-def wait(future, timeout: float | None = None):
-    """future.wait() with a timeout: raises TimeoutError if it is not done in time."""
-    import threading
-
-    done = threading.Event()
-    future.add_done_callback(lambda _: done.set())
-    if not done.wait(timeout):
-        raise TimeoutError(f"the operation did not complete within {timeout} s")
-    return future.wait()

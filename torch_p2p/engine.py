@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _C, errors, topology
+from ._shared import then as _then
 from .remote import RemoteTensor
 
 log = logging.getLogger("torch_p2p")
@@ -68,14 +69,6 @@ class Pages:
 
     def __repr__(self):
         return f"Pages({len(self.ids)} pages of dim {self.dim} of {type(self.base).__name__} {tuple(self.base.shape)})"
-
-
-def _checked_pages(base, ids: torch.Tensor, dim: int) -> Pages:
-    """A Pages of ids and a dimension known to be good (a 1-d contiguous int64 CPU tensor; a
-    dimension of base, not negative): what pages() makes, without its checks."""
-    p = Pages.__new__(Pages)
-    p.base, p.ids, p.dim = base, ids, dim
-    return p
 
 
 def pages(base, ids, dim: int = 0) -> Pages:
@@ -451,28 +444,6 @@ class Engine:
             self._futures.pop(fid, None)
             raise
         return fut
-
-
-def _then(first: torch.futures.Future, start, done: torch.futures.Future) -> None:
-    """Once `first` succeeds, starts the operation start() returns and completes `done` with
-    it; the first failure (or start()'s exception) fails `done`."""
-
-    def finish(f):
-        try:
-            f.wait()
-        except BaseException as e:  # noqa: BLE001 - the caller's future carries it
-            done.set_exception(e)
-        else:
-            done.set_result(None)
-
-    def second(f):
-        try:
-            f.wait()
-            start().add_done_callback(finish)
-        except BaseException as e:  # noqa: BLE001
-            done.set_exception(e)
-
-    first.add_done_callback(second)
 
 
 def _address(address) -> bytes:

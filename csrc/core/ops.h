@@ -89,6 +89,7 @@ class Ring {
   bool empty() const { return size_ == 0; }
   size_t size() const { return size_; }
   T& front() { return items_[head_]; }
+  const T& front() const { return items_[head_]; }
   void pop_front() {
     head_ = (head_ + 1) & (items_.size() - 1);
     --size_;

@@ -49,7 +49,6 @@ struct Peer {
   std::vector<std::pair<uint64_t, uint64_t>> live_regions;  // sorted id ranges, inclusive
   std::unordered_map<uint32_t, std::string> partial;  // user messages being reassembled
   std::unordered_map<uint32_t, uint64_t> unacked;     // our messages to it: id -> transfer
-  double kept_polling_at = 0;                          // our last KeepPolling to it (keep_polling())
 
   bool region_gone(uint64_t id) const;
   // Its own reactions to its failure (Peers::fail): failed from the event's start, so that

@@ -1,8 +1,8 @@
 // Rails: the engine's NICs as the worker and the routes use them. One fabric::Rail per domain
 // with its queue of ops waiting to be posted and its count of posted ones; the rail threads
 // that post and poll for thread-safe providers (rail_driver.h); the op pool; the striper. The
-// one op generation of the fabric is here (make_ops): direct RMA and the staged route make
-// their ops with it.
+// one op generation of the fabric is here (generate, make_ops): the fabric and staged routes
+// make their ops with it.
 //
 // Thread: the worker's. Completions and posting failures go to an OpSink (the worker), which
 // decides what they mean.

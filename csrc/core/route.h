@@ -1,12 +1,12 @@
-// Route: a way for a transfer's bytes to move other than the worker's direct RMA, kept in its
-// own folder under csrc/routes/ with its own state. The worker offers each transfer to its
-// routes in turn (routes/registry.h) and to direct RMA last; a route that takes it owns its
-// bytes until it calls RouteHost::done().
+// Route: a way for a transfer's bytes to move, kept in its own folder under csrc/routes/ with
+// its own state. The worker offers each transfer to its routes in turn (routes/registry.h; the
+// fabric route, last, takes whatever the others decline); a route that takes it owns its bytes
+// until it calls RouteHost::done().
 //
 // A route reaches back into the worker only through RouteHost: its peers' control channel,
-// transfer start and completion, the fabric (rails, op generation, the fallback to direct
-// RMA), the copier, region lookup, peer and process watching and the worker's wake-up. Every
-// method runs on the worker thread, except RouteHost::wake(), which any thread may call.
+// transfer start and completion, the rails, the copier, region lookup, peer and process
+// watching and the worker's wake-up. Every method runs on the worker thread, except
+// RouteHost::wake(), which any thread may call.
 #pragma once
 
 #include <cstdint>
@@ -60,8 +60,14 @@ class RouteHost {
   // As done(), for a unit that an op's completion ended: a failure that may be the peer's
   // (Peer, Remote) is told once a check of the peer says which.
   virtual void transfer_op_done(Transfer& t, const Status& status) = 0;
-  // The route cannot move t after all: it goes to the fabric (t.pending as it was given).
-  virtual void fall_back(Transfer& t) = 0;
+  // The route cannot move t after all: the routes after it are offered t (t.pending as it was
+  // given), as if it had declined.
+  virtual void pass_on(Transfer& t) = 0;
+  // Peer p confirmed transfer `transfer` (Route::confirm): it may end.
+  virtual void acknowledged(Peer& p, uint64_t transfer) = 0;
+  // Sends t's payload to its peer as a user message on the control channel (each fragment
+  // counted in t.pending); the peer's acknowledgement ends t.
+  virtual void send_user_message(Transfer& t) = 0;
   virtual void fail_peer(Peer& p, Status why) = 0;
   // The live (not closing) region of ours with this id, or null.
   virtual std::shared_ptr<Region> region(uint64_t id) const = 0;
@@ -77,7 +83,7 @@ class RouteHost {
   virtual bool staged_memory() const = 0;
   virtual Copier& copier() = 0;
 
-  // The fabric, for routes that move bytes with RMA ops of their own (Rails::make_ops).
+  // The fabric, for routes that move bytes with RMA ops of their own (Rails::generate).
   virtual Rails& rails() = 0;
 };
 
@@ -122,8 +128,14 @@ class Route {
   // A region of ours was registered: adds to its handle what peers need to reach it here.
   virtual void describe(Region& region, RemoteRegion& handle) {}
   // Takes t (its peer is ready, its handles checked), counts its work in t.pending and calls
-  // RouteHost::started; false leaves it to the next route or the fabric.
+  // RouteHost::started; false leaves it to the next route.
   virtual bool take(Transfer& t) = 0;
+  // t, a transfer of this route whose counted work ended well, is over only once its peer
+  // confirms it: confirm(t) asks, and RouteHost::acknowledged() answers.
+  virtual bool confirms(const Transfer& t) const { return false; }
+  virtual void confirm(Transfer& t) {}
+  // t, a transfer of this route, has work under way: a unit of it began or ended, more is due.
+  virtual void waiting(Transfer& t) {}
   // What a stream that follows t, a transfer of this route, waits on.
   virtual StreamOrder stream_order(const Transfer& t) { return {StreamOrder::Future}; }
   // Makes progress; true if anything happened.

@@ -31,12 +31,6 @@ struct Peer;
 
 enum class TransferKind : uint8_t { Write, Read, Message };
 
-// How its bytes move, decided once its regions and its peer are known.
-enum class TransferRoute : uint8_t {
-  Direct,  // RMA between registered memory
-  Routed,  // a route of the registry (core/route.h, Transfer::routed_by) moves it, no ops
-};
-
 enum class TransferState : uint8_t {
   New,             // made by the engine; the worker has not looked at it yet
   WaitingForPeer,  // its peer is connecting or being checked (in Peer::waiting)
@@ -56,12 +50,6 @@ enum class TransferStep : uint8_t {
   Report,    // the result is known: finish()
 };
 const char* name(TransferStep step);
-
-// What generating a queued transfer achieved this turn.
-enum class Gen : uint8_t {
-  Done,     // every op exists
-  Blocked,  // out of ops or queue room: retry next turn, keep the queue's order
-};
 
 // The call, as the engine made it: all a transfer needs to start. A prepared call keeps one
 // and each run copies it into a new transfer.
@@ -85,19 +73,21 @@ struct TransferCall {
 struct Transfer final : OpOwner, TransferCall {
   // Worker state.
   TransferState state = TransferState::New;
-  TransferRoute route = TransferRoute::Direct;
-  uint8_t routed_by = 0;  // the registry index of its route, when Routed
+  // The registry index of the route that moves it (core/route.h), once its regions and its
+  // peer are known.
+  static constexpr uint8_t kNoRoute = 0xff;
+  uint8_t route = kNoRoute;
   Peer* peer = nullptr;
   std::vector<std::shared_ptr<Region>> local;
   double deadline = 0;
   uint64_t chunk = 0;
-  RunCursor at;        // how far generation has come
+  RunCursor at;        // how far the fabric route's op generation has come
   size_t pending = 0;  // ops, slot jobs or IPC copies not finished (the Notify too)
   Status status;       // the first failure, if any
   // Facts that are not steps of its life, so not states:
-  //  - queued: the generation queue (or the slot waiters) holds a pointer to it. That pointer
-  //    outlives Queued: a transfer reported while queued leaves the queue only when generate()
-  //    reaches it, and must not be freed before.
+  //  - queued: a route's queue (the fabric route's, the staged route's slot waiters) holds a
+  //    pointer to it. That pointer outlives Queued: a transfer reported while queued leaves the
+  //    queue only when its route reaches it, and must not be freed before.
   //  - held: it failed, but the caller hears only once a check of the peer tells whether the
   //    peer restarted (check()), which is then the error reported. A hold begins in whichever
   //    state an op fails (Queued, Running, Notifying) and that state must be kept.
@@ -108,8 +98,9 @@ struct Transfer final : OpOwner, TransferCall {
   bool acked = false;
 
   bool reported() const { return state == TransferState::Reported; }
-  // Decides advance()'s next move; needs_fence: the peer must confirm that the provider's
-  // copies are done (needs_fence in engine/transfers.cpp).
+  bool routed() const { return route != kNoRoute; }
+  // Decides advance()'s next move; needs_fence: the peer must confirm that its bytes landed
+  // (Route::confirms).
   TransferStep next_step(bool needs_fence) const;
   // Moves to `to`; a move the diagram above does not allow is a bug (asserted).
   void enter(TransferState to);

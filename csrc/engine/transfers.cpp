@@ -1,5 +1,6 @@
-// Transfers: a write_slices / read_slices / send call from the moment the worker owns it.
-// The routes (routes/registry.h) take theirs; the rest become direct RMA ops here.
+// Transfers: a write_slices / read_slices / send call from the moment the worker owns it: its
+// regions and peer resolved, handed to the first route of the registry that takes it
+// (routes/registry.h; the fabric route takes the rest), finished as its route reports.
 #include <algorithm>
 
 #include "common/clock.h"
@@ -20,19 +21,6 @@ Status check_remote(const Transfer& t) {
                                                   " was deregistered by its owner"));
   }
   return Status{};
-}
-
-// NOTE: shm's CUDA IPC path (libfabric 2.6) completes an RMA once the target has queued its
-// cudaMemcpy, which CUDA runs asynchronously for device-to-device copies. On the GPU
-// machine, 256 MiB at a time, 25-58% of a read has landed at its completion, and a writer
-// reusing its buffer at once changes 28-77% of what the target gets (libfabric issue 11231).
-// So the transfer completes only when the peer answers a Fence, which it does once the copies
-// its provider queued before it are done; the Fence comes after the RMA in the peer's command
-// queue.
-bool needs_fence(const Transfer& t, bool provider_ipc) {
-  if (t.kind == TransferKind::Message || t.route != TransferRoute::Direct || !provider_ipc) return false;
-  if (t.runs.empty()) return false;  // nothing was written
-  return std::any_of(t.local.begin(), t.local.end(), [](const auto& r) { return r->cuda_device >= 0; });
 }
 
 }  // namespace
@@ -64,25 +52,30 @@ void Worker::start(Transfer* raw) {
     return;
   }
   if (Status s = check_remote(t); !s.ok()) return fail(t, std::move(s));
-  ready_to_generate(t);
+  offer(t, 0);
 }
 
-void Worker::ready_to_generate(Transfer& t) {
-  for (auto& r : routes_)
-    if (r->take(t)) return;
-  fall_back(t);
+void Worker::offer(Transfer& t, size_t first) {
+  for (size_t i = first; i < routes_.size(); ++i)
+    if (routes_[i]->take(t)) return;
+  P2P_ASSERT(!"the fabric route takes every transfer");
 }
 
 void Worker::started(Transfer& t, uint8_t route) {
-  t.route = TransferRoute::Routed;
-  t.routed_by = route;
+  t.route = route;
   answer_orders(t);
+}
+
+void Worker::pass_on(Transfer& t) {
+  const size_t next = t.route + 1u;
+  t.route = Transfer::kNoRoute;
+  offer(t, next);
 }
 
 // What a stream that follows t waits on: its route's answer, else its future.
 StreamOrder Worker::order_of(const Transfer& t) {
   if (t.reported()) return {};
-  if (t.route == TransferRoute::Routed) return routes_[t.routed_by]->stream_order(t);
+  if (t.routed()) return routes_[t.route]->stream_order(t);
   return {StreamOrder::Future};
 }
 
@@ -110,70 +103,11 @@ std::string Worker::route(const std::string& address, const RemoteRegion* region
   const EngineAddress a = EngineAddress::decode(address);
   for (auto& r : routes_)
     if (r->reaches(a, region)) return r->name();
-  return "direct";
+  P2P_ASSERT(!"the fabric route reaches every peer");
+  return {};
 }
 
-// Direct RMA moves runs.
-void Worker::fall_back(Transfer& t) {
-  t.pages_to_runs();
-  uint64_t total = 0;
-  for (const Run& r : t.runs) total += r.len;
-  t.chunk = rails_->striper().chunk(total, Striper::pairs(rails_->size(), t.peer->remote_rails()));
-  t.enter(TransferState::Queued);
-  answer_orders(t);
-  t.queued = true;
-  gen_queue_.push_back(&t);
-}
-
-bool Worker::generate() {
-  bool any = false;
-  while (!gen_queue_.empty()) {
-    Transfer& t = *gen_queue_.front();
-    if (t.reported()) {
-      gen_queue_.pop_front();
-      t.queued = false;
-      maybe_free(t);
-      continue;
-    }
-    // Direct RMA must not read memory before the caller's stream has written it.
-    if (t.cuda_event && !copier_->event_done(t.cuda_event)) break;
-    const Gen g = t.kind == TransferKind::Message ? generate_message(t) : generate_direct(t) ? Gen::Done : Gen::Blocked;
-    any = true;
-    if (g == Gen::Blocked) break;
-    gen_queue_.pop_front();
-    t.queued = false;
-    t.enter(TransferState::Running);
-    advance(t);  // may free t
-  }
-  return any;
-}
-
-bool Worker::generate_direct(Transfer& t) {
-  const size_t L = rails_->size(), R = t.peer->remote_rails();
-  auto local = [&](uint32_t i) { return Extent{reinterpret_cast<uint64_t>(t.local[i]->ptr), t.local[i]->piece_bytes}; };
-  auto remote = [&](uint32_t i) { return Extent{0, t.remote[i]->piece_bytes}; };
-  return rails_->generate(
-      *t.peer, t.kind == TransferKind::Write ? OpKind::Write : OpKind::Read, &t, [&] { return !t.at.at_end(t.runs); },
-      [&](Op& op, const RailPair& pair) {
-        Segment segs[kMaxIov];
-        const size_t max_iov = std::min(rails_->rail(pair.local).max_iov(), kMaxIov);
-        const size_t n = Striper::fill(t.at, t.runs, local, remote, t.chunk, max_iov, segs);
-        for (size_t i = 0; i < n; ++i) {
-          const Segment& s = segs[i];
-          const Run& run = t.runs[s.run];
-          const Region& lr = *t.local[run.lreg];
-          const RemoteRegion& rr = *t.remote[run.rreg];
-          const size_t rkey = mr_index(s.rpiece, R, pair.remote);
-          op.region = t.local[run.lreg].get();
-          op.device = lr.cuda_device >= 0;
-          op.add(reinterpret_cast<uint8_t*>(run.local + s.offset), s.len, lr.mrs[mr_index(s.lpiece, L, pair.local)].desc,
-                 rr.base[rkey] + s.rpiece_offset, rr.key[rkey]);
-        }
-        ++t.pending;
-      });
-}
-
-Gen Worker::generate_message(Transfer& t) {
+void Worker::send_user_message(Transfer& t) {
   // Fragments go out in order on one rail pair (send-after-send order); the receiver
   // reassembles by message id.
   // The future completes once the receiver acknowledges the whole message (on_user_ack): a
@@ -192,7 +126,6 @@ Gen Worker::generate_message(Transfer& t) {
   } while (offset < total);
   t.payload.clear();
   t.payload.shrink_to_fit();
-  return Gen::Done;
 }
 
 void Worker::done(Transfer& t, const Status& status) {
@@ -217,36 +150,23 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
 
 void Worker::advance(Transfer& t) {
   assert_on_worker();
-  switch (t.next_step(needs_fence(t, rails_->rail(0).cuda_ipc()))) {
+  Route* route = t.routed() ? routes_[t.route].get() : nullptr;
+  switch (t.next_step(route && route->confirms(t))) {
     case TransferStep::Wait:
-      keep_polling(t);
+      if (route) route->waiting(t);
       break;
     case TransferStep::AwaitAck:  // sent, not yet acknowledged (acknowledged())
       t.enter(TransferState::AwaitingAck);
       return;
     case TransferStep::Fence:
       t.enter(TransferState::AwaitingAck);  // a failing peer or the deadline fails it meanwhile
-      peers_.send(*t.peer, peers_.message(Fence{t.id}, *t.peer));
+      route->confirm(t);
       return;
     case TransferStep::Report:
       finish(t, t.status);
       break;
   }
   maybe_free(t);
-}
-
-// Profile::target_progress (shm): an idle target naps 50-100 us between polls and nothing wakes
-// it when our RMA arrives, while a message does keep it polling for its spin_us (1 ms unless
-// set). Its reads run one at a time through bounce buffers, each taking steps of both sides:
-// 256 random 4 KiB pages took 13 ms to read napping, about 1 ms polling.
-void Worker::keep_polling(Transfer& t) {
-  constexpr double kKeepPollingS = 200e-6;
-  const bool rma = t.route == TransferRoute::Direct && t.kind != TransferKind::Message;
-  if (!rma || !rails_->rail(0).target_progress() || !t.peer || t.peer->failed() || t.peer->waits()) return;
-  const double at = now();
-  if (at - t.peer->kept_polling_at < kKeepPollingS) return;
-  t.peer->kept_polling_at = at;
-  peers_.send(*t.peer, peers_.message(KeepPolling{}, *t.peer));
 }
 
 void Worker::acknowledged(Peer& p, uint64_t transfer) {
@@ -328,7 +248,7 @@ void Worker::peer_ready(Peer& p) {
       fail(*t, std::move(s));
       continue;
     }
-    ready_to_generate(*t);
+    offer(*t, 0);
   }
 }
 

@@ -172,10 +172,6 @@ void Worker::run(std::promise<void>& ready) {
     bool busy = drain_commands();
     busy |= rails_->poll(*this);
     for (auto& r : routes_) busy |= r->poll();
-    fences_.poll(*copier_, [this](uint64_t peer, uint64_t transfer) {
-      if (Peer* p = peers_.find(peer); p && !p->failed()) peers_.send(*p, peers_.message(FenceAck{transfer}, *p));
-    });
-    busy |= generate();
     busy |= control_.flush(*rails_);
     busy |= rails_->post(*this);
     const double t = now();
@@ -237,8 +233,6 @@ void Worker::idle_wait() {
     if (stopping_.load() || rails_->events_waiting()) return false;
     for (auto& r : routes_)
       if (!r->idle()) return false;
-    // Nothing wakes us when a CUDA copy or the caller's stream event completes: keep polling.
-    if (!fences_.empty() || (!gen_queue_.empty() && gen_queue_.front()->cuda_event)) return false;
     // With wait fds, sleep only if no rail has events pending (trywait); without, nap.
     return !fds || rails_->trywait();
   });
@@ -325,7 +319,7 @@ void Worker::on_message(const char* data, size_t len) {
       Worker& w;
       Peer& p;
       Message& body;
-      void to_routes() {  // a type a route owns (the staged route's requests and answers)
+      void to_routes() {  // a type a route owns (the staged route's requests, the fabric's fences)
         for (auto& r : w.routes_)
           if (r->on_control(p, body)) return;
       }
@@ -340,14 +334,14 @@ void Worker::on_message(const char* data, size_t len) {
       void operator()(const Notify& m) { w.inbox_.notified(m); }
       void operator()(const StageRequest&) { to_routes(); }
       void operator()(const StageAck&) { to_routes(); }
-      void operator()(const Fence& m) { w.fences_.add(*w.copier_, p.incarnation, m.id); }
-      void operator()(const FenceAck& m) { w.acknowledged(p, m.id); }
+      void operator()(const Fence&) { to_routes(); }
+      void operator()(const FenceAck&) { to_routes(); }
       void operator()(const RegionClosed& m) { w.on_region_closed(p, m.id); }
       void operator()(const RegionReleased& m) { w.regions_.released(m.id, p.incarnation); }
       void operator()(const RouteMessage& m) {
         if (m.route < w.routes_.size()) w.routes_[m.route]->on_message(p, m.body);
       }
-      void operator()(const KeepPolling&) {}  // its arrival was the point (Worker::keep_polling)
+      void operator()(const KeepPolling&) { to_routes(); }
       void operator()(const Hello&) {}  // taken above
       void operator()(const HelloAck&) {}
       void operator()(const Bye&) {}
@@ -450,14 +444,13 @@ void Worker::release_registrations() {
   control_.close(rails_->rail(0));
 }
 
-// What outlives the rails: the routes (their mappings, staging memory), CUDA events
-// (transfers' stream events, peers' unanswered fences).
+// What outlives the rails: the routes (their mappings, staging memory), the transfers' CUDA
+// events.
 void Worker::release_held_resources() {
   routes_.clear();
   for (auto& [id, t] : transfers_)
     if (t->cuda_event) copier_->release_event(t->cuda_event);
   transfers_.clear();
-  fences_.release(*copier_);
 }
 
 }  // namespace p2p::engine

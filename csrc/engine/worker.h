@@ -1,17 +1,17 @@
 // Worker: the progress thread of one engine (one GPU, or the host), and only its loop. Its
 // parts keep their own state: the rails and their ops (core/rails.h), the peers (peers.h), the
 // control channel (control_channel.h), the regions (core/region_table.h), user messages
-// (inbox.h), peers' fences (fences.h), the commands from Python threads (mailbox.h) and the
-// routes (routes/registry.h). The worker keeps the transfers and ties the parts together.
+// (inbox.h), the commands from Python threads (mailbox.h) and the routes (routes/registry.h),
+// which move every transfer's bytes. The worker keeps the transfers and ties the parts together.
 //
 // Thread model
 //  - Python threads call only post(), call() and the const accessors of facts fixed at
 //    start-up. Everything else runs on the worker thread.
 //  - The worker never takes the GIL: results leave through the CompletionQueue.
-//  - The loop: read every rail's CQ in batches, let the routes make progress, turn queued
-//    transfers into ops (bounded by the op pool), post them in batches with FI_MORE (lazy
-//    posting: requeue at the front on -FI_EAGAIN), check timers; sleep on the CQ wait fds (or
-//    back off) only after spin_us without work.
+//  - The loop: read every rail's CQ in batches, let the routes make progress (the fabric
+//    route turns its queued transfers into ops, bounded by the op pool), post the ops in
+//    batches with FI_MORE (lazy posting: requeue at the front on -FI_EAGAIN), check timers;
+//    sleep on the CQ wait fds (or back off) only after spin_us without work.
 #pragma once
 
 #include <atomic>
@@ -36,7 +36,6 @@
 #include "engine/commands.h"
 #include "engine/completions.h"
 #include "engine/control_channel.h"
-#include "engine/fences.h"
 #include "engine/inbox.h"
 #include "engine/mailbox.h"
 #include "engine/peers.h"
@@ -105,7 +104,9 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
   uint64_t incarnation() const override { return facts_.incarnation; }
   void started(Transfer& t, uint8_t route) override;
   void done(Transfer& t, const Status& status) override;
-  void fall_back(Transfer& t) override;
+  void pass_on(Transfer& t) override;
+  void acknowledged(Peer& p, uint64_t transfer) override;
+  void send_user_message(Transfer& t) override;
   void fail_peer(Peer& p, Status why) override { peers_.fail(p, std::move(why)); }
   std::shared_ptr<Region> region(uint64_t id) const override { return regions_.find(id); }
   void watch_process(Peer& p) override { peers_.watch_process(p); }
@@ -143,19 +144,11 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
   void release_registrations();
   void release_held_resources();
 
-  // transfers.cpp: turning transfers into ops, finishing them.
-  void ready_to_generate(Transfer& t);
-  bool generate();
-  bool generate_direct(Transfer& t);
-  Gen generate_message(Transfer& t);
+  // transfers.cpp: handing transfers to their routes, finishing them.
+  // Offers t to the routes from index `first` on.
+  void offer(Transfer& t, size_t first);
   // Does what the transfer's facts call for next (Transfer::next_step); t may be gone after.
   void advance(Transfer& t);
-  // While t's RMA is in flight on a rail whose target serves it in its progress, a KeepPolling
-  // message to the peer as t's ops start and end, at most one per kKeepPollingS (200 us, well
-  // under a worker's spin_us).
-  void keep_polling(Transfer& t);
-  // The peer answered a Fence, or acknowledged a message.
-  void acknowledged(Peer& p, uint64_t transfer);
   // finish() gives the future its result; maybe_free() drops the transfer once nothing refers
   // to it. fail() is both, for callers that are done with the transfer.
   void finish(Transfer& t, Status status);
@@ -190,11 +183,9 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
   std::unordered_map<Region*, std::pair<std::shared_ptr<Region>, size_t>> orphan_pins_;
   Peers peers_{config_, reports_, *this};
   Inbox inbox_{reports_};
-  Fences fences_;
   std::unordered_map<uint64_t, std::unique_ptr<Transfer>> transfers_;
-  Ring<Transfer*> gen_queue_;
   std::unordered_map<uint64_t, std::vector<StreamOrderAnswer>> order_waits_;  // by transfer id
-  // The routes of the registry (routes/registry.h), offered each transfer before direct RMA.
+  // The routes of the registry (routes/registry.h), offered each transfer in turn.
   std::vector<std::unique_ptr<Route>> routes_;
 };
 

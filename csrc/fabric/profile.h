@@ -28,7 +28,7 @@ struct Profile {
   // domain, unless TORCH_P2P_SHM_FAST=1. On that path an op takes one remote segment.
   bool unchecked_fast_rma;
   // FI_HMEM_DEVICE_ONLY registrations make the provider move GPU memory by CUDA IPC, whose RMA
-  // completes before the data lands: GPU writes need the engine's fence (needs_fence in engine/transfers.cpp).
+  // completes before the data lands: GPU writes need the engine's fence (routes/fabric/route.h).
   bool cuda_ipc_rma;
   // The provider names an endpoint's file after the process id, and a killed process leaves
   // it behind for the next process with that pid: the engine names its endpoints itself.
@@ -38,7 +38,7 @@ struct Profile {
   bool peers_must_release;
   // The target's progress serves an RMA (shm: each read takes several steps of both sides), and
   // nothing wakes an idle target when one arrives: it would nap 50-100 us a step. A requester
-  // with RMA in flight sends it a KeepPolling message now and then (Worker::keep_polling).
+  // with RMA in flight sends it a KeepPolling message now and then (routes/fabric/route.h).
   bool target_progress;
   const char* known_problem;  // what doctor warns of when it is chosen, or null
 };

@@ -1,6 +1,7 @@
 #include "routes/registry.h"
 
 #include "routes/cuda_ipc/route.h"
+#include "routes/fabric/route.h"
 #include "routes/host_cma/route.h"
 #include "routes/loopback/route.h"
 #include "routes/staged/route.h"
@@ -16,6 +17,7 @@ std::vector<std::unique_ptr<engine::Route>> make_routes(engine::RouteHost& host,
   routes.push_back(std::move(cma));
   routes.push_back(std::make_unique<staged::Route>(host, 2, same_host));
   routes.push_back(std::make_unique<loopback::Route>(host, 3, config, host_id));  // tests only
+  routes.push_back(std::make_unique<fabric::Route>(host, 4));  // last: takes what the others decline
   return routes;
 }
 

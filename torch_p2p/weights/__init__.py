@@ -28,6 +28,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from .._shared import wait
 from ._dest import Receiver
 from ._plan import Layout, Plan, PlanError, TensorSpec, make_plan
 from ._source import Follower, Leader, PushResult
@@ -264,8 +265,6 @@ class WeightDestination:
 
     def close(self, timeout: float = 10.0) -> None:
         """Leaves (waiting up to `timeout`), stops the thread and deregisters the memory."""
-        from .. import wait
-
         try:
             wait(self.leave(), timeout)
         except Exception:  # noqa: BLE001 - closing goes on: the leader drops us at its next push

@@ -6,12 +6,9 @@ import contextlib
 
 import torch
 
-from ._plan import ALIGN, Chunk
+from .._shared import by_storage
 from ..remote import RemoteTensor
-
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    return (str(t.device), t.untyped_storage().data_ptr())
+from ._plan import ALIGN, Chunk
 
 
 def _whole_storage(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -26,12 +23,8 @@ def _empty(t: torch.Tensor) -> bool:
 
 def register_sources(engine, tensors) -> list:
     """Registers each storage holding a source tensor once (local views need no handle)."""
-    regions, seen = [], set()
-    for t in tensors:
-        if not _empty(t) and (key := _storage_key(t)) not in seen:
-            seen.add(key)
-            regions.append(engine.register(_whole_storage(t, torch.uint8), access="r"))
-    return regions
+    groups = by_storage((None, t) for t in tensors if not _empty(t))
+    return [engine.register(_whole_storage(group[0][1], torch.uint8), access="r") for group in groups.values()]
 
 
 def register_targets(engine, tensors: dict[str, torch.Tensor]) -> tuple[list, dict[str, RemoteTensor]]:
@@ -42,12 +35,9 @@ def register_targets(engine, tensors: dict[str, torch.Tensor]) -> tuple[list, di
     storage that holds several tensors (fused weights, one flat buffer) is registered through
     an "anchor": its elements as an overlapping view of shape (n_0, ..., n_k) and strides
     (1, ..., 1), from which any view with positive strides is a slice with steps."""
-    groups: dict[tuple, dict[str, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        if not _empty(t):
-            groups.setdefault(_storage_key(t), {})[name] = t
     regions, remotes = [], {}
-    for group in groups.values():
+    for members in by_storage((name, t) for name, t in tensors.items() if not _empty(t)).values():
+        group = dict(members)
         views = {(t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) for t in group.values()}
         if len(views) == 1:
             region = engine.register(next(iter(group.values())), access="w")

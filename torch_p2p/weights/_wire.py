@@ -17,8 +17,9 @@ to run code. Every message has a "kind"; a malformed one raises ValueError and i
 """
 from __future__ import annotations
 
-import base64
 import json
+
+from .._shared import b64, unb64
 
 VERSION_BITS, CHUNK_BITS = 12, 20
 
@@ -31,12 +32,12 @@ def tag(version: int, chunk: int) -> int:
 
 def _default(value):
     if isinstance(value, (bytes, bytearray)):
-        return {"b64": base64.b64encode(value).decode()}
+        return {"b64": b64(value)}
     raise TypeError(f"cannot encode {type(value).__name__}")
 
 
 def _hook(d: dict):
-    return base64.b64decode(d["b64"]) if d.keys() == {"b64"} else d
+    return unb64(d["b64"]) if d.keys() == {"b64"} else d
 
 
 def encode(kind: str, **fields) -> bytes:

@@ -131,8 +131,7 @@ bool Route::try_start(Transfer& t) {
   std::shared_ptr<const void> mapped = in_mappings(spans);
   if (!mapped && denied_.count(p.incarnation)) {  // the kernel would copy, and the OS refuses it
     --t.pending;
-    t.route = engine::TransferRoute::Direct;
-    host_.fall_back(t);
+    host_.pass_on(t);
     return true;
   }
   if (t.state != engine::TransferState::Running) t.enter(engine::TransferState::Running);

@@ -1,7 +1,7 @@
 // Route: the staged route (staging.h says how it moves bytes). It takes every transfer with a
 // staged end, local or remote, makes slot jobs of it as slots come free, and serves peers'
 // requests for our staged regions from the serve half of the pool. Its RMA ops are the
-// fabric's (RouteHost::make_ops), or on one host the cma route's copies (PeerCopies); its
+// fabric's (Rails::make_ops), or on one host the cma route's copies (PeerCopies); its
 // packs and unpacks are the copier's.
 #pragma once
 

@@ -1,4 +1,4 @@
-"""Layouts of paged KV caches (torch_p2p.kv): naming the axes, cutting token pools into blocks,
+"""Layouts of paged KV caches: naming the axes, cutting token pools into blocks,
 registering shared storages once, and pairing one side's stores with the other's.
 
 A side holds, per layer, a list of stores (label, tensor or RemoteTensor), all with the same
@@ -10,11 +10,10 @@ and "v".
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from . import _C
+from .. import _C
+from .._shared import by_storage
 
 LAYOUTS = {
     "flash_attn": "kv blocks tokens heads dim",  # vLLM's FlashAttention backend, one tensor per layer
@@ -113,13 +112,10 @@ def stack_by_storage(stores: list) -> tuple[list, list]:
     """(bases to register, refs): refs[layer] = [(label, base, k)], the store being bases[base]
     (k < 0) or bases[base][k]. Stores sharing a storage become one evenly spaced stack, as the
     engine registers a storage once."""
-    groups: dict[int, list] = {}
-    for i, layer in enumerate(stores):
-        for j, (_, x) in enumerate(layer):
-            groups.setdefault(x.untyped_storage().data_ptr(), []).append((x.storage_offset(), i, j, x))
+    groups = by_storage(((i, j), x) for i, layer in enumerate(stores) for j, (_, x) in enumerate(layer))
     bases, where = [], {}
-    for members in groups.values():
-        members.sort(key=lambda m: m[0])
+    for group in groups.values():
+        members = sorted(((x.storage_offset(), i, j, x) for (i, j), x in group), key=lambda m: m[0])
         start, x0 = members[0][0], members[0][3]
         if len(members) == 1:
             where[members[0][1:3]] = (len(bases), -1)
@@ -256,37 +252,3 @@ def _twice(ids: list, what: str):
     seen = set()
     twice = next(i for i in ids if i in seen or seen.add(i))
     raise ValueError(f"{what} block {twice} is named twice")
-
-
-def all_of(futures: list) -> torch.futures.Future:
-    """Completes when every future has: with None, or the first error as it is (``Future.then``
-    would wrap it in a RuntimeError)."""
-    out = torch.futures.Future()
-    if not futures:
-        out.set_result(None)
-        return out
-    lock, left, errors = threading.Lock(), [len(futures)], []
-
-    def one(f):
-        try:
-            f.wait()
-        except BaseException as e:  # noqa: BLE001 - reported through `out`
-            errors.append(e)
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            if errors:
-                out.set_exception(errors[0])
-            else:
-                out.set_result(None)
-
-    for f in futures:
-        f.add_done_callback(one)
-    return out
-
-
-def done() -> torch.futures.Future:
-    f = torch.futures.Future()
-    f.set_result(None)
-    return f

@@ -1,52 +1,24 @@
-"""Paged KV caches moved between engines, as disaggregated serving moves a request's cache from
-a prefill engine to a decode engine: the prefill side pushes blocks into the decode side's
-cache, or the decode side pulls them (as vLLM's NIXL connector does).
-
-    cache = kv.KVCache(engine, layers, "flash_attn")        # every storage registered once
-    blob = cache.handle.to_bytes()                          # to each peer, once per pair
-    peer = kv.KVCacheHandle.from_bytes(blob)
-    fut = cache.push(peer, my_blocks, their_blocks, notify=tag)   # one engine call
-    their_cache.notification(tag).wait()                    # on the peer: the blocks are there
-
-A layout names the axes of one layer's tensor (``LAYOUTS``, or a string of the same words):
-"kv" (K and V, size 2), "blocks", "tokens" (a block's tokens), "heads" (KV heads), "dim" (head
-dim or latent), and optionally "layers" for one stacked tensor. Without "blocks" the tokens axis
-is token-granular (SGLang's pool) and ``block_size`` cuts it into blocks. Without "kv" a layer
-is a (K, V) pair of tensors, or one latent tensor (MLA). The two sides may use different
-layouts and different ranges of the model's KV heads (tensor parallelism of different degrees):
-the views permute axes and slice the heads axis to what both hold; nothing is copied.
-
-Each push or pull is one ``write_slices`` / ``read_slices`` call, one ``p2p.pages`` entry per
-layer and store: one striping decision, one completion. Consecutive block ids merge into one
-run inside the engine wherever a block is one run of bytes on both sides, which is why vLLM's
-FlashAttention layout is paged as one axis of 2 x num_blocks pages (K of block b is page b,
-its V page num_blocks + b).
-
-Thread model: a KVCache may be used from any thread; its futures complete on the engine's
-dispatcher thread (callbacks must not block).
-"""
+"""KVCache, its handle and its streamed pushes (the package's docstring says how they move)."""
 from __future__ import annotations
 
-import base64
 import json
 import operator
 import threading
 
 import torch
 
-from . import _kv_layout as lay
-from ._kv_layout import LAYOUTS
-from .engine import Engine, Region, _checked_pages, _then
-from .remote import RemoteTensor
-
-__all__ = ["KVCache", "KVCacheHandle", "PushStream", "LAYOUTS"]
+from .. import _shared
+from .._shared import b64, unb64
+from ..engine import Engine, Region, pages
+from ..remote import RemoteTensor
+from . import _layout as lay
 
 _MAGIC, _VERSION = b"P2PKV", 1
 
 
 class _Side:
     """What a cache and a handle describe alike: per layer its stores, as (label, tensor or
-    RemoteTensor) with the axes `axes` (see _kv_layout)."""
+    RemoteTensor) with the axes `axes` (see _layout)."""
 
     def _describe(self, layout: str, axes: tuple, layers: list, first_head: int | None, what: str) -> None:
         facts = lay.describe(axes, layers, what)
@@ -84,7 +56,7 @@ class KVCacheHandle(_Side):
 
     def to_bytes(self) -> bytes:
         header = dict(layout=self.layout, axes=" ".join(self.axes), first_head=self._first_head, refs=self._refs,
-                      bases=[_b64(b.to_bytes()) for b in self._bases], mailbox=_b64(self.mailbox.to_bytes()))
+                      bases=[b64(b.to_bytes()) for b in self._bases], mailbox=b64(self.mailbox.to_bytes()))
         return _MAGIC + bytes([_VERSION]) + json.dumps(header, separators=(",", ":")).encode()
 
     @classmethod
@@ -97,13 +69,13 @@ class KVCacheHandle(_Side):
             raise ValueError(f"KV cache handle version {data[len(_MAGIC)]}; this torch_p2p reads {_VERSION}")
         try:
             h = json.loads(data[len(_MAGIC) + 1:])
-            bases = [RemoteTensor.from_bytes(base64.b64decode(b)) for b in h["bases"]]
+            bases = [RemoteTensor.from_bytes(unb64(b)) for b in h["bases"]]
             refs = [[(str(label), int(b), int(k)) for label, b, k in layer] for layer in h["refs"]]
             if not refs or any(not 0 <= b < len(bases) for layer in refs for _, b, _ in layer):
                 raise ValueError("no layers, or a store names a missing RemoteTensor")
             first_head = None if h["first_head"] is None else int(h["first_head"])
             return cls(str(h["layout"]), lay.parse_layout(h["axes"]), first_head, bases, refs,
-                       RemoteTensor.from_bytes(base64.b64decode(h["mailbox"])))
+                       RemoteTensor.from_bytes(unb64(h["mailbox"])))
         except (KeyError, TypeError, IndexError, ValueError, json.JSONDecodeError) as e:
             raise ValueError(f"bad KV cache handle: {e}") from None
 
@@ -183,7 +155,7 @@ class KVCache(_Side):
         reading them). Not bound to one peer: give a timeout to hear of a sender that died."""
         if count < 1:
             raise ValueError(f"count must be at least 1, not {count}")
-        return lay.all_of([self.engine.notification(tag, timeout=timeout) for _ in range(count)])
+        return _shared.all_of([self.engine.notification(tag, timeout=timeout) for _ in range(count)])
 
     def _move(self, write, peer, local_ids, remote_ids, layers, notify, timeout):
         if len(local_ids) != len(remote_ids):
@@ -198,22 +170,22 @@ class KVCache(_Side):
             for layer in layers:
                 for x, rx, dim, is_flat in plan[layer]:
                     mine, theirs = flat if is_flat else (local_ids, remote_ids)
-                    local.append(_checked_pages(x, mine, dim))
-                    remote.append(_checked_pages(rx, theirs, dim))
+                    local.append(pages(x, mine, dim))
+                    remote.append(pages(rx, theirs, dim))
         if write:
             if not local:  # nothing to move, but a notification is owed
                 return self._tell(peer, notify, timeout)
             return self.engine.write_slices(local, remote, notify=notify, timeout=timeout)
-        read = self.engine.read_slices(local, remote, timeout=timeout) if local else lay.done()
+        read = self.engine.read_slices(local, remote, timeout=timeout) if local else _shared.done()
         if notify is None:
             return read
         out = torch.futures.Future()
-        _then(read, lambda: self._tell(peer, notify, timeout), out)
+        _shared.then(read, lambda: self._tell(peer, notify, timeout), out)
         return out
 
     def _tell(self, peer, notify, timeout):
         if notify is None:
-            return lay.done()
+            return _shared.done()
         return self.engine.write_slices([self._mailbox], [peer.mailbox], notify=notify, timeout=timeout)
 
     # -- pairing with a peer ---------------------------------------------------------------------
@@ -299,8 +271,4 @@ class PushStream:
 
     def future(self) -> torch.futures.Future:
         """Completes when every push so far has (with the first error, if any)."""
-        return lay.all_of(self.futures)
-
-
-def _b64(b: bytes) -> str:
-    return base64.b64encode(b).decode()
+        return _shared.all_of(self.futures)

@@ -1,0 +1,59 @@
+// Route: the fabric route, RMA between registered memory over the rails, and user messages over
+// the control channel. Last in the registry, it takes every transfer that no route before it
+// took: striped into ops over the rail pairs (core/striper.h), generated in the order the
+// transfers came, as the op pool and the rails' queues have room (lazy posting, core/rails.h).
+//
+// Two provider quirks are its own, read from the rail's provider profile (fabric/profile.h):
+//  - cuda_ipc_rma (shm): an RMA of GPU memory completes before its copy lands, so such a
+//    transfer is over only once the peer answers a Fence (confirm()); the peer answers once the
+//    copies its provider queued before it are done (fences.h).
+//  - target_progress (shm): the target serves our RMA only while it polls, so a transfer with
+//    RMA in flight sends the peer a KeepPolling message now and then (waiting()).
+//
+// Owned by the worker thread: every method runs there.
+#pragma once
+
+#include <cstdint>
+#include <unordered_map>
+
+#include "core/route.h"
+#include "routes/fabric/fences.h"
+
+namespace p2p::routes::fabric {
+
+class Route final : public engine::Route {
+ public:
+  // id: the route's index in the registry.
+  Route(engine::RouteHost& host, uint8_t id) : host_(host), id_(id) {}
+
+  const char* name() const override { return "direct"; }
+  bool advertised() const override { return false; }  // every engine has it: no flag
+  bool reaches(const engine::EngineAddress&, const engine::RemoteRegion*) override { return true; }
+  bool take(engine::Transfer& t) override;
+  bool poll() override;
+  bool idle() const override;
+  void on_message(engine::Peer&, std::string_view) override {}  // its messages are the wire's own
+  bool on_control(engine::Peer& p, engine::Message& m) override;
+  bool confirms(const engine::Transfer& t) const override;
+  void confirm(engine::Transfer& t) override;
+  void waiting(engine::Transfer& t) override;
+  void peer_failed(engine::Peer& p) override { kept_polling_at_.erase(&p); }
+  void release(uint64_t, uint64_t) override {}
+  bool must_release(const engine::Region&, const engine::Peer&) override { return false; }
+  void stop() override { fences_.release(host_.copier()); }
+
+ private:
+  // Makes the ops (or a message's fragments) of the queued transfers, in order.
+  bool generate();
+  bool generate_rma(engine::Transfer& t);
+  // A KeepPolling message to t's peer, at most one per kKeepPollingS.
+  void keep_polling(engine::Transfer& t);
+
+  engine::RouteHost& host_;
+  const uint8_t id_;
+  engine::Ring<engine::Transfer*> queue_;  // taken, ops not all made yet
+  Fences fences_;                          // peers' Fences we answer
+  std::unordered_map<const engine::Peer*, double> kept_polling_at_;  // our last KeepPolling to each
+};
+
+}  // namespace p2p::routes::fabric

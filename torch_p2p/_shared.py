@@ -1,0 +1,91 @@
+"""What torch_p2p.kv and torch_p2p.weights both use: tensors grouped by storage (the engine
+registers a storage once), bytes inside their JSON handles and messages (base64), and futures
+chained or joined (``Future.then`` would wrap an error in a RuntimeError)."""
+from __future__ import annotations
+
+import base64
+import threading
+
+import torch
+
+from .errors import TimeoutError
+
+
+def by_storage(items) -> dict[tuple, list]:
+    """(key, tensor) pairs grouped by the storage their tensor views, in first-seen order."""
+    groups: dict[tuple, list] = {}
+    for key, t in items:
+        groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append((key, t))
+    return groups
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def unb64(text) -> bytes:
+    return base64.b64decode(text)
+
+
+def done() -> torch.futures.Future:
+    f = torch.futures.Future()
+    f.set_result(None)
+    return f
+
+
+def then(first: torch.futures.Future, start, out: torch.futures.Future) -> None:
+    """Once `first` succeeds, starts the operation start() returns and completes `out` with
+    it; the first failure (or start()'s exception) fails `out`."""
+
+    def finish(f):
+        try:
+            f.wait()
+        except BaseException as e:  # noqa: BLE001 - the caller's future carries it
+            out.set_exception(e)
+        else:
+            out.set_result(None)
+
+    def second(f):
+        try:
+            f.wait()
+            start().add_done_callback(finish)
+        except BaseException as e:  # noqa: BLE001
+            out.set_exception(e)
+
+    first.add_done_callback(second)
+
+
+def all_of(futures: list) -> torch.futures.Future:
+    """Completes when every future has: with None, or the first error as it is."""
+    out = torch.futures.Future()
+    if not futures:
+        out.set_result(None)
+        return out
+    lock, left, errors = threading.Lock(), [len(futures)], []
+
+    def one(f):
+        try:
+            f.wait()
+        except BaseException as e:  # noqa: BLE001 - reported through `out`
+            errors.append(e)
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            if errors:
+                out.set_exception(errors[0])
+            else:
+                out.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(one)
+    return out
+
+
+def wait(future, timeout: float | None = None):
+    """future.wait() with a timeout: raises TimeoutError if it is not done in time."""
+    finished = threading.Event()
+    future.add_done_callback(lambda _: finished.set())
+    if not finished.wait(timeout):
+        raise TimeoutError(f"the operation did not complete within {timeout} s")
+    return future.wait()
