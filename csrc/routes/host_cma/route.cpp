@@ -116,9 +116,7 @@ bool Route::take(Transfer& t) {
     if (r->cuda_device >= 0 || r->staged) return false;
   for (const auto& r : t.remote)
     if (!peer_reaches(t.peer->address, r.get())) return false;
-  ++t.pending;  // until the copy ends
-  host_.started(t, id_);
-  if (!try_start(t)) grants_.wait(t);
+  grants_.take(t, [&](Transfer& t) { return try_start(t); });  // until the copy ends
   return true;
 }
 
