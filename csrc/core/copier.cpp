@@ -7,10 +7,6 @@
 
 namespace p2p::engine {
 
-#ifdef WITH_CUDA
-std::unique_ptr<Copier> make_cuda_copier(int cuda_device);  // csrc/cuda/copier.cpp
-#endif
-
 namespace {
 
 class HostCopier final : public Copier {
@@ -36,14 +32,6 @@ class HostCopier final : public Copier {
 
 }  // namespace
 
-std::unique_ptr<Copier> make_copier(int cuda_device) {
-  if (cuda_device < 0) return std::make_unique<HostCopier>();
-#ifdef WITH_CUDA
-  return make_cuda_copier(cuda_device);
-#else
-  P2P_THROW(ErrorKind::Value, "torch_p2p was built without CUDA; rebuild with CUDA to use cuda:",
-            cuda_device);
-#endif
-}
+std::unique_ptr<Copier> make_host_copier() { return std::make_unique<HostCopier>(); }
 
 }  // namespace p2p::engine

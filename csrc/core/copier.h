@@ -54,8 +54,7 @@ class Copier {
   virtual void free_device(void* ptr) = 0;
 };
 
-// The host copier for cuda_device < 0, else the CUDA one (which makes cuda_device current on
-// the calling thread). Throws if CUDA is requested in a build without it.
-std::unique_ptr<Copier> make_copier(int cuda_device);
+// The copier of a host engine (cuda/copier.h has the CUDA one).
+std::unique_ptr<Copier> make_host_copier();
 
 }  // namespace p2p::engine

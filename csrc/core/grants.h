@@ -67,6 +67,15 @@ class Grants {
       : host_(host), route_(route), what_(what), refusal_(std::move(refusal)), granting_(std::move(granting)) {}
 
   // Initiator side.
+  // Takes t for the route (which checked that it may move it): counts it in t.pending until
+  // the route ends it, and starts it with start(t) once every region it reaches is answered:
+  // at once if start(t) takes it (true), else after asking the owner (resume()).
+  template <class Start>
+  void take(Transfer& t, Start&& start) {
+    ++t.pending;
+    host_.started(t, route_);
+    if (!start(t)) wait(t);
+  }
   // Whether the owner answered for every region t reaches.
   bool answered(const Transfer& t) const;
   // Asks the owner for each region of t not asked yet, and keeps t until resume() takes it.

@@ -7,12 +7,15 @@
 
 #include "common/error.h"
 #include "common/log.h"
-#include "core/copier.h"
+#include "cuda/copier.h"
 #include "cuda/copy_kernels.h"
 #include "cuda/device.h"
 
-namespace p2p::engine {
+namespace p2p::cuda {
 namespace {
+
+using engine::Copier;
+using engine::CopySpan;
 
 // NOTE: few large spans go to the copy engines (cudaMemcpyAsync); many small ones to one
 // gather kernel, which beats a memcpy call per 4 KiB page by far.
@@ -104,6 +107,6 @@ class CudaCopier final : public Copier {
 
 }  // namespace
 
-std::unique_ptr<Copier> make_cuda_copier(int cuda_device) { return std::make_unique<CudaCopier>(cuda_device); }
+std::unique_ptr<Copier> make_copier(int cuda_device) { return std::make_unique<CudaCopier>(cuda_device); }
 
-}  // namespace p2p::engine
+}  // namespace p2p::cuda

@@ -16,7 +16,7 @@
 #include "cuda/copy_kernels.h"
 #include "cuda/device.h"
 
-namespace p2p::ipc {
+namespace p2p::cuda {
 namespace {
 
 // The allocation that holds ptr (driver call through the runtime: no libcuda link).
@@ -39,7 +39,7 @@ bool address_range(uint64_t ptr, uint64_t& base, uint64_t& size) {
 constexpr uint64_t kKernelSpan = 64 << 10;
 constexpr size_t kBlockSpans = 4096;  // spans per pinned descriptor block (one launch)
 
-class CudaMemory final : public Memory {
+class CudaMemory final : public IpcMemory {
  public:
   CudaMemory(int device, uint64_t copy_engine_bytes) : device_(device), copy_engine_bytes_(copy_engine_bytes) {
     P2P_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
@@ -400,8 +400,8 @@ class CudaMemory final : public Memory {
 
 }  // namespace
 
-std::unique_ptr<Memory> make_memory(int cuda_device, uint64_t copy_engine_bytes) {
+std::unique_ptr<IpcMemory> make_ipc_memory(int cuda_device, uint64_t copy_engine_bytes) {
   return std::make_unique<CudaMemory>(cuda_device, copy_engine_bytes);
 }
 
-}  // namespace p2p::ipc
+}  // namespace p2p::cuda

@@ -1,6 +1,6 @@
 // What the IPC route needs of CUDA: exporting a storage, mapping a peer's, and copying between
-// mapped memory on the engine's own stream. One Memory per CUDA engine, used by its worker
-// thread only. make_memory() returns null in a build without CUDA.
+// mapped memory on the engine's own stream. One IpcMemory per CUDA engine, used by its worker
+// thread only. Defined in a CUDA build only (ipc_memory.cpp).
 #pragma once
 
 #include <cstdint>
@@ -11,11 +11,11 @@
 #include "core/address.h"
 #include "core/copier.h"
 
-namespace p2p::ipc {
+namespace p2p::cuda {
 
-class Memory {
+class IpcMemory {
  public:
-  virtual ~Memory() = default;
+  virtual ~IpcMemory() = default;
   // The export of the allocation holding [ptr, ptr + nbytes); not exported (and `why` set) if
   // the memory cannot be shared this way (VMM memory: PyTorch's expandable segments).
   virtual engine::IpcExport export_storage(void* ptr, uint64_t nbytes, std::string& why) = 0;
@@ -45,6 +45,6 @@ class Memory {
 
 // copy_engine_bytes: spans at least this long go to the copy engines (cudaMemcpyAsync), the
 // rest to one gather kernel per call.
-std::unique_ptr<Memory> make_memory(int cuda_device, uint64_t copy_engine_bytes);
+std::unique_ptr<IpcMemory> make_ipc_memory(int cuda_device, uint64_t copy_engine_bytes);
 
-}  // namespace p2p::ipc
+}  // namespace p2p::cuda

@@ -13,6 +13,7 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "core/host.h"
+#include "cuda/copier.h"
 #include "routes/registry.h"
 
 namespace p2p::engine {
@@ -67,6 +68,16 @@ ErrorKind classify(int err, int prov_errno) {
   if (err == FI_EACCES || err == FI_EINVAL || err == FI_ENOKEY || err == FI_EKEYREJECTED || err == FI_EPERM)
     return ErrorKind::Remote;
   return ErrorKind::Generic;
+}
+
+// The host copier, or in a CUDA build the CUDA one.
+std::unique_ptr<Copier> make_copier(int cuda_device) {
+  if (cuda_device < 0) return make_host_copier();
+#ifdef WITH_CUDA
+  return cuda::make_copier(cuda_device);
+#else
+  P2P_THROW(ErrorKind::Value, "torch_p2p was built without CUDA; rebuild with CUDA to use cuda:", cuda_device);
+#endif
 }
 
 }  // namespace

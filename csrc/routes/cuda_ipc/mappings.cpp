@@ -5,7 +5,7 @@
 
 namespace p2p::ipc {
 
-Mappings::Mappings(std::unique_ptr<Memory> memory) : memory_(std::move(memory)) {}
+Mappings::Mappings(std::unique_ptr<cuda::IpcMemory> memory) : memory_(std::move(memory)) {}
 
 Mappings::~Mappings() {
   memory_->done(last_ticket_);  // the memory's destructor waits for the stream
@@ -112,10 +112,5 @@ bool Mappings::poll() {
   deferred_.resize(kept);
   return kept > 0;
 }
-
-#ifndef WITH_CUDA
-// A build without CUDA has no memory to share: the worker leaves the route off.
-std::unique_ptr<Memory> make_memory(int, uint64_t) { return nullptr; }
-#endif
 
 }  // namespace p2p::ipc

@@ -25,7 +25,7 @@ namespace p2p::ipc {
 
 class Mappings {
  public:
-  explicit Mappings(std::unique_ptr<Memory> memory);
+  explicit Mappings(std::unique_ptr<cuda::IpcMemory> memory);
   ~Mappings();
 
   // The export of a storage of ours, or none (with `why`).
@@ -41,10 +41,10 @@ class Mappings {
   uint64_t copy(uint64_t peer, const std::vector<const engine::RemoteRegion*>& regions,
                 const std::vector<engine::Run>& runs, const std::vector<engine::PageRuns>& pages,
                 const std::vector<int64_t>& page_ids, bool write, void* after);
-  void flush() { memory_->flush(); }  // see Memory::flush
+  void flush() { memory_->flush(); }  // see IpcMemory::flush
   bool done(uint64_t ticket) { return memory_->done(ticket); }
-  void* mark() { return memory_->mark(); }  // see Memory::mark
-  std::string error(uint64_t ticket) { return memory_->error(ticket); }  // see Memory::error
+  void* mark() { return memory_->mark(); }  // see IpcMemory::mark
+  std::string error(uint64_t ticket) { return memory_->error(ticket); }  // see IpcMemory::error
   // Drops a region's mapping (shared mappings go with their last region) once the copies
   // queued so far are done; forget() drops all of a peer's.
   void release(uint64_t peer, uint64_t region);
@@ -69,7 +69,7 @@ class Mappings {
   };
   void unmap(uint64_t peer, uint64_t region);
 
-  std::unique_ptr<Memory> memory_;
+  std::unique_ptr<cuda::IpcMemory> memory_;
   std::map<AllocationKey, Allocation> allocations_;
   std::map<std::pair<uint64_t, uint64_t>, Mapped> regions_;  // (peer, region id)
   std::vector<engine::CopySpan> spans_;  // reused by copy()

@@ -17,12 +17,14 @@ Route::Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, 
     P2P_LOG(Warn, "CUDA IPC is off: this host's identity (/proc/sys/kernel/random/boot_id) is unknown");
     return;
   }
+#ifdef WITH_CUDA  // a build without CUDA has no memory to share: the route stays off
   try {
-    if (auto memory = make_memory(config.cuda_device, config.ipc_copy_engine_bytes))
+    if (auto memory = cuda::make_ipc_memory(config.cuda_device, config.ipc_copy_engine_bytes))
       mappings_ = std::make_unique<Mappings>(std::move(memory));
   } catch (const Error& e) {
     P2P_LOG(Warn, "CUDA IPC is off: ", e.what());
   }
+#endif
 }
 
 Route::~Route() { stop(); }

@@ -107,9 +107,7 @@ bool Route::take(Transfer& t) {
       P2P_LOG(Info, "the cma route cannot take peers' shared-memory files (listening: ", std::strerror(errno),
               "); the kernel copies them");
   }
-  ++t.pending;  // until the copy ends
-  host_.started(t, id_);
-  if (!try_start(t)) grants_.wait(t);
+  grants_.take(t, [&](Transfer& t) { return try_start(t); });  // until the copy ends
   return true;
 }
 

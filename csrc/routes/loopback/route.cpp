@@ -35,9 +35,7 @@ bool Route::take(Transfer& t) {
     if (r->cuda_device >= 0 || r->staged) return false;
   for (const auto& r : t.remote)
     if (!peer_reaches(t.peer->address, r.get())) return false;
-  ++t.pending;  // until poll() copies it
-  host_.started(t, id_);
-  if (!try_ready(t)) grants_.wait(t);
+  grants_.take(t, [&](Transfer& t) { return try_ready(t); });  // until poll() copies it
   return true;
 }
 
