@@ -26,9 +26,9 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests", "vllm"))
+sys.path.insert(0, os.path.join(ROOT, "tests_vllm"))
 
-from conftest import Instance  # noqa: E402  (tests/vllm: a vLLM instance in a subprocess)
+from conftest import Instance  # noqa: E402  (tests_vllm: a vLLM instance in a subprocess)
 from tiny_model import WORDS, make_tiny_llama  # noqa: E402
 
 CONNECTORS = {

@@ -34,7 +34,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "vllm")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests_vllm")]
 
 from tiny_model import make_tiny_llama, prompt  # noqa: E402
 from vllm_server import START_TIMEOUT, Server  # noqa: E402

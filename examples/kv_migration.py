@@ -82,6 +82,14 @@ def load(layer: torch.Tensor, blocks: list[int], tokens: int) -> tuple[torch.Ten
     return tuple(layer[i, blocks].flatten(0, 1)[:tokens].transpose(0, 1)[None].contiguous() for i in (0, 1))
 
 
+def cache_arg(model, past) -> dict:
+    """The model's cache argument: `cache` from transformers 5.24 on (which warns that
+    `past_key_values` is deprecated), `past_key_values` before."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": past}
+
+
 def prefill(model, prompt: torch.Tensor, layers: list, blocks: list[int], stream=None) -> int:
     """Runs the prompt; each layer's K and V land in `blocks` right after its forward (and with
     a PushStream, go to the peer then). Returns the first generated token."""
@@ -99,7 +107,7 @@ def prefill(model, prompt: torch.Tensor, layers: list, blocks: list[int], stream
     hooks = [layer.register_forward_hook(after_layer(i)) for i, layer in enumerate(model.model.layers)]
     try:
         with torch.no_grad():
-            logits = model(prompt, cache=past, use_cache=True).logits
+            logits = model(prompt, use_cache=True, **cache_arg(model, past)).logits
     finally:
         for h in hooks:
             h.remove()
@@ -119,7 +127,7 @@ def greedy(model, past, first: int) -> list[int]:
     device = next(model.parameters()).device
     with torch.no_grad():
         for _ in range(NEW_TOKENS - 1):
-            logits = model(torch.tensor([[out[-1]]], device=device), cache=past, use_cache=True).logits
+            logits = model(torch.tensor([[out[-1]]], device=device), use_cache=True, **cache_arg(model, past)).logits
             out.append(int(logits[0, -1].argmax()))
     return out
 
@@ -130,7 +138,7 @@ def one_process(model, prompt: torch.Tensor) -> list[int]:
 
     past = DynamicCache(config=model.config)
     with torch.no_grad():
-        first = int(model(prompt, cache=past, use_cache=True).logits[0, -1].argmax())
+        first = int(model(prompt, use_cache=True, **cache_arg(model, past)).logits[0, -1].argmax())
     return greedy(model, past, first)
 
 

@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-# A submodule: inside pytest, a bare "vllm" may resolve to this tests/vllm folder (a namespace
-# package) where vLLM is not installed.
+# The weight-transfer API (vLLM >= 0.32).
 pytest.importorskip("vllm.distributed.weight_transfer.base")
 
 from tiny_model import make_tiny_llama, prompt  # noqa: E402

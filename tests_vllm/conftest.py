@@ -15,8 +15,7 @@ import time
 import pytest
 
 def _vllm_installed() -> bool:
-    # Not `import vllm`: without vLLM that finds this folder (tests/ is on sys.path) as a
-    # namespace package. A vLLM that is installed but broken fails the tests, as it should.
+    # A vLLM that is installed but broken fails the tests, as it should.
     try:
         return importlib.util.find_spec("vllm.entrypoints") is not None
     except ImportError:
@@ -32,7 +31,7 @@ START_TIMEOUT = 400
 
 
 class Instance:
-    """A vLLM LLM in a subprocess (tests/vllm/instance.py), starting: `ready` waits until it
+    """A vLLM LLM in a subprocess (tests_vllm/instance.py), starting: `ready` waits until it
     serves (start several, then wait: they start side by side). `ask` sends one request and
     waits for its result at most `timeout` seconds; `kill` ends it (SIGKILL: a crash, not a
     shutdown); `log` holds every line it printed."""
