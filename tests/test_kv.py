@@ -455,9 +455,12 @@ def test_peer_killed_mid_migration():
 # -- the example -------------------------------------------------------------------------------------
 
 def run_example(*args: str) -> str:
+    """examples/kv_migration.py's output; it must exit 0 and warn of nothing (transformers'
+    deprecations included: it passes the cache as the installed version names it)."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "kv_migration.py"), *args],
                           capture_output=True, text=True, timeout=150, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "warn" not in proc.stderr.lower() and "deprecat" not in proc.stderr.lower(), proc.stderr
     return proc.stdout
 
 
