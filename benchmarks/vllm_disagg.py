@@ -29,6 +29,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests_vllm"))
 
 from conftest import Instance  # noqa: E402  (tests_vllm: a vLLM instance in a subprocess)
+from _common import require_vllm  # noqa: E402
 from tiny_model import WORDS, make_tiny_llama  # noqa: E402
 
 CONNECTORS = {
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--port", type=int, default=5900)
     args = ap.parse_args()
+    require_vllm("vllm_disagg.py")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         # kv heads = heads = hidden / 64: KV of layers x 2 x hidden floats a token.

@@ -36,6 +36,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests_vllm")]
 
+from _common import require_vllm  # noqa: E402
 from tiny_model import make_tiny_llama, prompt  # noqa: E402
 from vllm_server import START_TIMEOUT, Server  # noqa: E402
 
@@ -126,6 +127,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "larger"])
     ap.add_argument("--updates", type=int, default=5, help="timed updates per method (median)")
     args = ap.parse_args()
+    require_vllm("vllm_weights.py")
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # the trainer finds the backend the way vLLM's processes do
