@@ -76,4 +76,4 @@ def test_manual_progress_starts_no_progress_threads():
 def test_cma_threads_setting():
     """TORCH_P2P_CMA_THREADS=n: n copy threads per engine on the cma route (0: the worker copies)."""
     none, three = started_by("cma", TORCH_P2P_CMA_THREADS="0"), started_by("cma", TORCH_P2P_CMA_THREADS="3")
-    assert three["python"] - none["python"] == 2 * 3, (none, three)
+    assert three["p2p-copy"] - none["p2p-copy"] == 2 * 3, (none, three)  # copies.cpp names its threads
