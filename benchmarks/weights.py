@@ -95,6 +95,10 @@ def shapes(model: str, layers: int | None) -> dict[str, tuple]:
 
 
 USABLE = 0.8  # of a device's free memory: the rest is for CUDA contexts, NCCL and the engines
+# On host memory time, not memory, bounds a default run: gloo moves about 1.5 GB/s on two cores,
+# and each row pushes four updates to up to three destinations: 2 GiB per process (most of
+# llama3.2-1b) keeps a default run within a couple of minutes.
+HOST_DEFAULT_BYTES = 2 << 30
 CHECK_ELEMS = 1 << 24  # checksum() converts this many elements at a time
 
 
@@ -108,8 +112,11 @@ def free_bytes(device: str) -> int:
 
 def process_budget(devices: list[str], free=free_bytes) -> int:
     """Bytes each process may fill: `devices[i]` is process i's device, and the processes on one
-    device (all of them on host memory) share its free memory; the least share of any device."""
-    return min(int(free(d) * USABLE) // devices.count(d) for d in set(devices))
+    device (all of them on host memory) share its free memory; the least share of any device.
+    On host memory at most HOST_DEFAULT_BYTES."""
+    share = min(int(free(d) * USABLE) // devices.count(d) for d in set(devices))
+    on_host = all(torch.device(d).type == "cpu" for d in devices)
+    return min(share, HOST_DEFAULT_BYTES) if on_host else share
 
 
 def process_bytes(spec: dict, elem: int, bucket: int) -> int:
@@ -468,7 +475,7 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=None,
                     help="keep only this many decoder layers (default: as many as fit in the memory each process "
                          "may fill: 80%% of its device's free memory shared by the processes on that device; on CPU "
-                         "of the host's available memory shared by all processes)")
+                         "of the host's available memory shared by all processes, at most 2 GiB each)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="the destinations' dtype")
     ap.add_argument("--source-dtype", choices=sorted(DTYPES), default=None,
                     help="the source's dtype (default: --dtype; another one converts on the way)")
@@ -500,7 +507,8 @@ def parse_args(argv=None):
         devices = [device_of(args.device, i) for i in range(1 + max(args.dests))]
         budget = process_budget(devices)
         where = (f"{fmt_bytes(budget)} per process ({USABLE:.0%} of the free memory of "
-                 f"{', '.join(sorted(set(devices)))}, shared by the {len(devices)} processes on them)")
+                 f"{', '.join(sorted(set(devices)))}, shared by the {len(devices)} processes on them"
+                 f"{f', at most {fmt_bytes(HOST_DEFAULT_BYTES)} on CPUs to end in minutes' if budget == HOST_DEFAULT_BYTES else ''})")
     if args.model is None:  # the largest default that fits, cut to the layers that fit
         args.model = next((m for m in DEFAULT_MODELS if fit_layers(args, m, budget) != 0), None)
         if args.model is None:
