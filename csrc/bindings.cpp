@@ -13,6 +13,7 @@
 #include "engine/engine.h"
 #include "fabric/info.h"
 #include "fabric/profile.h"
+#include "fabric/registration.h"
 
 namespace py = pybind11;
 using namespace p2p;
@@ -622,6 +623,7 @@ PYBIND11_MODULE(_C, m) {
     d["default_rank"] = p.default_rank;
     d["remote"] = p.remote;
     d["rdma"] = p.rdma;
+    d["dmabuf"] = p.dmabuf;
     d["auto_progress"] = p.auto_progress;
     d["rails_from_cores"] = p.rails_from_cores;
     d["max_chunk"] = p.max_chunk;
@@ -633,6 +635,16 @@ PYBIND11_MODULE(_C, m) {
     d["known_problem"] = p.known_problem ? py::object(py::str(p.known_problem)) : py::none();
     return d;
   }, py::arg("provider"), "What the engine does differently on a provider (csrc/fabric/profile.h), a dict.");
+  m.def("registration", [](const std::string& provider, bool hmem, bool dmabuf, const std::string& memory) {
+    using fabric::MemoryKind;
+    const MemoryKind kind = memory == "host" ? MemoryKind::Host : memory == "cuda" ? MemoryKind::Cuda
+                            : memory == "cuda_vmm" ? MemoryKind::CudaVmm
+                            : throw Error(ErrorKind::Value, cat("memory must be 'host', 'cuda' or 'cuda_vmm', not '", memory, "'"));
+    const fabric::RegistrationChoice c = fabric::choose_registration(fabric::profile(provider), hmem, dmabuf, kind);
+    return py::make_tuple(fabric::name(c.how), c.why);
+  }, py::arg("provider"), py::arg("hmem"), py::arg("dmabuf"), py::arg("memory"),
+     "How memory of a kind registers with a provider whose answer has FI_HMEM (hmem) and FI_MR_DMABUF (dmabuf): "
+     "(\"host\" | \"hmem\" | \"dmabuf\" | \"staged\", why). csrc/fabric/registration.h.");
   m.def("provider_names", [] {
     std::vector<std::string> names;
     for (const fabric::Profile& p : fabric::profiles()) names.push_back(p.name);

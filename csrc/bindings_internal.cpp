@@ -15,6 +15,10 @@
 #include "core/striper.h"
 #include "core/transfer.h"
 #include "engine/remote_view.h"
+#include "routes/cuda_ipc/export.h"
+#ifdef WITH_CUDA
+#include "cuda/vmm.h"
+#endif
 
 namespace py = pybind11;
 using namespace p2p::engine;
@@ -355,9 +359,9 @@ py::dict remote_fields(const RemoteView& v) {
   py::list entries;
   for (size_t i = 0; i < g.base.size(); ++i) entries.append(py::make_tuple(g.base[i], g.key[i]));
   region["entries"] = entries;
-  region["ipc_handle"] = py::bytes(g.ipc.handle);
-  region["ipc_offset"] = g.ipc.offset;
-  region["ipc_ptr"] = g.ipc.ptr;
+  py::dict routes;
+  for (const auto& [route, bytes] : g.route_bytes) routes[py::int_(route)] = py::bytes(bytes);
+  region["route_bytes"] = routes;
   py::dict d;
   d["region"] = region;
   d["dtype"] = static_cast<int>(v.dtype);
@@ -383,9 +387,7 @@ py::bytes encode_remote(const py::dict& d) {
     g->base.push_back(base);
     g->key.push_back(key);
   }
-  g->ipc.handle = field<std::string>(r, "ipc_handle");
-  g->ipc.offset = field<uint64_t>(r, "ipc_offset");
-  g->ipc.ptr = field<uint64_t>(r, "ipc_ptr");
+  g->route_bytes = field<std::map<uint8_t, std::string>>(r, "route_bytes");
   RemoteView v;
   v.region = g;
   v.dtype = static_cast<c10::ScalarType>(field<int8_t>(d, "dtype"));
@@ -404,6 +406,24 @@ void bind_wire(py::module_& m) {
   m.def("_encode_address", &encode_address);
   m.def("_decode_remote", [](const py::bytes& b) { return remote_fields(*RemoteView::decode(std::string(b))); });
   m.def("_encode_remote", &encode_remote);
+  // The IPC route's export in a handle (RemoteRegion::route_bytes[0]), as the route reads it.
+  m.def("_decode_ipc_export", [](const py::bytes& b, int8_t device_type) {
+    const std::string bytes(b);
+    const ipc::IpcExport x = ipc::IpcExport::decode(&bytes, device_type);
+    py::dict d;
+    d["kind"] = x.shared.kind == cuda::Export::Vmm ? "vmm" : "legacy";
+    d["offset"] = x.shared.offset;
+    d["ptr"] = x.ptr;
+    return d;
+  });
+#ifdef WITH_CUDA
+  // How many VMM mappings lie under [ptr, ptr + nbytes), and why none where there are none.
+  m.def("_vmm_layout", [](uint64_t ptr, uint64_t nbytes) {
+    std::string why;
+    const size_t n = cuda::vmm_layout(ptr, nbytes, why).size();
+    return py::make_tuple(n, why);
+  });
+#endif
   // ByteWriter::seal and ByteReader::check_crc: a record's trailing CRC32 added or checked and dropped.
   m.def("_seal", [](const py::bytes& b) {
     ByteWriter w;

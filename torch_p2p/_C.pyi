@@ -18,8 +18,12 @@ def provider_limits(provider: str) -> dict[str, Any]:
 
 def provider_profile(provider: str) -> dict[str, Any]:
     """What the engine does differently on a provider (csrc/fabric/profile.h): name, default_rank,
-    remote, rdma, auto_progress, rails_from_cores, max_chunk, unchecked_fast_rma, cuda_ipc_rma,
+    remote, rdma, dmabuf, auto_progress, rails_from_cores, max_chunk, unchecked_fast_rma, cuda_ipc_rma,
     own_endpoint_names, peers_must_release, target_progress, known_problem. An unknown provider: name "", no quirks."""
+
+def registration(provider: str, hmem: bool, dmabuf: bool, memory: str) -> tuple[str, str]:
+    """How memory ("host", "cuda", "cuda_vmm") registers with a provider whose answer has FI_HMEM
+    (hmem) and FI_MR_DMABUF (dmabuf): ("host" | "hmem" | "dmabuf" | "staged", why). csrc/fabric/registration.h."""
 
 def provider_names() -> list[str]:
     """The providers the profile table knows."""
@@ -100,7 +104,7 @@ class _Liveness:
 # Address: {provider: bytes, incarnation, rails: [bytes], host: bytes, pid, routes: int (bit i: route i)}.
 # Remote: {dtype (c10 code), shape, strides, offset, region: {owner: bytes, id, nbytes, access,
 # staged: bool, device_type, device_index, piece_bytes, rails, entries: [(base, key)],
-# ipc_handle: bytes, ipc_offset, ipc_ptr}}. Encoders take absent fields as zero or empty.
+# route_bytes: {route id: bytes}}}. Encoders take absent fields as zero or empty.
 def _decode_address(data: bytes) -> dict[str, Any]: ...
 def _encode_address(fields: dict[str, Any]) -> bytes: ...
 def _decode_remote(data: bytes) -> dict[str, Any]: ...

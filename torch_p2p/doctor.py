@@ -62,6 +62,15 @@ def gpu_plans(offer: dict[str, Any] | None, gpu_pcis: list[str], sysfs: str = "/
     return plans
 
 
+def gpu_registration(provider: str, offer: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """How an engine on `provider` registers GPU memory with its NICs (csrc/fabric/registration.h):
+    for cudaMalloc'd memory and for VMM memory (expandable segments), (how, why): "dmabuf"
+    (FI_MR_DMABUF, libfabric >= 1.20 on efa/verbs: no nvidia-peermem), "hmem" (FI_HMEM_CUDA,
+    needs nvidia-peermem), "staged" (pinned host slots)."""
+    return {kind: tuple(_C.registration(provider, bool(offer.get("hmem")), bool(offer.get("dmabuf")), memory))
+            for kind, memory in (("cuda", "cuda"), ("vmm", "cuda_vmm"))}
+
+
 def ptrace_scope() -> int:
     """Yama's kernel.yama.ptrace_scope (0 without Yama): 2 and 3 keep the cma route off."""
     try:
@@ -220,6 +229,8 @@ def render(report: dict[str, Any], warnings: list[dict[str, str]]) -> str:
             f"FI_HMEM {'yes' if o['hmem'] else 'no'}, dma-buf {'yes' if o['dmabuf'] else 'no'}, "
             f"delivery-complete {'yes' if o['delivery_complete'] else 'no'}, "
             f"progress {'provider threads' if o['auto_progress'] else 'engine thread'}")
+        lines.append("         GPU memory registers: " + "; ".join(
+            f"{kind} {how}" for kind, (how, _) in gpu_registration(name, o).items()))
         lines.append(
             f"         iov {o['iov_limit']}, rma iov {o['rma_iov_limit']}, max msg {_size(o['max_msg_size'])}, "
             f"inject {o['inject_size']}, cq data {o['cq_data_size']} B, key {o['mr_key_size']} B, "

@@ -7,11 +7,12 @@ namespace {
 
 constexpr uint32_t kAddressMagic = 0x41503250;  // "P2PA"
 constexpr uint32_t kRegionMagic = 0x52503250;   // "P2PR"
-constexpr uint8_t kVersion = 2;
+constexpr uint8_t kVersion = 3;
 constexpr size_t kMaxRails = 1024;
 constexpr size_t kMaxName = 4096;
 constexpr size_t kMaxHost = 256;
-constexpr size_t kIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
+constexpr uint8_t kMaxRoutes = 8;  // EngineAddress::routes has a bit for each
+constexpr size_t kRouteBytes = 1024;
 
 }  // namespace
 
@@ -65,9 +66,11 @@ void RemoteRegion::encode(std::string& out) const {
   w.put(device_index);
   w.put(piece_bytes);
   w.put(rails);
-  w.put_bytes(ipc.handle);
-  w.put(ipc.offset);
-  w.put(ipc.ptr);
+  w.put(static_cast<uint8_t>(route_bytes.size()));
+  for (const auto& [route, bytes] : route_bytes) {
+    w.put(route);
+    w.put_bytes(bytes);
+  }
   for (size_t i = 0; i < base.size(); ++i) {
     w.put(base[i]);
     w.put(key[i]);
@@ -92,17 +95,18 @@ std::shared_ptr<RemoteRegion> RemoteRegion::decode(std::string_view bytes) {
   g->device_index = r.get<int16_t>();
   g->piece_bytes = r.get<uint64_t>();
   g->rails = r.get<uint16_t>();
-  g->ipc.handle = r.get_bytes(kIpcHandleBytes);
-  g->ipc.offset = r.get<uint64_t>();
-  g->ipc.ptr = r.get<uint64_t>();
+  const uint8_t count = r.get<uint8_t>();
+  if (count > kMaxRoutes) r.fail("bad route count");
+  for (uint8_t i = 0; i < count; ++i) {
+    const uint8_t route = r.get<uint8_t>();
+    if (route >= kMaxRoutes || !g->route_bytes.emplace(route, r.get_bytes(kRouteBytes)).second) r.fail("bad route id");
+  }
   if (g->nbytes == 0) r.fail("empty region");
   if (g->access & ~(kRemoteRead | kRemoteWrite)) r.fail("bad access bits");
   if (staged > 1) r.fail("bad flags");
   g->staged = staged;
   if (g->device_type < 0 || g->device_type > 1) r.fail("bad device type");
   if (g->piece_bytes == 0 || g->rails == 0 || g->rails > kMaxRails) r.fail("bad layout");
-  if (!g->ipc.handle.empty() && (g->ipc.handle.size() != kIpcHandleBytes || g->device_type != 1))
-    r.fail("bad IPC export");
   // The key table's size follows from the fields above; check it against what is left
   // before allocating anything.
   const uint64_t pieces = g->pieces();

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -29,16 +30,6 @@ struct EngineAddress {
 
 enum Access : uint8_t { kRemoteRead = 1, kRemoteWrite = 2 };
 
-// A CUDA storage exported for IPC: the owner's allocation (legacy cudaIpcMemHandle) and where
-// the storage starts in it; `ptr` serves engines of the owner's own process.
-struct IpcExport {
-  std::string handle;  // cudaIpcMemHandle_t bytes, empty when not exported
-  uint64_t offset = 0;
-  uint64_t ptr = 0;
-
-  bool exported() const { return !handle.empty(); }
-};
-
 // The remote side of a registered storage, shared by every RemoteTensor view of it.
 struct RemoteRegion {
   std::string owner;          // the owner's EngineAddress bytes
@@ -53,7 +44,9 @@ struct RemoteRegion {
   uint16_t rails = 0;         // the owner's rail count
   std::vector<uint64_t> base; // [piece * rails + rail]: remote address of the piece's byte 0
   std::vector<uint64_t> key;  // [piece * rails + rail]
-  IpcExport ipc;
+  // What routes add for their peers (Route::describe), by route id: each route writes and
+  // checks its own bytes; the core only carries them.
+  std::map<uint8_t, std::string> route_bytes;
 
   size_t pieces() const { return staged ? 0 : nbytes / piece_bytes + (nbytes % piece_bytes != 0); }
   void encode(std::string& out) const;

@@ -1,5 +1,7 @@
 #include "core/rails.h"
 
+#include <unistd.h>
+
 #include <rdma/fi_errno.h>
 
 #include <algorithm>
@@ -204,10 +206,18 @@ bool Rails::send_forgets() {
 // Registration, addresses, sleeping, closing.
 
 void Rails::register_memory(uint8_t* ptr, uint64_t nbytes, uint64_t piece, uint64_t access, int cuda_device,
-                            std::vector<fabric::MrHandle>& mrs) {
+                            std::vector<fabric::MrHandle>& mrs, const DmaBufOf& dmabuf) {
   for (uint64_t off = 0; off < nbytes; off += piece) {
     const uint64_t len = std::min<uint64_t>(piece, nbytes - off);
-    for (auto& rs : rails_) mrs.push_back(rs.rail->register_memory(ptr + off, len, access, cuda_device));
+    const fabric::DmaBuf buf = dmabuf ? dmabuf(ptr + off, len) : fabric::DmaBuf{};
+    try {
+      for (auto& rs : rails_)
+        mrs.push_back(rs.rail->register_memory(ptr + off, len, access, cuda_device, buf.fd >= 0 ? &buf : nullptr));
+    } catch (...) {
+      if (buf.fd >= 0) ::close(buf.fd);
+      throw;
+    }
+    if (buf.fd >= 0) ::close(buf.fd);  // the registrations hold the dma-buf itself
   }
 }
 

@@ -85,8 +85,11 @@ class Rails {
   void forget(Peer* p);
 
   // Registers [ptr, ptr + nbytes) on every rail in pieces of `piece` bytes, in `mrs` (piece-major).
+  // dmabuf, if given, is asked for each piece's dma-buf (fd -1: that piece by address); the
+  // descriptors it returns are closed here once registered.
+  using DmaBufOf = std::function<fabric::DmaBuf(uint8_t* ptr, uint64_t len)>;
   void register_memory(uint8_t* ptr, uint64_t nbytes, uint64_t piece, uint64_t access, int cuda_device,
-                       std::vector<fabric::MrHandle>& mrs);
+                       std::vector<fabric::MrHandle>& mrs, const DmaBufOf& dmabuf = nullptr);
   void deregister(std::vector<fabric::MrHandle>& mrs);
   // A peer's rail addresses in every rail's address vector, local-rail-major.
   std::vector<fi_addr_t> insert(const std::vector<std::string>& rails);

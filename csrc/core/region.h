@@ -30,7 +30,6 @@ struct Region : std::enable_shared_from_this<Region> {
   int cuda_device = -1;
   uint8_t access = 0;     // Access bits granted to peers
   bool staged = false;    // not registered with the NICs: peers go through the owner's slots
-  bool exported = false;  // for CUDA IPC: same-host peers may have it mapped
   uint64_t piece_bytes = 0;
   HostFile file;
   std::vector<fabric::MrHandle> mrs;  // [piece * rails + rail] (mr_index)

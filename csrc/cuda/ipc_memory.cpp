@@ -1,4 +1,5 @@
-// The CUDA side of the IPC route (legacy cudaIpc* handles on the caching allocator's blocks).
+// The CUDA side of the IPC route: legacy cudaIpc* handles on the caching allocator's blocks,
+// VMM allocations (vmm.h) where the memory is an expandable segment's.
 #include "cuda/ipc_memory.h"
 
 #include "common/error.h"
@@ -11,10 +12,12 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <unordered_map>
 
 #include "common/log.h"
 #include "cuda/copy_kernels.h"
 #include "cuda/device.h"
+#include "cuda/vmm.h"
 
 namespace p2p::cuda {
 namespace {
@@ -64,10 +67,17 @@ class CudaMemory final : public IpcMemory {
     cudaStreamDestroy(stream_);
   }
 
-  engine::IpcExport export_storage(void* ptr, uint64_t nbytes, std::string& why) override {
-    engine::IpcExport e;
-    uint64_t base = 0, size = 0;
+  Export export_storage(void* ptr, uint64_t nbytes, std::string& why) override {
+    Export e;
     const uint64_t p = reinterpret_cast<uint64_t>(ptr);
+    if (cuda::is_vmm_memory(ptr)) {
+      const std::vector<VmmChunk> chunks = vmm_layout(p, nbytes, why);
+      if (chunks.empty()) return e;
+      e.kind = Export::Vmm;
+      e.offset = p - chunks[0].base;
+      return e;
+    }
+    uint64_t base = 0, size = 0;
     if (!address_range(p, base, size) || p + nbytes > base + size) {
       why = "its allocation could not be found";
       return e;
@@ -76,14 +86,17 @@ class CudaMemory final : public IpcMemory {
     const cudaError_t rc = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base));
     if (rc != cudaSuccess) {
       cudaGetLastError();
-      why = cat("cudaIpcGetMemHandle: ", cudaGetErrorString(rc),
-                " (VMM memory such as PyTorch's expandable segments is not exported yet)");
+      why = cat("cudaIpcGetMemHandle: ", cudaGetErrorString(rc));
       return e;
     }
+    e.kind = Export::Legacy;
     e.handle.assign(reinterpret_cast<const char*>(&handle), sizeof handle);
     e.offset = p - base;
-    e.ptr = p;
     return e;
+  }
+
+  std::vector<VmmChunk> export_vmm(uint64_t ptr, uint64_t nbytes, std::string& why) override {
+    return vmm_export(ptr, nbytes, why);
   }
 
   void* open(const std::string& bytes, uint64_t& size) override {
@@ -101,13 +114,28 @@ class CudaMemory final : public IpcMemory {
     return base;
   }
 
+  void* open_vmm(std::vector<VmmChunk>& chunks, uint64_t& size) override {
+    size = 0;
+    for (const VmmChunk& c : chunks) size += c.size;
+    void* base = reinterpret_cast<void*>(vmm_import(device_, chunks));
+    vmm_.emplace(base, size);
+    return base;
+  }
+
   void close(void* base) override {
+    if (auto vmm = vmm_.find(base); vmm != vmm_.end()) {
+      vmm_unmap(reinterpret_cast<uint64_t>(base), vmm->second);
+      vmm_.erase(vmm);
+      return;
+    }
     if (cudaIpcCloseMemHandle(base) != cudaSuccess) cudaGetLastError();
   }
 
+  // Mapping by mapping: a VMM storage may span several.
   bool owns(uint64_t ptr, uint64_t nbytes) override {
-    uint64_t base = 0, size = 0;
-    return address_range(ptr, base, size) && ptr + nbytes <= base + size;
+    for (uint64_t at = ptr, base = 0, size = 0; at < ptr + nbytes; at = base + size)
+      if (!address_range(at, base, size) || base + size <= at) return false;
+    return nbytes > 0;
   }
 
   // A call's stream wait and its copy-engine copies go out at once; its kernel spans fill a
@@ -396,6 +424,7 @@ class CudaMemory final : public IpcMemory {
   uint64_t issued_ = 0, completed_ = 0;
   std::string error_;                                   // stick()'s
   std::deque<std::pair<uint64_t, std::string>> failures_;  // done tickets that failed, for error()
+  std::unordered_map<void*, uint64_t> vmm_;  // open_vmm()'s ranges: base -> size
 };
 
 }  // namespace

@@ -1,5 +1,5 @@
-// What the IPC route needs of CUDA: exporting a storage, mapping a peer's, and copying between
-// mapped memory on the engine's own stream. One IpcMemory per CUDA engine, used by its worker
+// What the IPC route needs of CUDA: exporting a storage, mapping a peer's (cudaIpc handles or
+// VMM allocations), and copying between mapped memory on the engine's own stream. One IpcMemory per CUDA engine, used by its worker
 // thread only. Defined in a CUDA build only (ipc_memory.cpp).
 #pragma once
 
@@ -8,20 +8,33 @@
 #include <string>
 #include <vector>
 
-#include "core/address.h"
 #include "core/copier.h"
+#include "cuda/vmm.h"
 
 namespace p2p::cuda {
+
+// How a storage of ours is shared with same-host peers.
+struct Export {
+  enum Kind : uint8_t { None = 0, Legacy = 1, Vmm = 2 } kind = None;
+  std::string handle;   // Legacy: the cudaIpcMemHandle_t bytes
+  uint64_t offset = 0;  // the storage's first byte in its allocation (Vmm: in its first mapping)
+};
 
 class IpcMemory {
  public:
   virtual ~IpcMemory() = default;
-  // The export of the allocation holding [ptr, ptr + nbytes); not exported (and `why` set) if
-  // the memory cannot be shared this way (VMM memory: PyTorch's expandable segments).
-  virtual engine::IpcExport export_storage(void* ptr, uint64_t nbytes, std::string& why) = 0;
+  // How [ptr, ptr + nbytes) can be shared: a cudaIpcMemHandle of the allocation holding it
+  // (caching-allocator blocks), or VMM memory whose allocations export_vmm() passes as file
+  // descriptors (PyTorch's expandable segments); kind None (and `why` set) where neither.
+  virtual Export export_storage(void* ptr, uint64_t nbytes, std::string& why) = 0;
+  // A VMM export's allocations, as vmm_export() gives them (the caller closes the descriptors).
+  virtual std::vector<VmmChunk> export_vmm(uint64_t ptr, uint64_t nbytes, std::string& why) = 0;
   // Maps a peer's allocation into this process; returns its base and sets its size. Throws an
   // Error saying why it cannot (no IPC namespace in common, no P2P between the GPUs, ...).
   virtual void* open(const std::string& handle, uint64_t& size) = 0;
+  // The same for a peer's VMM allocations (their descriptors are closed here, mapped or not).
+  virtual void* open_vmm(std::vector<VmmChunk>& chunks, uint64_t& size) = 0;
+  // Unmaps what open() or open_vmm() mapped.
   virtual void close(void* base) = 0;
   // True when [ptr, ptr + nbytes) is device memory of this process (an engine of ours owns it).
   virtual bool owns(uint64_t ptr, uint64_t nbytes) = 0;

@@ -81,19 +81,20 @@ std::pair<uint64_t, std::shared_ptr<RemoteView>> Engine::register_tensor(const a
   const int device = tensor.is_cuda() ? tensor.get_device() : -1;
   Worker::RegionSpec spec{ptr, nbytes, device, bits};
   if (device < 0) find_file(storage, spec);
+#ifdef WITH_CUDA
+  if (device >= 0) spec.vmm = cuda::is_vmm_memory(ptr);
+#endif
   std::shared_ptr<RemoteRegion> region;
   try {
     region = worker_->call<std::shared_ptr<RemoteRegion>>([spec](Worker& w) { return w.register_region(spec); },
                                                           timeout_s);
   } catch (const Error& e) {
     unreserve();
-#ifdef WITH_CUDA
-    if (device >= 0 && cuda::is_vmm_memory(ptr))
+    if (spec.vmm && e.kind() == ErrorKind::Generic)
       P2P_THROW(ErrorKind::Value, e.what(), ". This tensor lives in CUDA VMM memory (PyTorch's "
-                "expandable segments), which provider ", provider(), " cannot register here: set "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, allocate the tensor before "
-                "turning expandable segments on, or create the engine with data_path='staged'");
-#endif
+                "expandable segments), which provider ", provider(), " cannot register here, and data_path='direct' "
+                "keeps it from the staging slots that take it otherwise: create the engine with data_path='auto' "
+                "(the default) or 'staged', or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False");
     throw;
   } catch (...) {
     unreserve();

@@ -7,6 +7,10 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "engine/worker.h"
+#include "fabric/registration.h"
+#ifdef WITH_CUDA
+#include "cuda/vmm.h"
+#endif
 
 namespace p2p::engine {
 
@@ -27,7 +31,19 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
     if (!region->staged) {
       const uint64_t access = FI_READ | FI_WRITE | ((spec.access & kRemoteRead) ? FI_REMOTE_READ : 0) |
                               ((spec.access & kRemoteWrite) ? FI_REMOTE_WRITE : 0);
-      rails_->register_memory(spec.ptr, spec.nbytes, region->piece_bytes, access, spec.cuda_device, region->mrs);
+      try {
+        rails_->register_memory(spec.ptr, spec.nbytes, region->piece_bytes, access, spec.cuda_device, region->mrs,
+                                dmabuf_of(spec));
+      } catch (const Error& e) {
+        // data_path="direct" asked for no staging: the engine refuses it (engine_regions.cpp).
+        if (!spec.vmm || config_.data_path == DataPath::Direct) throw;
+        rails_->deregister(region->mrs);
+        region->mrs.clear();
+        region->staged = true;
+        P2P_LOG(Info, "region ", region->id, " (CUDA VMM memory) cannot be registered with provider ",
+                facts_.provider, " (", e.what(), "): other hosts reach it through the staging slots, "
+                "same-host CUDA engines by IPC");
+      }
     }
     remote->owner = facts_.address;
     remote->incarnation = facts_.incarnation;
@@ -50,6 +66,34 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
   }
   regions_.add(region);
   return remote;
+}
+
+// Where the provider takes GPU memory by dma-buf (fabric/registration.h), each piece's; a piece
+// the driver gives none of registers by address (said once).
+Rails::DmaBufOf Worker::dmabuf_of(const RegionSpec& spec) {
+  const fabric::MemoryKind kind = spec.cuda_device < 0 ? fabric::MemoryKind::Host
+                                  : spec.vmm           ? fabric::MemoryKind::CudaVmm
+                                                       : fabric::MemoryKind::Cuda;
+  const fabric::RegistrationChoice choice =
+      fabric::choose_registration(fabric::profile(facts_.provider), facts_.hmem, facts_.dmabuf, kind);
+  if (choice.how != fabric::Registration::DmaBuf) return nullptr;
+#ifdef WITH_CUDA
+  return [this](uint8_t* ptr, uint64_t len) {
+    fabric::DmaBuf buf;
+    uint64_t start = 0, size = 0;
+    std::string why;
+    buf.fd = cuda::dmabuf_fd(reinterpret_cast<uint64_t>(ptr), len, start, size, why);
+    buf.base = reinterpret_cast<void*>(start);
+    buf.len = size;
+    if (buf.fd < 0 && !dmabuf_refused_) {
+      dmabuf_refused_ = true;
+      P2P_LOG(Warn, "GPU memory registers by address (FI_HMEM_CUDA, needs nvidia-peermem), not by dma-buf: ", why);
+    }
+    return buf;
+  };
+#else
+  return nullptr;
+#endif
 }
 
 void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> done) {

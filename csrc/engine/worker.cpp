@@ -123,6 +123,7 @@ void Worker::open() {
   const fabric::Offer& offer = *offer_;
   facts_.provider = offer.provider;
   facts_.hmem = offer.hmem;
+  facts_.dmabuf = offer.list && fabric::limits(*offer.list).dmabuf;
   facts_.delivery_complete = offer.delivery_complete;
   facts_.auto_progress = offer.auto_progress;
   P2P_CHECK(!(config_.cuda() && config_.data_path == DataPath::Direct && !facts_.hmem), ErrorKind::Value,

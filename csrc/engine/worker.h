@@ -67,6 +67,7 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
     std::string provider;
     std::string host;  // host_identity()
     bool hmem = false;
+    bool dmabuf = false;  // FI_MR_DMABUF offered (fabric/registration.h)
     bool delivery_complete = false;
     bool auto_progress = false;
     std::vector<RailFacts> rails;
@@ -85,8 +86,10 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
     int cuda_device;
     uint8_t access;
     HostFile file;  // Region::file
+    bool vmm = false;  // CUDA VMM memory: where the NICs refuse it, the staging slots take it
   };
   std::shared_ptr<RemoteRegion> register_region(const RegionSpec& spec);
+  Rails::DmaBufOf dmabuf_of(const RegionSpec& spec);
   void deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> done);
   void start(Transfer* t);
   void cancel(uint64_t id);
@@ -162,6 +165,7 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
   void release_regions(Peer& p);
 
   Config config_;
+  bool dmabuf_refused_ = false;  // the driver gave no dma-buf once: said, not again
   std::shared_ptr<const fabric::Offer> offer_;  // the provider as set-up queried it
   CompletionQueue* completions_;
   TransferPool* finished_;

@@ -15,6 +15,9 @@ struct Profile {
   int default_rank;       // Engine(provider=None) tries ranks 1, 2, ... in order; 0: only by name
   bool remote;            // reaches other hosts (shm: this host only)
   bool rdma;              // NIC RDMA: GPU memory may go to the NIC directly (FI_HMEM, dma-buf)
+  // Registers GPU memory from a dma-buf where libfabric offers FI_MR_DMABUF (>= 1.20): EFA
+  // and verbs (ibv_reg_dmabuf_mr). See registration.h.
+  bool dmabuf;
   // tcp moves every byte through the kernel on the thread that drives its progress: asked for
   // FI_PROGRESS_AUTO, rxm runs a progress thread per endpoint (one per rail, on both ends).
   // Hinting AUTO drops EFA's `efa` fabric, and shm has none.

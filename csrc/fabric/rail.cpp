@@ -168,11 +168,25 @@ void Rail::release(fi_addr_t addr) {
   }
 }
 
-MrHandle Rail::register_memory(void* ptr, size_t len, uint64_t access, int cuda_device) {
+MrHandle Rail::register_memory(void* ptr, size_t len, uint64_t access, int cuda_device, const DmaBuf* dmabuf) {
   const uint64_t mr_mode = info_->domain_attr->mr_mode;
   iovec iov{ptr, len};
-  fi_mr_attr attr{};
-  attr.mr_iov = &iov;
+  // Zeroed past the end of the struct these headers declare: a runtime of a later API version
+  // reads the fields it added (1.20: hmem_data, page_size, base_mr, sub_mr_cnt) as unset.
+  struct {
+    fi_mr_attr attr;
+    char later_fields[64];
+  } padded{};
+  fi_mr_attr& attr = padded.attr;
+  fi_mr_dmabuf buf{};
+  uint64_t flags = 0;
+  if (dmabuf) {  // fi_mr(3), 1.20: the union's dmabuf member stands where mr_iov does
+    buf = {dmabuf->fd, dmabuf->offset, dmabuf->len, dmabuf->base};
+    attr.mr_iov = reinterpret_cast<const iovec*>(&buf);
+    flags |= FI_MR_DMABUF;
+  } else {
+    attr.mr_iov = &iov;
+  }
   attr.iov_count = 1;
   attr.access = access;
   attr.iface = cuda_device >= 0 ? FI_HMEM_CUDA : FI_HMEM_SYSTEM;
@@ -184,18 +198,21 @@ MrHandle Rail::register_memory(void* ptr, size_t len, uint64_t access, int cuda_
   // duplicate with -FI_ENOKEY): draw another on collision.
   for (int attempt = 0; attempt < 8; ++attempt) {
     attr.requested_key = random_key(efa_shaped_ ? EfaShape::kKeyBytes : info_->domain_attr->mr_key_size);
-    rc = fi_mr_regattr(domain_, &attr, cuda_device >= 0 && cuda_ipc_ ? FI_HMEM_DEVICE_ONLY : 0, &h.mr);
+    rc = fi_mr_regattr(domain_, &attr, flags | (cuda_device >= 0 && cuda_ipc_ ? FI_HMEM_DEVICE_ONLY : 0), &h.mr);
     if (rc != -FI_ENOKEY) break;
   }
-  FI_CHECK(rc, "registering ", len, " bytes of ", cuda_device >= 0 ? "CUDA" : "host",
-           " memory on ", domain_name());
+  FI_CHECK(rc, "registering ", len, " bytes of ", cuda_device >= 0 ? "CUDA" : "host", " memory",
+           dmabuf ? " by dma-buf" : "", " on ", domain_name());
   if (mr_mode & FI_MR_ENDPOINT) {
     FI_CHECK(fi_mr_bind(h.mr, &ep_->fid, 0), "fi_mr_bind on ", domain_name());
     FI_CHECK(fi_mr_enable(h.mr), "fi_mr_enable on ", domain_name());
   }
   h.key = fi_mr_key(h.mr);
   h.desc = fi_mr_desc(h.mr);
-  h.base = (mr_mode & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(ptr) : 0;
+  // Without FI_MR_VIRT_ADDR peers name offsets from the registration's first byte, which a
+  // dma-buf's may place before ptr (it covers whole host pages).
+  const uint64_t first = dmabuf ? reinterpret_cast<uint64_t>(dmabuf->base) : reinterpret_cast<uint64_t>(ptr);
+  h.base = (mr_mode & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(ptr) : reinterpret_cast<uint64_t>(ptr) - first;
   return h;
 }
 

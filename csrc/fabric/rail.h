@@ -19,6 +19,7 @@
 
 #include "common/log.h"
 #include "fabric/info.h"
+#include "fabric/registration.h"
 
 namespace p2p::fabric {
 
@@ -52,7 +53,9 @@ class Rail {
 
   // access: FI_READ/FI_WRITE/FI_SEND/FI_RECV/FI_REMOTE_READ/FI_REMOTE_WRITE bits.
   // cuda_device < 0 registers host memory.
-  MrHandle register_memory(void* ptr, size_t len, uint64_t access, int cuda_device);
+  // dmabuf: GPU memory registered from a dma-buf (FI_MR_DMABUF, registration.h) that covers
+  // [ptr, ptr + len); null: by address.
+  MrHandle register_memory(void* ptr, size_t len, uint64_t access, int cuda_device, const DmaBuf* dmabuf = nullptr);
   void deregister(MrHandle& handle);
 
   // Scatter-gather RMA: n local segments to (or from) n remote segments of the same lengths,

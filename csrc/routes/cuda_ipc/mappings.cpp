@@ -14,42 +14,58 @@ Mappings::~Mappings() {
   memory_.reset();
 }
 
-void Mappings::map(uint64_t peer, bool same_process, const engine::RemoteRegion& region) {
+void Mappings::map(uint64_t peer, bool same_process, const engine::RemoteRegion& region, const IpcExport& x) {
   if (auto known = regions_.find({peer, region.id}); known != regions_.end()) {
     // The same region through another handle (views share one; a tampered one may not).
     P2P_CHECK(region.nbytes <= known->second.bytes, ErrorKind::Value, "region ", region.id, " of peer ", hex(peer),
               " claims ", region.nbytes, " bytes; its mapping holds ", known->second.bytes);
     return;
   }
-  P2P_CHECK(region.ipc.exported(), ErrorKind::Value, "region ", region.id, " is not exported for CUDA IPC");
-  const AllocationKey key{peer, region.ipc.handle};
+  P2P_CHECK(x.shared.kind != cuda::Export::None, ErrorKind::Value, "region ", region.id, " is not exported for CUDA IPC");
+  // A legacy handle names its allocation, which several regions may share; a VMM region is
+  // mapped on its own.
+  const AllocationKey key{peer, x.shared.kind == cuda::Export::Legacy ? x.shared.handle : std::to_string(region.id)};
   auto it = allocations_.find(key);
   if (it == allocations_.end()) {
     Allocation a;
     if (same_process) {
       // An engine of this process owns it: its pointer works as it is.
-      P2P_CHECK(memory_->owns(region.ipc.ptr, region.nbytes), ErrorKind::Value, "region ", region.id,
+      P2P_CHECK(memory_->owns(x.ptr, region.nbytes), ErrorKind::Value, "region ", region.id,
                 " names memory this process does not have");
-      a.base = reinterpret_cast<void*>(region.ipc.ptr - region.ipc.offset);
-      a.size = region.ipc.offset + region.nbytes;
+      a.base = reinterpret_cast<void*>(x.ptr - x.shared.offset);
+      a.size = x.shared.offset + region.nbytes;
       a.own = true;
     } else {
-      a.base = memory_->open(region.ipc.handle, a.size);
+      P2P_CHECK(x.shared.kind == cuda::Export::Legacy, ErrorKind::Generic, "region ", region.id,
+                " is VMM memory, mapped from its owner's descriptors only");
+      a.base = memory_->open(x.shared.handle, a.size);
     }
     it = allocations_.emplace(key, a).first;
   }
+  add(peer, region, x.shared.offset, it);
+}
+
+void Mappings::map_vmm(uint64_t peer, const engine::RemoteRegion& region, const IpcExport& x,
+                       std::vector<cuda::VmmChunk>& chunks) {
+  Allocation a;
+  a.base = memory_->open_vmm(chunks, a.size);
+  add(peer, region, x.shared.offset, allocations_.emplace(AllocationKey{peer, std::to_string(region.id)}, a).first);
+}
+
+void Mappings::add(uint64_t peer, const engine::RemoteRegion& region, uint64_t offset,
+                   std::map<AllocationKey, Allocation>::iterator it) {
   Allocation& a = it->second;
   // A handle that claims more than its allocation holds would let a copy fault the GPU.
-  if (region.ipc.offset > a.size || region.nbytes > a.size - region.ipc.offset) {
+  if (const uint64_t size = a.size; offset > size || region.nbytes > size - offset) {
     if (a.regions == 0) {
       if (!a.own) memory_->close(a.base);
       allocations_.erase(it);
     }
     P2P_THROW(ErrorKind::Value, "region ", region.id, " of peer ", hex(peer), " claims ", region.nbytes,
-              " bytes at offset ", region.ipc.offset, " of an allocation of ", a.size);
+              " bytes at offset ", offset, " of an allocation of ", size);
   }
   ++a.regions;
-  regions_[{peer, region.id}] = {key, static_cast<uint8_t*>(a.base) + region.ipc.offset, a.size - region.ipc.offset};
+  regions_[{peer, region.id}] = {it->first, static_cast<uint8_t*>(a.base) + offset, a.size - offset};
 }
 
 uint64_t Mappings::copy(uint64_t peer, const std::vector<const engine::RemoteRegion*>& regions,

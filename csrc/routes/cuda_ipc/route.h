@@ -7,17 +7,30 @@
 // once the copy's ticket is done.
 //
 // The owner exports each CUDA storage as it is registered (describe()): the handle carries the
-// export. A peer whose storage cannot be mapped (no P2P between the GPUs, no IPC namespace in
-// common) is logged once and its transfers take the fabric.
+// export (export.h). A caching-allocator block travels as a cudaIpcMemHandle, which the
+// initiator opens. VMM memory (PyTorch's expandable segments, cuda/vmm.h) has no such handle:
+// before the first transfer to such a region, the initiator asks the owner for it (a route
+// message); the owner, if the region is still live, exports each physical allocation under it
+// as a file descriptor, passes them over a Unix socket (common/descriptors.h: no ptrace access
+// either way) and answers with their sizes; the initiator maps them back to back into one range
+// and resumes the transfers that waited. A region closed is never asked for again (the worker
+// refuses transfers to it), and its mappings go with its release, as for cudaIpc memory.
+//
+// A peer whose storage cannot be mapped (no P2P between the GPUs, no IPC namespace in common)
+// is logged once and its transfers take the fabric; so do the transfers to a VMM region whose
+// export fails (logged once per region, with the reason).
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "common/descriptors.h"
 #include "core/config.h"
 #include "core/route.h"
 #include "routes/cuda_ipc/mappings.h"
@@ -38,17 +51,30 @@ class Route final : public engine::Route {
   engine::StreamOrder stream_order(const engine::Transfer& t) override;
   bool poll() override;
   bool idle() const override { return copies_.empty(); }
-  void on_message(engine::Peer&, std::string_view) override {}
+  void on_message(engine::Peer& p, std::string_view body) override;
   void peer_failed(engine::Peer& p) override;
   void release(uint64_t peer, uint64_t region) override;
   bool must_release(const engine::Region& region, const engine::Peer& p) override;
   void stop() override;
 
  private:
+  using RegionKey = std::pair<uint64_t, uint64_t>;  // (peer, region id)
+
   bool peer_reaches(const engine::EngineAddress& a) const;
+  // The export in `region`'s handle (kind None: none); throws the Value error of a forged one.
+  IpcExport export_of(const engine::RemoteRegion& region) const;
+  // Whether `region` of peer `a` is mapped from the owner's descriptors (VMM memory of another
+  // process), so that a transfer to it waits for the owner's answer first.
+  bool asks(const engine::EngineAddress& a, const IpcExport& x) const;
   // Maps `region` of peer `a`; false (said once) where the peer cannot be mapped at all.
   // Throws the Value error of a handle that lies about its memory.
   bool map(const engine::EngineAddress& a, const engine::RemoteRegion& region);
+  // Queues t's copy (every region mapped); or ends it where a region cannot be had.
+  void start(engine::Transfer& t);
+  // Owner side: a peer asks for VMM region `region`: passes its allocations, and answers.
+  void answer(engine::Peer& p, uint64_t region);
+  // Initiator side: the owner's answer for `region` (sizes of its allocations, or why not).
+  void answered(engine::Peer& p, uint64_t region, Status refused, std::vector<uint64_t> sizes);
 
   engine::RouteHost& host_;
   const uint8_t id_;
@@ -56,6 +82,12 @@ class Route final : public engine::Route {
   std::unique_ptr<Mappings> mappings_;  // null where the route is off
   std::vector<std::pair<uint64_t, engine::Transfer*>> copies_;  // (ticket, transfer), in order
   std::unordered_map<uint64_t, std::string> unreachable_;        // peers whose mapping failed: why
+  // VMM memory of other processes (initiator side).
+  Descriptors descriptors_{"ipc"};
+  bool listening_ = false;
+  std::set<RegionKey> asked_;                // no answer yet
+  std::map<RegionKey, Status> refused_;      // answered with no mapping: why
+  std::unordered_map<uint64_t, std::vector<engine::Transfer*>> waiting_;  // by peer, for answers
 };
 
 }  // namespace p2p::ipc

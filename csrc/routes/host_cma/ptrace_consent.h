@@ -7,7 +7,7 @@
 // is gone: a second peer's kernel copies are refused by the OS, and its probe sends its
 // transfers to the fabric. TORCH_P2P_CMA_PTRACE=any consents instead to every process of the
 // user (PR_SET_PTRACER_ANY), which opens the process as if Yama were off. With scope 0 no
-// consent is needed; tensors in shared memory never need one (descriptors.h).
+// consent is needed; tensors in shared memory never need one (common/descriptors.h).
 //
 // Process-wide: the engines of one process share the one consent; any thread.
 #pragma once

@@ -197,7 +197,9 @@ void Route::on_message(Peer& p, std::string_view body) {
 
 void Route::map(const Peer& p, engine::Grants::Grant& grant) {
   const pid_t pid = static_cast<pid_t>(p.address.pid);
-  const int fd = descriptors_.take(pid, grant.region);
+  const std::vector<int> fds = descriptors_.take(pid, grant.region);
+  const int fd = fds.size() == 1 ? fds[0] : -1;
+  for (size_t i = fd >= 0 ? 1 : 0; i < fds.size(); ++i) close(fds[i]);  // one file per region
   errno = 0;
   if (fd >= 0) grant.mapped = map_file(fd, grant.file, grant.nbytes, grant.access & engine::kRemoteWrite);
   if (!logged_maps_.insert(p.incarnation).second) return;
@@ -212,7 +214,7 @@ void Route::map(const Peer& p, engine::Grants::Grant& grant) {
 void Route::granting(Peer& p, const engine::Region& region) {
   if (region.file.fd >= 0) {
     const std::string why =
-        descriptors_.push(p.incarnation, static_cast<pid_t>(p.address.pid), region.id, region.file.fd);
+        descriptors_.push(p.incarnation, static_cast<pid_t>(p.address.pid), region.id, {region.file.fd});
     if (why.empty()) return;
     if (logged_pushes_.insert(p.incarnation).second)
       P2P_LOG(Info, "the cma route cannot pass the shared memory of region ", region.id, " to peer ",

@@ -14,7 +14,7 @@
 // the kernel copies is tried with a one-byte read: a peer the OS keeps us from is logged once
 // and its transfers take the fabric, except to regions we map. A region in a shared-memory
 // file needs no leave of the OS: its owner hands us the file's descriptor over a Unix socket
-// before the answer (descriptors.h) and we map it.
+// before the answer (common/descriptors.h) and we map it.
 //
 // A dead peer: its copies fail at once (ESRCH) and the worker fails the peer; nothing of the
 // route waits on another process, so no lock or copy of a dead peer holds anything up.
@@ -31,11 +31,11 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/descriptors.h"
 #include "core/config.h"
 #include "core/copies.h"
 #include "core/grants.h"
 #include "core/route.h"
-#include "routes/host_cma/descriptors.h"
 
 namespace p2p::cma {
 
@@ -93,7 +93,7 @@ class Route final : public engine::Route, public engine::PeerCopies {
   bool map_ = false;  // maps owners' shared-memory files (cma_map)
   int scope_ = 0;     // Yama's ptrace_scope
   bool listening_ = false;  // for owners' descriptors (from the first take(): our incarnation is set)
-  Descriptors descriptors_;
+  Descriptors descriptors_{"cma"};
   // Owner side.
   std::unordered_set<uint64_t> unconsented_;  // peers we could not consent to (logged)
   std::unordered_set<uint64_t> logged_pushes_;  // peers whose failed descriptor push was logged
