@@ -9,7 +9,7 @@ namespace p2p::engine {
 
 namespace {
 
-enum : uint8_t { kAsk = 1, kAnswer = 2 };
+enum : uint8_t { kAsk = 1, kAnswer = 2 };  // Grants::carries
 
 // What a handle must say of a region for its owner to know it: size, access, and every rail's
 // base and key. A handle whose digest differs from the owner's is refused, as the fabric's
@@ -116,7 +116,7 @@ void Grants::answer(Peer& p, uint64_t region, uint64_t key) {
   Status refused = refusal_(p);
   if (refused.ok() && !r)
     refused = Status::error(ErrorKind::Closed, cat("region ", region, " of peer was deregistered by its owner"));
-  else if (refused.ok() && (r->cuda_device >= 0 || r->staged || r->mrs.empty() || r->mrs[0].key != key))
+  else if (refused.ok() && (r->cuda_device >= 0 || !r->on_nics() || r->mrs[0].key != key))
     refused = Status::error(ErrorKind::Remote, cat("the owner refused region ", region, ": not a host region with that key"));
   const bool ok = refused.ok();
   if (ok) granted_[region].insert(p.incarnation);

@@ -114,6 +114,9 @@ class Grants {
   // The grants of the call that resolve() last passed, by its remote region index.
   const std::vector<const Grant*>& resolved() const { return call_; }
 
+  // Whether `body`, a message of the route, is one of these (its first byte 1 or 2): a route
+  // with messages of its own starts them with another byte.
+  static bool carries(std::string_view body) { return !body.empty() && (body[0] == 1 || body[0] == 2); }
   // One of the route's messages: an ask is answered at once; an answer for a region asked is
   // kept and returned (the route resumes the peer's transfers), null for anything else.
   Grant* on_message(Peer& p, std::string_view body);

@@ -29,12 +29,15 @@ struct Region : std::enable_shared_from_this<Region> {
   uint64_t nbytes = 0;
   int cuda_device = -1;
   uint8_t access = 0;     // Access bits granted to peers
-  bool staged = false;    // not registered with the NICs: peers go through the owner's slots
   bool exported = false;  // for CUDA IPC: same-host peers may have it mapped
   uint64_t piece_bytes = 0;
   HostFile file;
-  std::vector<fabric::MrHandle> mrs;  // [piece * rails + rail] (mr_index)
+  // [piece * rails + rail] (mr_index); none where a route keeps the region off the NICs
+  // (Route::keeps_off_nics: the staged route moves its bytes through its slots).
+  std::vector<fabric::MrHandle> mrs;
   bool closing = false;
+
+  bool on_nics() const { return !mrs.empty(); }
 };
 
 }  // namespace p2p::engine

@@ -19,12 +19,13 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
   region->cuda_device = spec.cuda_device;
   region->access = spec.access;
   region->file = spec.file;
-  region->staged = region_staged(spec.cuda_device >= 0);
   region->piece_bytes = config_.piece_bytes;
+  const bool off_nics = std::any_of(routes_.begin(), routes_.end(),
+                                    [&](auto& r) { return r->keeps_off_nics(spec.cuda_device); });
 
   auto remote = std::make_shared<RemoteRegion>();
   try {
-    if (!region->staged) {
+    if (!off_nics) {
       const uint64_t access = FI_READ | FI_WRITE | ((spec.access & kRemoteRead) ? FI_REMOTE_READ : 0) |
                               ((spec.access & kRemoteWrite) ? FI_REMOTE_WRITE : 0);
       rails_->register_memory(spec.ptr, spec.nbytes, region->piece_bytes, access, spec.cuda_device, region->mrs);
@@ -34,7 +35,7 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
     remote->id = region->id;
     remote->nbytes = spec.nbytes;
     remote->access = spec.access;
-    remote->staged = region->staged;
+    remote->on_nics = region->on_nics();
     remote->device_type = spec.cuda_device >= 0 ? 1 : 0;
     remote->device_index = static_cast<int16_t>(spec.cuda_device);
     remote->piece_bytes = region->piece_bytes;
@@ -43,7 +44,7 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
       remote->base.push_back(mr.base);
       remote->key.push_back(mr.key);
     }
-    for (auto& r : routes_) r->describe(*region, *remote);  // the staged route's slots, an IPC export
+    for (auto& r : routes_) r->describe(*region, *remote);  // what each route adds (an IPC export)
   } catch (...) {
     rails_->deregister(region->mrs);
     throw;

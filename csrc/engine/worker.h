@@ -67,13 +67,13 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
     std::string provider;
     std::string host;  // host_identity()
     bool hmem = false;
+    bool off_nics = false;  // a route keeps this engine's own memory off the NICs (Route::keeps_off_nics)
     bool delivery_complete = false;
     bool auto_progress = false;
     std::vector<RailFacts> rails;
   };
   const Facts& facts() const { return facts_; }
   const Config& config() const override { return config_; }
-  bool region_staged(bool cuda) const;
 
   // Worker thread ---------------------------------------------------------------------------
   // Everything below runs on the worker thread only; the entry points that commands, op
@@ -113,7 +113,7 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
   void wake() override { mailbox_.wake(); }
   void begin_work(Peer& p) override { peers_.begin_work(p); }
   void end_work(Peer& p) override { peers_.end_work(p); }
-  bool staged_memory() const override { return region_staged(config_.cuda_device >= 0); }
+  bool hmem() const override { return facts_.hmem; }
   Copier& copier() override { return *copier_; }
   Rails& rails() override { return *rails_; }
 

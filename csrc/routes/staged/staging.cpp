@@ -8,9 +8,9 @@
 #include "common/log.h"
 #include "routes/staged/route.h"
 
-namespace p2p::engine {
+namespace p2p::staged {
 
-void SlotJob::op_done(RouteHost&, Op&, const Status& status) { route->job_op_done(*this, status); }
+void SlotJob::op_done(engine::RouteHost&, engine::Op&, const Status& status) { route->job_op_done(*this, status); }
 
 const char* name(SlotJobState state) {
   switch (state) {
@@ -23,10 +23,6 @@ const char* name(SlotJobState state) {
   }
   return "?";
 }
-
-}  // namespace p2p::staged
-
-namespace p2p::staged {
 
 using namespace engine;
 
@@ -42,9 +38,10 @@ Route::Route(RouteHost& host, uint8_t id, PeerCopies* same_host)
           [this](Peer& p, const Region&) { same_host_->consent(p); }) {}  // p copies into the region
 
 size_t Route::request_run_limit() const {
-  // Header, fixed fields, one (base, key) per local rail, the slot's address, then 12 bytes a run.
-  const size_t fixed = kHeaderBytes + 8 + 1 + 8 + 8 + 2 + 16 * host_.rails().size() + 8 + 2;
-  return std::min(kMaxJobRuns, (kMessageBytes - fixed) / 12);
+  // Header, the route message's id and length, the request's fixed fields, one (base, key) per
+  // local rail, then its runs.
+  const size_t fixed = kHeaderBytes + 1 + 4 + StageRequest::kFixedBytes + StageRequest::kPerRail * host_.rails().size();
+  return std::min(kMaxJobRuns, (kMessageBytes - fixed) / StageRequest::kPerRun);
 }
 
 // After the worker's rails are closed (stop() let go of the slots' registrations).
@@ -61,13 +58,18 @@ void Route::stop() {
   }
 }
 
-// Transfers of this engine's memory to `a` take the route if either end is staged.
+// GPU memory the NICs cannot register, and any memory with data_path="staged".
+bool Route::keeps_off_nics(int cuda_device) const {
+  return host_.config().data_path == DataPath::Staged || (cuda_device >= 0 && !host_.hmem());
+}
+
+// Transfers of this engine's memory to `a` take the route if either end is off the NICs.
 bool Route::reaches(const EngineAddress&, const RemoteRegion* region) {
-  return host_.staged_memory() || (region && region->staged);
+  return keeps_off_nics(host_.config().cuda_device) || (region && !region->on_nics);
 }
 
 void Route::describe(Region& region, RemoteRegion&) {
-  if (region.staged) ensure_slots();  // peers' requests are served from slots
+  if (!region.on_nics()) ensure_slots();  // peers' requests are served from slots
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -75,8 +77,8 @@ void Route::describe(Region& region, RemoteRegion&) {
 
 bool Route::take(Transfer& t) {
   if (t.kind == TransferKind::Message) return false;
-  const bool staged = std::any_of(t.local.begin(), t.local.end(), [](auto& r) { return r->staged; }) ||
-                      std::any_of(t.remote.begin(), t.remote.end(), [](auto& r) { return r->staged; });
+  const bool staged = std::any_of(t.local.begin(), t.local.end(), [](auto& r) { return !r->on_nics(); }) ||
+                      std::any_of(t.remote.begin(), t.remote.end(), [](auto& r) { return !r->on_nics; });
   if (!staged) return false;
   t.pages_to_runs();
   ++t.pending;  // until every job of it is made (generate())
@@ -129,7 +131,7 @@ bool Route::make_jobs(Transfer& t) {
     job.transfer = &t;
     job.peer = t.peer;
     job.slot = slot;
-    const bool remote_staged = t.remote[t.runs[t.at.run].rreg]->staged;
+    const bool remote_staged = !t.remote[t.runs[t.at.run].rreg]->on_nics;
     const size_t max_runs = remote_staged ? request_run_limit() : kMaxJobRuns;
     job.bytes = Striper::fill_slot(t.at, t.runs, max_runs, slot->bytes, job.runs);
     if (remote_staged) {
@@ -166,7 +168,9 @@ void Route::send_request(SlotJob& job) {
     host_.watch_process(*job.peer);  // its exit gives the slot back at once (hold_slot)
   }
   req.runs = job.runs;
-  host_.post_control(*job.peer, encode_message(req, host_.incarnation(), job.peer->incarnation));
+  ByteWriter w;
+  req.write(w);
+  host_.send(*job.peer, id_, std::move(w.str()));
 }
 
 void Route::on_stage_ack(const StageAck& m) {
