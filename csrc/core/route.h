@@ -31,6 +31,10 @@
 #include "core/transfer.h"
 #include "fabric/rail.h"
 
+namespace c10 {
+struct StorageImpl;
+}  // namespace c10
+
 namespace p2p::engine {
 
 // What a CUDA stream must wait on to follow a transfer (Engine::stream_wait).
@@ -130,6 +134,9 @@ class Route {
   // route moves its bytes itself (the staged route: memory the NICs cannot reach, or
   // data_path="staged"): such a region is registered with no NIC (Region::on_nics).
   virtual bool keeps_off_nics(int cuda_device) const { return false; }
+  // A region of ours is being registered from `storage` (the tensor's, alive for the call):
+  // the route keeps what it needs of it with the region (Region::keep).
+  virtual void learn(Region& region, const c10::StorageImpl& storage) {}
   // A region of ours was registered: adds to its handle what peers need to reach it here.
   virtual void describe(Region& region, RemoteRegion& handle) {}
   // Takes t (its peer is ready, its handles checked), counts its work in t.pending and calls

@@ -18,7 +18,6 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
   region->nbytes = spec.nbytes;
   region->cuda_device = spec.cuda_device;
   region->access = spec.access;
-  region->file = spec.file;
   region->piece_bytes = config_.piece_bytes;
   const bool off_nics = std::any_of(routes_.begin(), routes_.end(),
                                     [&](auto& r) { return r->keeps_off_nics(spec.cuda_device); });
@@ -30,6 +29,7 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
                               ((spec.access & kRemoteWrite) ? FI_REMOTE_WRITE : 0);
       rails_->register_memory(spec.ptr, spec.nbytes, region->piece_bytes, access, spec.cuda_device, region->mrs);
     }
+    for (auto& r : routes_) r->learn(*region, *spec.storage);
     remote->owner = facts_.address;
     remote->incarnation = facts_.incarnation;
     remote->id = region->id;

@@ -84,7 +84,7 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
     uint64_t nbytes;
     int cuda_device;
     uint8_t access;
-    HostFile file;  // Region::file
+    const c10::StorageImpl* storage;  // the tensor's, for Route::learn
   };
   std::shared_ptr<RemoteRegion> register_region(const RegionSpec& spec);
   void deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> done);

@@ -35,7 +35,10 @@ Route::Route(RouteHost& host, uint8_t id, PeerCopies* same_host)
                        ? Status{}
                        : Status::error(ErrorKind::Remote, "the owner does not reach this peer by cma");
           },
-          [this](Peer& p, const Region&) { same_host_->consent(p); }) {}  // p copies into the region
+          [this](Peer& p, const Region&) {
+            same_host_->consent(p);  // p copies into the region
+            return std::string();
+          }) {}
 
 size_t Route::request_run_limit() const {
   // Header, the route message's id and length, the request's fixed fields, one (base, key) per
