@@ -51,7 +51,7 @@ bool Route::queue_by_cma(Transfer& t) {
     }
     by_cma_.insert(&t);
   }
-  queue_.push_back(&t);
+  queue_.push_back({&t, {}});
   return true;
 }
 

@@ -58,8 +58,14 @@ class Route final : public engine::Route {
   void copy_by_cma(SlotJob& job);
   void on_grant_message(Peer& p, std::string_view body);
 
+  // A taken transfer whose jobs are not all made yet, and the first byte no job moves yet.
+  struct Queued {
+    Transfer* t = nullptr;
+    RunCursor at;
+  };
+
   // staging.cpp: both sides.
-  bool make_jobs(Transfer& t);  // false: no slot free (t waits at the queue's front)
+  bool make_jobs(Transfer& t, RunCursor& at);  // false: no slot free (t waits at the queue's front)
   bool generate();
   void start_job(SlotJob& job);
   uint64_t start_copy(SlotJob& job, bool pack);
@@ -88,7 +94,7 @@ class Route final : public engine::Route {
   std::vector<Slot*> free_slots_[2];  // [serve]
   void* slot_memory_ = nullptr;
   std::unordered_map<uint64_t, std::unique_ptr<SlotJob>> jobs_;
-  engine::Ring<Transfer*> queue_;       // taken transfers whose jobs are not all made yet
+  engine::Ring<Queued> queue_;
   engine::Ring<uint64_t> serve_queue_;  // ids of requests waiting for a serve slot
   std::vector<SlotJob*> copying_;
   engine::Ring<SlotJob*> job_gen_queue_;

@@ -88,7 +88,7 @@ bool Route::take(Transfer& t) {
   host_.started(t, id_);
   t.enter(TransferState::Queued);
   if (!runs_by_cma(t))
-    queue_.push_back(&t);
+    queue_.push_back({&t, {}});
   else if (!queue_by_cma(t))
     grants_.wait(t);  // on_message queues it
   return true;
@@ -110,8 +110,11 @@ bool Route::generate() {
     if (job.ops_left == 0) advance(job);
   }
   while (!queue_.empty()) {
-    Transfer& t = *queue_.front();
-    if (!t.reported() && !make_jobs(t)) break;  // waits for a slot, ahead of newer transfers
+    Queued q = queue_.front();  // a copy: its reference would not outlive a push meanwhile
+    Transfer& t = *q.t;
+    const bool made = t.reported() || make_jobs(t, q.at);
+    queue_.front().at = q.at;
+    if (!made) break;  // waits for a slot, ahead of newer transfers
     queue_.pop_front();
     by_cma_.erase(&t);
     any = true;
@@ -121,10 +124,10 @@ bool Route::generate() {
   return any;
 }
 
-bool Route::make_jobs(Transfer& t) {
+bool Route::make_jobs(Transfer& t, RunCursor& at) {
   ensure_slots();
   const bool write = t.kind == TransferKind::Write;
-  while (!t.at.at_end(t.runs)) {
+  while (!at.at_end(t.runs)) {
     Slot* slot = take_slot(false);
     if (!slot) return false;
     auto owned = std::make_unique<SlotJob>();
@@ -134,9 +137,9 @@ bool Route::make_jobs(Transfer& t) {
     job.transfer = &t;
     job.peer = t.peer;
     job.slot = slot;
-    const bool remote_staged = !t.remote[t.runs[t.at.run].rreg]->on_nics;
+    const bool remote_staged = !t.remote[t.runs[at.run].rreg]->on_nics;
     const size_t max_runs = remote_staged ? request_run_limit() : kMaxJobRuns;
-    job.bytes = Striper::fill_slot(t.at, t.runs, max_runs, slot->bytes, job.runs);
+    job.bytes = Striper::fill_slot(at, t.runs, max_runs, slot->bytes, job.runs);
     if (remote_staged) {
       // The owner may copy with our slot, where we let its process.
       job.cma = same_host_ && same_host_->reaches(*t.peer) && same_host_->consent(*t.peer);
