@@ -73,13 +73,6 @@ void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> 
   });
 }
 
-bool Peer::region_gone(uint64_t id) const {
-  if (closed_regions.count(id)) return true;
-  if (id > live_regions_upto) return false;  // registered after it introduced itself
-  return std::none_of(live_regions.begin(), live_regions.end(),
-                      [&](auto& range) { return range.first <= id && id <= range.second; });
-}
-
 // A peer deregisters one of its regions: new transfers to it fail; the release goes back once
 // ours in flight are done.
 void Worker::on_region_closed(Peer& p, uint64_t region) {
