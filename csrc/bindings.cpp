@@ -685,7 +685,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("region_id", [](const RemoteView& v) { return v.region->id; })
       .def_property_readonly("nbytes", [](const RemoteView& v) { return v.region->nbytes; })
       .def_property_readonly("access", [](const RemoteView& v) { return v.region->access; })
-      .def_property_readonly("staged", [](const RemoteView& v) { return v.region->staged; })
+      .def_property_readonly("staged", [](const RemoteView& v) { return !v.region->on_nics; })
       .def_property_readonly("device", [](const RemoteView& v) {
         return v.region->device_type == 1 ? "cuda:" + std::to_string(v.region->device_index) : std::string("cpu");
       })

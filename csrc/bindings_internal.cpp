@@ -19,6 +19,7 @@
 #ifdef WITH_CUDA
 #include "cuda/vmm.h"
 #endif
+#include "routes/staged/messages.h"
 
 namespace py = pybind11;
 using namespace p2p::engine;
@@ -186,7 +187,7 @@ void add_fields(py::dict& f, const UserFragment& m) {
   f["part"] = bytes_of(m.part);
 }
 void add_fields(py::dict& f, const UserAck& m) { f["id"] = m.id; }
-void add_fields(py::dict& f, const StageRequest& m) {
+void add_fields(py::dict& f, const staged::StageRequest& m) {
   f["request"] = m.request;
   f["dir"] = m.dir;
   f["region"] = m.region_id;
@@ -198,8 +199,8 @@ void add_fields(py::dict& f, const StageRequest& m) {
   for (const Run& r : m.runs) runs.append(py::make_tuple(r.remote, r.len));
   f["runs"] = runs;
 }
-template <MsgType T, typename Id>
-void add_fields(py::dict& f, const StatusMessage<T, Id>& m) {
+template <class M>  // Notify, staged::StageAck
+auto add_fields(py::dict& f, const M& m) -> decltype(m.kind, void()) {
   f["id"] = m.id;
   f["kind"] = static_cast<int>(m.kind);
   f["message"] = bytes_of(m.message);
@@ -249,11 +250,33 @@ py::tuple decode_message_fields(const py::bytes& data) {
   return py::make_tuple(static_cast<int>(m.header.type), m.header.from, m.header.to, fields, py::bytes(again));
 }
 
+// A staged route message's body (routes/staged/messages.h): (kind, fields, the bytes it
+// encodes back to).
+py::tuple decode_stage_message(const py::bytes& data) {
+  const std::string bytes(data);
+  ByteReader r(bytes, "staged message");
+  const uint8_t kind = r.get<uint8_t>();
+  py::dict fields;
+  ByteWriter again;
+  auto decoded = [&](const auto& m) {
+    add_fields(fields, m);
+    m.write(again);
+  };
+  if (kind == staged::kStageRequest)
+    decoded(staged::StageRequest::read(r));
+  else if (kind == staged::kStageAck)
+    decoded(staged::StageAck::read(r));
+  else
+    r.fail("not a staged request or answer");
+  return py::make_tuple(static_cast<int>(kind), fields, py::bytes(again.str()));
+}
+
 }  // namespace
 
 void bind_parts(py::module_& m) {
   // The control messages' wire format (tests/test_messages.py).
   m.def("_decode_message", &decode_message_fields);
+  m.def("_decode_stage_message", &decode_stage_message);
   m.def("_copy_rows", &copy_rows, py::arg("dst"), py::arg("dst_ids"), py::arg("src"), py::arg("src_ids"));
   m.def("_cma_copy", &cma_copy, py::arg("pid"), py::arg("spans"), py::arg("write"));
   // The striper (tests/test_striper.py).
@@ -351,7 +374,7 @@ py::dict remote_fields(const RemoteView& v) {
   region["id"] = g.id;
   region["nbytes"] = g.nbytes;
   region["access"] = g.access;
-  region["staged"] = g.staged;
+  region["staged"] = !g.on_nics;  // the wire's name for it
   region["device_type"] = g.device_type;
   region["device_index"] = g.device_index;
   region["piece_bytes"] = g.piece_bytes;
@@ -378,7 +401,7 @@ py::bytes encode_remote(const py::dict& d) {
   g->id = field<uint64_t>(r, "id");
   g->nbytes = field<uint64_t>(r, "nbytes");
   g->access = field<uint8_t>(r, "access");
-  g->staged = field<bool>(r, "staged");
+  g->on_nics = !field<bool>(r, "staged");
   g->device_type = field<int8_t>(r, "device_type");
   g->device_index = field<int16_t>(r, "device_index", -1);
   g->piece_bytes = field<uint64_t>(r, "piece_bytes");

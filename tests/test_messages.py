@@ -1,5 +1,6 @@
-"""The control messages' wire format (csrc/core/messages.h) without an engine: each body laid
-out here by hand, field by field, read by the engine's decoder and written back by its encoder."""
+"""The control messages' wire format (csrc/core/messages.h, and the staged route's own in
+csrc/routes/staged/messages.h) without an engine: each body laid out here by hand, field by
+field, read by the engine's decoder and written back by its encoder."""
 import struct
 
 import pytest
@@ -31,9 +32,6 @@ CASES = {
     "bye": (3, b"\x01", {"closing": True}),
     "user": (6, struct.pack("<IQQ", 5, 10, 4) + blob(b"abcdef"), {"id": 5, "total": 10, "offset": 4, "part": b"abcdef"}),
     "notify": (7, struct.pack("<IB", 42, PEER_ERROR) + blob(b"gone"), {"id": 42, "kind": PEER_ERROR, "message": b"gone"}),
-    "stage_request": (8, STAGE, {"request": 21, "dir": 1, "region": 5, "bytes": 96, "base": [0xA0, 0xA1],
-                                 "key": [0xB0, 0xB1], "slot": 0xC0, "runs": [(0, 64), (4096, 32)]}),
-    "stage_ack": (9, struct.pack("<QB", 21, 0) + blob(b""), {"id": 21, "kind": 0, "message": b""}),
     "region_closed": (10, struct.pack("<Q", 12), {"id": 12}),
     "region_released": (11, struct.pack("<Q", 13), {"id": 13}),
     "fence": (12, struct.pack("<Q", 14), {"id": 14}),
@@ -57,9 +55,9 @@ def test_each_message_reads_its_fields_and_writes_the_same_bytes(name):
 @pytest.mark.parametrize("data, why", [
     (header(99), "unknown message type"),
     (header(4), "unknown message type"),  # retired (Ping)
+    (header(8) + STAGE, "unknown message type"),  # retired: the staged route's messages are Route ones
     (header(7) + struct.pack("<IB", 1, 200) + blob(b""), "bad status"),
     (header(6) + struct.pack("<IQQ", 1, (1 << 30) + 1, 0) + blob(b""), "message too large"),
-    (header(8) + struct.pack("<QBQQH", 1, 2, 0, 0, 0), "bad stage request"),
     (header(12) + b"\x01\x02", "truncated"),
     (struct.pack("<I", 0xDEADBEEF) + header(12)[4:] + struct.pack("<Q", 1), "bad magic"),
     (header(7) + struct.pack("<IB", 1, 0) + struct.pack("<I", 9000), "longer than allowed"),
@@ -67,3 +65,29 @@ def test_each_message_reads_its_fields_and_writes_the_same_bytes(name):
 def test_malformed_messages_are_refused(data, why):
     with pytest.raises(ValueError, match=why):
         _C._decode_message(data)
+
+
+# The staged route's messages, the body of a Route message to it: a kind byte, then the fields.
+STAGE_CASES = {
+    "stage_request": (3, STAGE, {"request": 21, "dir": 1, "region": 5, "bytes": 96, "base": [0xA0, 0xA1],
+                                 "key": [0xB0, 0xB1], "slot": 0xC0, "runs": [(0, 64), (4096, 32)]}),
+    "stage_ack": (4, struct.pack("<QB", 21, 0) + blob(b""), {"id": 21, "kind": 0, "message": b""}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STAGE_CASES))
+def test_each_staged_message_reads_its_fields_and_writes_the_same_bytes(name):
+    kind, body, fields = STAGE_CASES[name]
+    data = bytes([kind]) + body
+    assert _C._decode_stage_message(data) == (kind, fields, data)
+
+
+@pytest.mark.parametrize("data, why", [
+    (bytes([3]) + struct.pack("<QBQQH", 1, 2, 0, 0, 0), "bad stage request"),
+    (bytes([4]) + struct.pack("<QB", 1, 200) + blob(b""), "bad status"),
+    (bytes([3]) + STAGE + b"\x00", "trailing bytes"),
+    (bytes([9]) + STAGE, "not a staged request"),
+])
+def test_malformed_staged_messages_are_refused(data, why):
+    with pytest.raises(ValueError, match=why):
+        _C._decode_stage_message(data)

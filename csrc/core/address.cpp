@@ -61,7 +61,7 @@ void RemoteRegion::encode(std::string& out) const {
   w.put(id);
   w.put(nbytes);
   w.put(access);
-  w.put(static_cast<uint8_t>(staged));
+  w.put(static_cast<uint8_t>(!on_nics));
   w.put(device_type);
   w.put(device_index);
   w.put(piece_bytes);
@@ -104,7 +104,7 @@ std::shared_ptr<RemoteRegion> RemoteRegion::decode(std::string_view bytes) {
   if (g->nbytes == 0) r.fail("empty region");
   if (g->access & ~(kRemoteRead | kRemoteWrite)) r.fail("bad access bits");
   if (staged > 1) r.fail("bad flags");
-  g->staged = staged;
+  g->on_nics = !staged;
   if (g->device_type < 0 || g->device_type > 1) r.fail("bad device type");
   if (g->piece_bytes == 0 || g->rails == 0 || g->rails > kMaxRails) r.fail("bad layout");
   // The key table's size follows from the fields above; check it against what is left

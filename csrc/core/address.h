@@ -37,7 +37,10 @@ struct RemoteRegion {
   uint64_t id = 0;
   uint64_t nbytes = 0;
   uint8_t access = 0;         // Access bits
-  bool staged = false;        // memory the owner's NICs cannot reach: the owner copies
+  // Registered with the owner's NICs, so the key table follows; else a route of the owner
+  // moves its bytes (Route::keeps_off_nics: the staged route's slots). On the wire, the
+  // handle's "staged" byte: 1 where it is off the NICs.
+  bool on_nics = true;
   int8_t device_type = 0;     // 0 = cpu, 1 = cuda (informational)
   int16_t device_index = -1;
   uint64_t piece_bytes = 0;   // registrations are split into pieces of this size
@@ -48,7 +51,7 @@ struct RemoteRegion {
   // checks its own bytes; the core only carries them.
   std::map<uint8_t, std::string> route_bytes;
 
-  size_t pieces() const { return staged ? 0 : nbytes / piece_bytes + (nbytes % piece_bytes != 0); }
+  size_t pieces() const { return !on_nics ? 0 : nbytes / piece_bytes + (nbytes % piece_bytes != 0); }
   void encode(std::string& out) const;
   static std::shared_ptr<RemoteRegion> decode(std::string_view bytes);
 };

@@ -9,7 +9,7 @@ namespace p2p::engine {
 
 namespace {
 
-enum : uint8_t { kAsk = 1, kAnswer = 2 };
+enum : uint8_t { kAsk = 1, kAnswer = 2 };  // Grants::carries
 
 // What a handle must say of a region for its owner to know it: size, access, and every rail's
 // base and key. A handle whose digest differs from the owner's is refused, as the fabric's
@@ -97,10 +97,7 @@ Grants::Grant* Grants::on_message(Peer& p, std::string_view body) {
   g.nbytes = r.get<uint64_t>();
   g.access = r.get<uint8_t>();
   g.digest = r.get<uint32_t>();
-  g.file.fd = r.get<int32_t>();
-  g.file.offset = r.get<uint64_t>();
-  g.file.device = r.get<uint64_t>();
-  g.file.inode = r.get<uint64_t>();
+  g.extra = std::string(r.get_bytes(kExtraBytes));
   const uint8_t refused = r.get<uint8_t>();
   if (!is_error_kind(refused)) r.fail("bad status");
   g.refused = {static_cast<ErrorKind>(refused), std::string(r.get_bytes(1024))};
@@ -116,11 +113,11 @@ void Grants::answer(Peer& p, uint64_t region, uint64_t key) {
   Status refused = refusal_(p);
   if (refused.ok() && !r)
     refused = Status::error(ErrorKind::Closed, cat("region ", region, " of peer was deregistered by its owner"));
-  else if (refused.ok() && (r->cuda_device >= 0 || r->staged || r->mrs.empty() || r->mrs[0].key != key))
+  else if (refused.ok() && (r->cuda_device >= 0 || !r->on_nics() || r->mrs[0].key != key))
     refused = Status::error(ErrorKind::Remote, cat("the owner refused region ", region, ": not a host region with that key"));
   const bool ok = refused.ok();
   if (ok) granted_[region].insert(p.incarnation);
-  if (ok && granting_) granting_(p, *r);
+  const std::string extra = ok && granting_ ? granting_(p, *r) : std::string();
   uint32_t known = 0;
   if (ok) {
     std::vector<uint64_t> base, keys;
@@ -138,11 +135,7 @@ void Grants::answer(Peer& p, uint64_t region, uint64_t key) {
   w.put<uint64_t>(ok ? r->nbytes : 0);
   w.put<uint8_t>(ok ? r->access : 0);
   w.put(known);
-  const HostFile file = ok ? r->file : HostFile{};
-  w.put(file.fd);
-  w.put(file.offset);
-  w.put(file.device);
-  w.put(file.inode);
+  w.put_bytes(extra);
   w.put(static_cast<uint8_t>(refused.kind));
   w.put_bytes(refused.message);
   host_.send(p, route_, std::move(w.str()));

@@ -12,9 +12,8 @@
 // fabric.
 //
 // The messages travel as the route's own (RouteHost::send with its id): an ask (1, region,
-// key) and an answer (2, region, key, address, size, access, digest, the region's file (its
-// descriptor, offset, device and inode), status kind, status message). The route keeps the
-// rest: which peers and memory it reaches, who the owner answers at all, what it does with a
+// key) and an answer (2, region, key, address, size, access, digest, the route's own fields
+// (Granting's, length-prefixed), status kind, status message). The route keeps the rest: which peers and memory it reaches, who the owner answers at all, what it does with a
 // call once its regions are answered, and how it moves the bytes.
 //
 // Owned by its route: every method runs on the worker thread.
@@ -25,6 +24,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <tuple>
 #include <unordered_map>
@@ -48,18 +48,20 @@ class Grants {
     uint64_t nbytes = 0;
     uint8_t access = 0;
     uint32_t digest = 0;  // of the owner's registration
-    HostFile file;         // Region::file, in the owner's process
+    std::string extra;    // the owner's route's own fields (Granting)
     Status refused;
-    // The owner's file mapped into this process (by the route, which may), at the region's
-    // first byte; copies in flight keep it mapped.
+    // The owner's region mapped into this process by the route, where it maps it (the cma
+    // route, from the owner's file), at the region's first byte; copies in flight keep it.
     std::shared_ptr<uint8_t> mapped;
   };
   // Owner side: why peer p gets no answer at all (the route is off, the peer out of its
   // reach), or ok to answer from the region's registration.
   using Refusal = std::function<Status(const Peer& p)>;
   // Owner side: called before an answer that grants `region` to p is sent, so that what p
-  // needs beside the answer (a descriptor, the OS's consent) is there when the answer comes.
-  using Granting = std::function<void(Peer& p, const Region& region)>;
+  // needs beside the answer (a descriptor, the OS's consent) is there when the answer comes;
+  // returns the route's own fields of the answer (Grant::extra), at most kExtraBytes.
+  using Granting = std::function<std::string(Peer& p, const Region& region)>;
+  static constexpr size_t kExtraBytes = 1024;
 
   // route: the route's id (its messages carry it); what: the messages' name in parse errors
   // (a literal, "cma message").
@@ -114,6 +116,9 @@ class Grants {
   // The grants of the call that resolve() last passed, by its remote region index.
   const std::vector<const Grant*>& resolved() const { return call_; }
 
+  // Whether `body`, a message of the route, is one of these (its first byte 1 or 2): a route
+  // with messages of its own starts them with another byte.
+  static bool carries(std::string_view body) { return !body.empty() && (body[0] == 1 || body[0] == 2); }
   // One of the route's messages: an ask is answered at once; an answer for a region asked is
   // kept and returned (the route resumes the peer's transfers), null for anything else.
   Grant* on_message(Peer& p, std::string_view body);

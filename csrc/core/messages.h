@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "common/wire.h"
-#include "core/runs.h"
 
 namespace p2p::engine {
 
@@ -24,8 +23,7 @@ enum class MsgType : uint8_t {
   // 4, 5: retired (Ping, Pong); a HELLO checks a peer, since anyone at its address can answer one
   User = 6,      // body: message id, total length, offset, fragment bytes
   Notify = 7,    // body: tag, status kind, status message
-  StageReq = 8,  // body: see staging.cpp
-  StageAck = 9,  // body: request id, status kind, status message
+  // 8, 9: retired (StageReq, StageAck); the staged route's messages travel as Route
   RegionClosed = 10,     // body: region id. The owner is deregistering it: refuse new transfers
   RegionReleased = 11,   // body: region id. Nothing of the sender's still flows into it
   Fence = 12,     // body: transfer id. Answered once the CUDA copies the receiver's provider
@@ -129,7 +127,7 @@ struct UserAck {  // the receiver has the whole message `id`
   static UserAck read(ByteReader& r) { return {r.get<uint32_t>()}; }
 };
 
-// Two messages that carry a status, its kind and its text (at most 1 KiB is sent).
+// A message that carries a status, its kind and its text (at most 1 KiB is sent).
 template <MsgType T, typename Id>
 struct StatusMessage {
   static constexpr MsgType kType = T;
@@ -153,24 +151,6 @@ struct StatusMessage {
 };
 // A write with notify=tag (the id) ended with this status; all its bytes are there.
 using Notify = StatusMessage<MsgType::Notify, uint32_t>;
-// The owner served stage request `id`, or refused it.
-using StageAck = StatusMessage<MsgType::StageAck, uint64_t>;
-
-// StageReq direction: who moves the bytes between the two slots.
-enum : uint8_t { kOwnerPulls = 0, kOwnerPushes = 1 };
-
-struct StageRequest {  // the initiator's slot and the region's runs it stands for (staging.h)
-  static constexpr MsgType kType = MsgType::StageReq;
-  uint64_t request = 0;
-  uint8_t dir = 0;  // who moves the bytes between the two slots
-  uint64_t region_id = 0;
-  uint64_t bytes = 0;
-  std::vector<uint64_t> base, key;  // the initiator's slot, per initiator rail
-  uint64_t slot = 0;  // its address in the initiator's process, if the owner may copy with it (cma), else 0
-  std::vector<Run> runs;            // remote offsets and lengths in the region
-  void write(ByteWriter& w) const;
-  static StageRequest read(ByteReader& r);
-};
 
 // Four messages that name one id.
 template <MsgType T>
@@ -202,8 +182,8 @@ struct KeepPolling {  // see MsgType::KeepPolling
   static KeepPolling read(ByteReader&) { return {}; }
 };
 
-using Message = std::variant<Hello, HelloAck, Bye, UserFragment, UserAck, Notify, StageRequest, StageAck, Fence,
-                             FenceAck, RegionClosed, RegionReleased, RouteMessage, KeepPolling>;
+using Message = std::variant<Hello, HelloAck, Bye, UserFragment, UserAck, Notify, Fence, FenceAck, RegionClosed,
+                             RegionReleased, RouteMessage, KeepPolling>;
 
 template <typename M>
 ByteWriter encode_message(const M& m, uint64_t from, uint64_t to) {

@@ -9,15 +9,9 @@
 
 namespace p2p::engine {
 
-// A host region's shared-memory file (a tensor after torch's share_memory_()): its descriptor
-// in the owner's process (-1: none), the region's offset in it, and the file's identity, which
-// whoever takes the descriptor checks (a descriptor number may be reused once closed). Same-host
-// peers may map the file instead of copying through the kernel (routes/host_cma). The tensor's
-// allocator owns the descriptor; the engine keeps the tensor while the region lives.
-struct HostFile {
-  int32_t fd = -1;
-  uint64_t offset = 0;
-  uint64_t device = 0, inode = 0;  // st_dev, st_ino
+// What a route keeps of one of our regions (Route::learn), as the route's own type.
+struct RouteState {
+  virtual ~RouteState() = default;
 };
 
 // Transfers hold it; so do ops orphaned by a dead peer until their provider gives them back,
@@ -29,11 +23,23 @@ struct Region : std::enable_shared_from_this<Region> {
   uint64_t nbytes = 0;
   int cuda_device = -1;
   uint8_t access = 0;     // Access bits granted to peers
-  bool staged = false;    // not registered with the NICs: peers go through the owner's slots
   uint64_t piece_bytes = 0;
-  HostFile file;
-  std::vector<fabric::MrHandle> mrs;  // [piece * rails + rail] (mr_index)
+  // [piece * rails + rail] (mr_index); none where a route keeps the region off the NICs
+  // (Route::keeps_off_nics: the staged route moves its bytes through its slots).
+  std::vector<fabric::MrHandle> mrs;
   bool closing = false;
+  // By route id: what each route keeps of the region (null: nothing), for as long as it lives.
+  std::vector<std::unique_ptr<RouteState>> routes;
+
+  bool on_nics() const { return !mrs.empty(); }
+  template <class T>
+  const T* state(uint8_t route) const {
+    return route < routes.size() ? static_cast<const T*>(routes[route].get()) : nullptr;
+  }
+  void keep(uint8_t route, std::unique_ptr<RouteState> state) {
+    if (routes.size() <= route) routes.resize(route + 1u);
+    routes[route] = std::move(state);
+  }
 };
 
 }  // namespace p2p::engine

@@ -31,6 +31,10 @@
 #include "core/transfer.h"
 #include "fabric/rail.h"
 
+namespace c10 {
+struct StorageImpl;
+}  // namespace c10
+
 namespace p2p::engine {
 
 // What a CUDA stream must wait on to follow a transfer (Engine::stream_wait).
@@ -79,8 +83,9 @@ class RouteHost {
   virtual void begin_work(Peer& p) = 0;
   virtual void end_work(Peer& p) = 0;
   virtual const Config& config() const = 0;
-  // Whether this engine's own memory goes through staging slots (no FI_HMEM, or data_path).
-  virtual bool staged_memory() const = 0;
+  // Whether the NICs register this engine's GPU memory (FI_HMEM, and a trial registration
+  // worked). Set once the rails are open.
+  virtual bool hmem() const = 0;
   virtual Copier& copier() = 0;
 
   // The fabric, for routes that move bytes with RMA ops of their own (Rails::generate).
@@ -125,6 +130,13 @@ class Route {
   // Whether transfers of this engine's memory to `a`'s (to `region`, if given) take this route.
   // Deciding may prepare the route for it (map the region).
   virtual bool reaches(const EngineAddress& a, const RemoteRegion* region) = 0;
+  // Whether this engine's memory on `cuda_device` (-1: host) stays off the NICs because this
+  // route moves its bytes itself (the staged route: memory the NICs cannot reach, or
+  // data_path="staged"): such a region is registered with no NIC (Region::on_nics).
+  virtual bool keeps_off_nics(int cuda_device) const { return false; }
+  // A region of ours is being registered from `storage` (the tensor's, alive for the call):
+  // the route keeps what it needs of it with the region (Region::keep).
+  virtual void learn(Region& region, const c10::StorageImpl& storage) {}
   // A region of ours was registered: adds to its handle what peers need to reach it here.
   virtual void describe(Region& region, RemoteRegion& handle) {}
   // Takes t (its peer is ready, its handles checked), counts its work in t.pending and calls

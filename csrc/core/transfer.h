@@ -80,8 +80,6 @@ struct Transfer final : OpOwner, TransferCall {
   Peer* peer = nullptr;
   std::vector<std::shared_ptr<Region>> local;
   double deadline = 0;
-  uint64_t chunk = 0;
-  RunCursor at;        // how far the fabric route's op generation has come
   size_t pending = 0;  // ops, slot jobs or IPC copies not finished (the Notify too)
   Status status;       // the first failure, if any
   // Facts that are not steps of its life, so not states:

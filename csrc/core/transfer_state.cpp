@@ -1,6 +1,8 @@
 // Transfer's state machine, apart from the worker: what may follow what, and what comes next.
 #include "core/transfer.h"
 
+#include "core/route.h"
+
 namespace p2p::engine {
 
 const char* name(TransferState state) {
@@ -25,6 +27,8 @@ const char* name(TransferStep step) {
   }
   return "?";
 }
+
+void Transfer::op_done(RouteHost& host, Op&, const Status& status) { host.transfer_op_done(*this, status); }
 
 void Transfer::recycle() {
   auto emptied = [](auto& buffer) {

@@ -30,8 +30,7 @@ Engine::Engine(Setup setup) : cuda_device_(setup.config.cuda_device) {
 Engine::~Engine() { close(); }
 
 std::string Engine::data_path() const {
-  const bool cuda = cuda_device_ >= 0;
-  return worker_->region_staged(cuda) ? "staged" : "direct";
+  return worker_->facts().off_nics ? "staged" : "direct";
 }
 
 void Engine::close() {

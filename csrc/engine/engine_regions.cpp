@@ -1,8 +1,5 @@
 // The engine's side of registration: the table of local regions (by address) that transfers
 // look their tensors up in, and the calls that fill and empty it through the worker.
-#include <ATen/MapAllocator.h>
-#include <sys/stat.h>
-
 #include <algorithm>
 
 #include "engine/engine.h"
@@ -19,19 +16,6 @@ uint8_t parse_access(const std::string& access) {
   if (access == "r") return kRemoteRead;
   if (access == "w") return kRemoteWrite;
   P2P_THROW(ErrorKind::Value, "access must be 'rw', 'r' or 'w', not '", access, "'");
-}
-
-// The shared-memory file that holds a host storage, as Worker::RegionSpec names it: set where
-// torch's allocator mapped the storage from a file it keeps open and shares (share_memory_()).
-void find_file(const at::Storage& storage, Worker::RegionSpec& spec) {
-  const at::MapAllocator* map = at::MapAllocator::fromDataPtr(storage.data_ptr());
-  if (!map || map->fd() < 0 || !(map->flags() & (at::ALLOCATOR_MAPPED_SHARED | at::ALLOCATOR_MAPPED_SHAREDMEM))) return;
-  const auto* base = static_cast<const uint8_t*>(map->data());
-  if (spec.ptr < base || spec.ptr + spec.nbytes > base + map->size()) return;
-  struct stat st {};
-  if (fstat(map->fd(), &st) != 0) return;
-  spec.file = {map->fd(), static_cast<uint64_t>(spec.ptr - base), static_cast<uint64_t>(st.st_dev),
-               static_cast<uint64_t>(st.st_ino)};
 }
 
 std::shared_ptr<RemoteView> view_of(const at::Tensor& tensor, std::shared_ptr<RemoteRegion> region) {
@@ -79,15 +63,15 @@ std::pair<uint64_t, std::shared_ptr<RemoteView>> Engine::register_tensor(const a
     gone = regions_.extract(start);
   };
   const int device = tensor.is_cuda() ? tensor.get_device() : -1;
-  Worker::RegionSpec spec{ptr, nbytes, device, bits};
-  if (device < 0) find_file(storage, spec);
+  Worker::RegionSpec spec{ptr, nbytes, device, bits, storage.unsafeGetStorageImpl()};
 #ifdef WITH_CUDA
   if (device >= 0) spec.vmm = cuda::is_vmm_memory(ptr);
 #endif
   std::shared_ptr<RemoteRegion> region;
   try {
-    region = worker_->call<std::shared_ptr<RemoteRegion>>([spec](Worker& w) { return w.register_region(spec); },
-                                                          timeout_s);
+    // The call holds the storage: the routes read it even if the wait times out here.
+    region = worker_->call<std::shared_ptr<RemoteRegion>>(
+        [spec, held = storage](Worker& w) { return w.register_region(spec); }, timeout_s);
   } catch (const Error& e) {
     unreserve();
     if (spec.vmm && e.kind() == ErrorKind::Generic)

@@ -267,15 +267,6 @@ void Peers::fail(Peer& p, Status why, PeerState state) {
   }
 }
 
-void Peer::forget() {
-  partial.clear();
-  unacked.clear();
-  if (pidfd >= 0) {
-    close(pidfd);
-    pidfd = -1;
-  }
-}
-
 // One of our ops to p failed. That does not say whether p is gone: the owner may have refused an
 // RMA (and tcp;ofi_rxm then drops the connection), or a new process may have taken its address.
 // A HELLO finds out (check()); p is dead if that fails or goes unanswered.

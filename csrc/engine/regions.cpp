@@ -22,13 +22,13 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
   region->nbytes = spec.nbytes;
   region->cuda_device = spec.cuda_device;
   region->access = spec.access;
-  region->file = spec.file;
-  region->staged = region_staged(spec.cuda_device >= 0);
   region->piece_bytes = config_.piece_bytes;
+  const bool off_nics = std::any_of(routes_.begin(), routes_.end(),
+                                    [&](auto& r) { return r->keeps_off_nics(spec.cuda_device); });
 
   auto remote = std::make_shared<RemoteRegion>();
   try {
-    if (!region->staged) {
+    if (!off_nics) {
       const uint64_t access = FI_READ | FI_WRITE | ((spec.access & kRemoteRead) ? FI_REMOTE_READ : 0) |
                               ((spec.access & kRemoteWrite) ? FI_REMOTE_WRITE : 0);
       try {
@@ -38,19 +38,19 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
         // data_path="direct" asked for no staging: the engine refuses it (engine_regions.cpp).
         if (!spec.vmm || config_.data_path == DataPath::Direct) throw;
         rails_->deregister(region->mrs);
-        region->mrs.clear();
-        region->staged = true;
+        region->mrs.clear();  // off the NICs: the staged route takes it
         P2P_LOG(Info, "region ", region->id, " (CUDA VMM memory) cannot be registered with provider ",
                 facts_.provider, " (", e.what(), "): other hosts reach it through the staging slots, "
                 "same-host CUDA engines by IPC");
       }
     }
+    for (auto& r : routes_) r->learn(*region, *spec.storage);
     remote->owner = facts_.address;
     remote->incarnation = facts_.incarnation;
     remote->id = region->id;
     remote->nbytes = spec.nbytes;
     remote->access = spec.access;
-    remote->staged = region->staged;
+    remote->on_nics = region->on_nics();
     remote->device_type = spec.cuda_device >= 0 ? 1 : 0;
     remote->device_index = static_cast<int16_t>(spec.cuda_device);
     remote->piece_bytes = region->piece_bytes;
@@ -59,7 +59,7 @@ std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
       remote->base.push_back(mr.base);
       remote->key.push_back(mr.key);
     }
-    for (auto& r : routes_) r->describe(*region, *remote);  // the staged route's slots, an IPC export
+    for (auto& r : routes_) r->describe(*region, *remote);  // what each route adds (an IPC export)
   } catch (...) {
     rails_->deregister(region->mrs);
     throw;
@@ -114,13 +114,6 @@ void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> 
       for (auto& r : routes_) routed |= r->must_release(*live, p);
     if (wait || routed) regions_.must_release(id, p.incarnation);
   });
-}
-
-bool Peer::region_gone(uint64_t id) const {
-  if (closed_regions.count(id)) return true;
-  if (id > live_regions_upto) return false;  // registered after it introduced itself
-  return std::none_of(live_regions.begin(), live_regions.end(),
-                      [&](auto& range) { return range.first <= id && id <= range.second; });
 }
 
 // A peer deregisters one of its regions: new transfers to it fail; the release goes back once

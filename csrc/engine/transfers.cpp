@@ -25,8 +25,6 @@ Status check_remote(const Transfer& t) {
 
 }  // namespace
 
-void Transfer::op_done(RouteHost& host, Op&, const Status& status) { host.transfer_op_done(*this, status); }
-
 void Worker::start(Transfer* raw) {
   assert_on_worker();
   Transfer& t = *raw;

@@ -104,11 +104,6 @@ void Worker::stop() {
   thread_.join();
 }
 
-bool Worker::region_staged(bool cuda) const {
-  if (config_.data_path == DataPath::Staged) return true;
-  return cuda && !facts_.hmem;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Start-up, as named steps. Everything opens on the worker core's NUMA node, so that libfabric's
 // and CUDA's memory lands there, and only then is the worker narrowed to its core. NOTE: threads
@@ -132,6 +127,7 @@ void Worker::open() {
   rails_ = std::make_unique<Rails>(config_, offer, node_cpus, mailbox_.wake_fd(), mailbox_.sleeping());
   facts_.rails = rails_->facts();
   if (config_.cuda_device >= 0 && facts_.hmem && config_.data_path == DataPath::Auto) probe_hmem();
+  for (auto& r : routes_) facts_.off_nics |= r->keeps_off_nics(config_.cuda_device);
 
   while (facts_.incarnation == 0) (void)!getrandom(&facts_.incarnation, sizeof facts_.incarnation, 0);
   EngineAddress me{facts_.provider, facts_.incarnation, {}, facts_.host, static_cast<uint32_t>(getpid())};
@@ -331,7 +327,7 @@ void Worker::on_message(const char* data, size_t len) {
       Worker& w;
       Peer& p;
       Message& body;
-      void to_routes() {  // a type a route owns (the staged route's requests, the fabric's fences)
+      void to_routes() {  // a type a route owns (the fabric route's fences)
         for (auto& r : w.routes_)
           if (r->on_control(p, body)) return;
       }
@@ -344,8 +340,6 @@ void Worker::on_message(const char* data, size_t len) {
         w.acknowledged(p, transfer);
       }
       void operator()(const Notify& m) { w.inbox_.notified(m); }
-      void operator()(const StageRequest&) { to_routes(); }
-      void operator()(const StageAck&) { to_routes(); }
       void operator()(const Fence&) { to_routes(); }
       void operator()(const FenceAck&) { to_routes(); }
       void operator()(const RegionClosed& m) { w.on_region_closed(p, m.id); }

@@ -68,13 +68,13 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
     std::string host;  // host_identity()
     bool hmem = false;
     bool dmabuf = false;  // FI_MR_DMABUF offered (fabric/registration.h)
+    bool off_nics = false;  // a route keeps this engine's own memory off the NICs (Route::keeps_off_nics)
     bool delivery_complete = false;
     bool auto_progress = false;
     std::vector<RailFacts> rails;
   };
   const Facts& facts() const { return facts_; }
   const Config& config() const override { return config_; }
-  bool region_staged(bool cuda) const;
 
   // Worker thread ---------------------------------------------------------------------------
   // Everything below runs on the worker thread only; the entry points that commands, op
@@ -85,7 +85,7 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
     uint64_t nbytes;
     int cuda_device;
     uint8_t access;
-    HostFile file;  // Region::file
+    const c10::StorageImpl* storage;  // the tensor's, for Route::learn
     bool vmm = false;  // CUDA VMM memory: where the NICs refuse it, the staging slots take it
   };
   std::shared_ptr<RemoteRegion> register_region(const RegionSpec& spec);
@@ -116,7 +116,7 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
   void wake() override { mailbox_.wake(); }
   void begin_work(Peer& p) override { peers_.begin_work(p); }
   void end_work(Peer& p) override { peers_.end_work(p); }
-  bool staged_memory() const override { return region_staged(config_.cuda_device >= 0); }
+  bool hmem() const override { return facts_.hmem; }
   Copier& copier() override { return *copier_; }
   Rails& rails() override { return *rails_; }
 

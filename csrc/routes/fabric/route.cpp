@@ -12,17 +12,18 @@ using engine::TransferState;
 
 bool Route::take(Transfer& t) {
   t.pages_to_runs();
+  uint64_t chunk = 0;
   if (t.kind != TransferKind::Message) {
     uint64_t total = 0;
     for (const engine::Run& r : t.runs) total += r.len;
     engine::Rails& rails = host_.rails();
-    t.chunk = rails.striper().chunk(total, engine::Striper::pairs(rails.size(), t.peer->remote_rails()));
+    chunk = rails.striper().chunk(total, engine::Striper::pairs(rails.size(), t.peer->remote_rails()));
   }
   ++t.pending;  // until its ops are all made (generate())
   host_.started(t, id_);
   t.enter(TransferState::Queued);
   t.queued = true;
-  queue_.push_back(&t);
+  queue_.push_back({&t, chunk, {}});
   return true;
 }
 
@@ -34,12 +35,12 @@ bool Route::poll() {
 }
 
 // Nothing wakes the worker when the caller's stream event or a fence's copies complete.
-bool Route::idle() const { return fences_.empty() && (queue_.empty() || !queue_.front()->cuda_event); }
+bool Route::idle() const { return fences_.empty() && (queue_.empty() || !queue_.front().t->cuda_event); }
 
 bool Route::generate() {
   bool any = false;
   while (!queue_.empty()) {
-    Transfer& t = *queue_.front();
+    Transfer& t = *queue_.front().t;
     if (t.reported()) {
       queue_.pop_front();
       t.queued = false;
@@ -49,10 +50,14 @@ bool Route::generate() {
     // RMA must not read memory before the caller's stream has written it.
     if (t.cuda_event && !host_.copier().event_done(t.cuda_event)) break;
     any = true;
-    if (t.kind == TransferKind::Message)
+    if (t.kind == TransferKind::Message) {
       host_.send_user_message(t);
-    else if (!generate_rma(t))
-      break;  // out of ops or queue room: next turn, in the queue's order
+    } else {
+      Queued q = queue_.front();  // a copy: its reference would not outlive a push meanwhile
+      const bool all = generate_rma(t, q.chunk, q.at);
+      queue_.front().at = q.at;
+      if (!all) break;  // out of ops or queue room: next turn, in the queue's order
+    }
     queue_.pop_front();
     t.queued = false;
     t.enter(TransferState::Running);
@@ -61,18 +66,18 @@ bool Route::generate() {
   return any;
 }
 
-bool Route::generate_rma(Transfer& t) {
+bool Route::generate_rma(Transfer& t, uint64_t chunk, engine::RunCursor& at) {
   engine::Rails& rails = host_.rails();
   const size_t L = rails.size(), R = t.peer->remote_rails();
   auto local = [&](uint32_t i) { return engine::Extent{reinterpret_cast<uint64_t>(t.local[i]->ptr), t.local[i]->piece_bytes}; };
   auto remote = [&](uint32_t i) { return engine::Extent{0, t.remote[i]->piece_bytes}; };
   return rails.generate(
       *t.peer, t.kind == TransferKind::Write ? engine::OpKind::Write : engine::OpKind::Read, &t,
-      [&] { return !t.at.at_end(t.runs); },
+      [&] { return !at.at_end(t.runs); },
       [&](engine::Op& op, const engine::RailPair& pair) {
         engine::Segment segs[engine::kMaxIov];
         const size_t max_iov = std::min(rails.rail(pair.local).max_iov(), engine::kMaxIov);
-        const size_t n = engine::Striper::fill(t.at, t.runs, local, remote, t.chunk, max_iov, segs);
+        const size_t n = engine::Striper::fill(at, t.runs, local, remote, chunk, max_iov, segs);
         for (size_t i = 0; i < n; ++i) {
           const engine::Segment& s = segs[i];
           const engine::Run& run = t.runs[s.run];

@@ -43,15 +43,22 @@ class Route final : public engine::Route {
   void stop() override { fences_.release(host_.copier()); }
 
  private:
+  // A taken transfer whose ops are not all made yet, and how far their making has come.
+  struct Queued {
+    engine::Transfer* t = nullptr;
+    uint64_t chunk = 0;     // the striper's op size for the transfer's bytes
+    engine::RunCursor at;  // the first byte no op moves yet
+  };
+
   // Makes the ops (or a message's fragments) of the queued transfers, in order.
   bool generate();
-  bool generate_rma(engine::Transfer& t);
+  bool generate_rma(engine::Transfer& t, uint64_t chunk, engine::RunCursor& at);
   // A KeepPolling message to t's peer, at most one per kKeepPollingS.
   void keep_polling(engine::Transfer& t);
 
   engine::RouteHost& host_;
   const uint8_t id_;
-  engine::Ring<engine::Transfer*> queue_;  // taken, ops not all made yet
+  engine::Ring<Queued> queue_;
   Fences fences_;                          // peers' Fences we answer
   std::unordered_map<const engine::Peer*, double> kept_polling_at_;  // our last KeepPolling to each
 };

@@ -1,7 +1,5 @@
 #include "routes/host_cma/route.h"
 
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,34 +16,6 @@ using engine::Peer;
 using engine::RemoteRegion;
 using engine::Transfer;
 
-namespace {
-
-// The shared-memory file `fd` (ours now; closed here) mapped into this process from the
-// region's byte at `file.offset` for `nbytes`; null with errno set where the descriptor does not
-// name the file the owner answered with, or is too short for the region.
-std::shared_ptr<uint8_t> map_file(int fd, const engine::HostFile& file, uint64_t nbytes, bool writable) {
-  struct stat st {};
-  const uint64_t offset = file.offset, page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  const uint64_t start = offset / page * page;
-  const size_t len = offset + nbytes - start;
-  void* base = MAP_FAILED;
-  errno = 0;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_dev) != file.device ||
-      static_cast<uint64_t>(st.st_ino) != file.inode || static_cast<uint64_t>(st.st_size) < offset + nbytes)
-    errno = errno ? errno : ESTALE;
-  else
-    base = mmap(nullptr, len, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, static_cast<off_t>(start));
-  const int error = errno;
-  close(fd);
-  errno = error;
-  if (base == MAP_FAILED) return nullptr;
-  return std::shared_ptr<uint8_t>(static_cast<uint8_t*>(base) + (offset - start), [base, len](uint8_t*) {
-    munmap(base, len);
-  });
-}
-
-}  // namespace
-
 Route::Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, std::string host_id)
     : host_(host), id_(id), host_id_(std::move(host_id)),
       engine_memory_(config.cuda_device < 0 && config.data_path != engine::DataPath::Staged),
@@ -54,7 +24,7 @@ Route::Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, 
           [this](const Peer&) {
             return on_ ? Status{} : Status::error(ErrorKind::Remote, "the owner's cma route is off");
           },
-          [this](Peer& p, const engine::Region& region) { granting(p, region); }) {
+          [this](Peer& p, const engine::Region& region) { return granting(p, region); }) {
   if (!config.cma || host_id_.empty()) return;
   scope_ = ptrace_scope();
   if (scope_ >= 2) {
@@ -82,6 +52,10 @@ Route::Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, 
 
 Route::~Route() { stop(); }
 
+void Route::learn(engine::Region& region, const c10::StorageImpl& storage) {
+  if (region.cuda_device < 0) region.keep(id_, SharedFile::of(storage, region.ptr, region.nbytes));
+}
+
 bool Route::reaches(const engine::EngineAddress& a, const RemoteRegion* region) {
   if (!engine_memory_ || !peer_reaches(a, region)) return false;
   if (!denied_.count(a.incarnation)) return true;
@@ -91,14 +65,14 @@ bool Route::reaches(const engine::EngineAddress& a, const RemoteRegion* region) 
 
 bool Route::peer_reaches(const engine::EngineAddress& a, const RemoteRegion* region) const {
   if (!on_ || a.host != host_id_ || !(a.routes & (1u << id_))) return false;
-  return !region || (region->device_type == 0 && !region->staged);
+  return !region || (region->device_type == 0 && region->on_nics);
 }
 
 bool Route::take(Transfer& t) {
   if (t.kind == engine::TransferKind::Message || t.cuda_event || !peer_reaches(t.peer->address, nullptr))
     return false;
-  for (const auto& r : t.local)  // staged: data_path="staged" asked for the slots
-    if (r->cuda_device >= 0 || r->staged) return false;
+  for (const auto& r : t.local)  // off the NICs: data_path="staged" asked for the slots
+    if (r->cuda_device >= 0 || !r->on_nics()) return false;
   for (const auto& r : t.remote)
     if (!peer_reaches(t.peer->address, r.get())) return false;
   if (map_ && !listening_) {  // before our first ask: owners push descriptors before they answer
@@ -189,7 +163,7 @@ Status Route::outcome(Peer& p, int error) {
 void Route::on_message(Peer& p, std::string_view body) {
   engine::Grants::Grant* grant = grants_.on_message(p, body);
   if (!grant) return;  // an ask (answered), or nothing new
-  if (map_ && grant->refused.ok() && grant->file.fd >= 0) map(p, *grant);
+  if (map_ && grant->refused.ok() && !grant->extra.empty()) map(p, *grant);
   // Only the kernel's copies need the OS's leave: tried at the first region we do not map.
   if (grant->refused.ok() && grant->nbytes > 0 && !grant->mapped) allowed(p, grant->ptr);
   grants_.resume(p, [&](Transfer& t) { return try_start(t); });
@@ -197,11 +171,15 @@ void Route::on_message(Peer& p, std::string_view body) {
 
 void Route::map(const Peer& p, engine::Grants::Grant& grant) {
   const pid_t pid = static_cast<pid_t>(p.address.pid);
-  const std::vector<int> fds = descriptors_.take(pid, grant.region);
-  const int fd = fds.size() == 1 ? fds[0] : -1;
-  for (size_t i = fd >= 0 ? 1 : 0; i < fds.size(); ++i) close(fds[i]);  // one file per region
+  const std::optional<SharedFile> file = SharedFile::decode(grant.extra);
+  int fd = -1;
+  if (file) {
+    const std::vector<int> fds = descriptors_.take(pid, grant.region);
+    fd = fds.size() == 1 ? fds[0] : -1;
+    for (size_t i = fd >= 0 ? 1 : 0; i < fds.size(); ++i) close(fds[i]);  // one file per region
+  }
   errno = 0;
-  if (fd >= 0) grant.mapped = map_file(fd, grant.file, grant.nbytes, grant.access & engine::kRemoteWrite);
+  if (fd >= 0) grant.mapped = map_file(fd, *file, grant.nbytes, grant.access & engine::kRemoteWrite);
   if (!logged_maps_.insert(p.incarnation).second) return;
   if (grant.mapped)
     P2P_LOG(Info, "the cma route maps the shared memory of peer ", hex(p.incarnation), " (pid ", p.address.pid, ")");
@@ -211,16 +189,17 @@ void Route::map(const Peer& p, engine::Grants::Grant& grant) {
             "; the kernel copies it");
 }
 
-void Route::granting(Peer& p, const engine::Region& region) {
-  if (region.file.fd >= 0) {
-    const std::string why =
-        descriptors_.push(p.incarnation, static_cast<pid_t>(p.address.pid), region.id, {region.file.fd});
-    if (why.empty()) return;
+std::string Route::granting(Peer& p, const engine::Region& region) {
+  const SharedFile* file = region.state<SharedFile>(id_);
+  if (file) {
+    const std::string why = descriptors_.push(p.incarnation, static_cast<pid_t>(p.address.pid), region.id, {file->fd});
+    if (why.empty()) return file->encode();
     if (logged_pushes_.insert(p.incarnation).second)
       P2P_LOG(Info, "the cma route cannot pass the shared memory of region ", region.id, " to peer ",
               hex(p.incarnation), " (pid ", p.address.pid, "): ", why, "; the peer's kernel copies it");
   }
   consent(p);
+  return file ? file->encode() : std::string();
 }
 
 bool Route::consent(const Peer& p) {

@@ -36,6 +36,7 @@
 #include "core/copies.h"
 #include "core/grants.h"
 #include "core/route.h"
+#include "routes/host_cma/shared_file.h"
 
 namespace p2p::cma {
 
@@ -52,6 +53,8 @@ class Route final : public engine::Route, public engine::PeerCopies {
   const char* name() const override { return "cma"; }
   bool advertised() const override { return on_; }
   bool reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) override;
+  // Keeps a host region's shared-memory file (SharedFile), which granting() passes to peers.
+  void learn(engine::Region& region, const c10::StorageImpl& storage) override;
   bool take(engine::Transfer& t) override;
   bool poll() override;
   bool idle() const override { return !copies_ || !copies_->ended(); }
@@ -76,8 +79,8 @@ class Route final : public engine::Route, public engine::PeerCopies {
   // How a copy with p that ended with `error` ends: fails p first if its process is gone.
   Status outcome(engine::Peer& p, int error);
   // Owner side, before answering p for `region`: hands p the region's file, or where it
-  // cannot, consents to p's copies.
-  void granting(engine::Peer& p, const engine::Region& region);
+  // cannot, consents to p's copies; returns the file as the answer carries it (or "").
+  std::string granting(engine::Peer& p, const engine::Region& region);
   // Maps the owner's shared-memory file of a grant, from the descriptor it passed; logs the
   // first outcome with each peer.
   void map(const engine::Peer& p, engine::Grants::Grant& grant);

@@ -25,14 +25,14 @@ bool Route::reaches(const engine::EngineAddress& a, const RemoteRegion* region) 
 
 bool Route::peer_reaches(const engine::EngineAddress& a, const RemoteRegion* region) const {
   if (!on_ || a.host != host_id_ || a.pid != static_cast<uint32_t>(pid_) || !(a.routes & (1u << id_))) return false;
-  return !region || (region->device_type == 0 && !region->staged);
+  return !region || (region->device_type == 0 && region->on_nics);
 }
 
 bool Route::take(Transfer& t) {
   if (t.kind == engine::TransferKind::Message || t.cuda_event || !peer_reaches(t.peer->address, nullptr))
     return false;
   for (const auto& r : t.local)
-    if (r->cuda_device >= 0 || r->staged) return false;
+    if (r->cuda_device >= 0 || !r->on_nics()) return false;
   for (const auto& r : t.remote)
     if (!peer_reaches(t.peer->address, r.get())) return false;
   grants_.take(t, [&](Transfer& t) { return try_ready(t); });  // until poll() copies it

@@ -23,21 +23,17 @@
 
 #include "routes/staged/route.h"
 
-namespace p2p::engine {
-
-void SlotJob::copied(const Status& status) { route->job_op_done(*this, status); }
-
-}  // namespace p2p::engine
-
 namespace p2p::staged {
 
 using namespace engine;
+
+void SlotJob::copied(const Status& status) { route->job_op_done(*this, status); }
 
 // Into host memory of a peer the cma route reaches, directly registered (a staged region's
 // owner drives its own hop).
 bool Route::runs_by_cma(const Transfer& t) const {
   return same_host_ && same_host_->reaches(*t.peer) &&
-         std::all_of(t.remote.begin(), t.remote.end(), [](auto& r) { return !r->staged && r->device_type == 0; });
+         std::all_of(t.remote.begin(), t.remote.end(), [](auto& r) { return r->on_nics && r->device_type == 0; });
 }
 
 // Queues t for its jobs once the owner answered for each of its regions; by cma, its runs'
@@ -55,11 +51,11 @@ bool Route::queue_by_cma(Transfer& t) {
     }
     by_cma_.insert(&t);
   }
-  queue_.push_back(&t);
+  queue_.push_back({&t, {}});
   return true;
 }
 
-void Route::on_message(Peer& p, std::string_view body) {
+void Route::on_grant_message(Peer& p, std::string_view body) {
   const Grants::Grant* grant = grants_.on_message(p, body);
   if (!grant) return;  // an ask (answered), or nothing new
   if (grant->refused.ok() && grant->nbytes > 0) same_host_->allowed(p, grant->ptr);

@@ -19,10 +19,6 @@
 
 namespace p2p::staged {
 
-using engine::Peer;
-using engine::SlotJob;
-using engine::Transfer;
-
 class Route final : public engine::Route {
  public:
   // same_host: the cma route's copies, for the host hop to peers it reaches (null: none).
@@ -32,13 +28,13 @@ class Route final : public engine::Route {
   const char* name() const override { return "staged"; }
   bool advertised() const override { return false; }  // the regions' handles say it
   bool reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) override;
+  bool keeps_off_nics(int cuda_device) const override;
   void describe(engine::Region& region, engine::RemoteRegion& handle) override;
   bool take(Transfer& t) override;
   bool poll() override;
   // The copier does not wake the worker: a copy in flight keeps it polling.
   bool idle() const override { return copying_.empty(); }
   void on_message(Peer& p, std::string_view body) override;
-  bool on_control(Peer& p, engine::Message& m) override;
   void tick() override;
   void peer_failed(Peer& p) override;
   void release(uint64_t peer, uint64_t region) override { grants_.release(peer, region); }
@@ -50,9 +46,9 @@ class Route final : public engine::Route {
  private:
   // slots.cpp: the pool.
   void ensure_slots();
-  engine::Slot* take_slot(bool serve);
-  void give_slot(engine::Slot* slot);
-  void rekey(engine::Slot& slot);
+  Slot* take_slot(bool serve);
+  void give_slot(Slot* slot);
+  void rekey(Slot& slot);
   void hold_slot(SlotJob& job);  // until the peer's process exits
   void release_held();
 
@@ -60,9 +56,16 @@ class Route final : public engine::Route {
   bool runs_by_cma(const Transfer& t) const;
   bool queue_by_cma(Transfer& t);
   void copy_by_cma(SlotJob& job);
+  void on_grant_message(Peer& p, std::string_view body);
+
+  // A taken transfer whose jobs are not all made yet, and the first byte no job moves yet.
+  struct Queued {
+    Transfer* t = nullptr;
+    RunCursor at;
+  };
 
   // staging.cpp: both sides.
-  bool make_jobs(Transfer& t);  // false: no slot free (t waits at the queue's front)
+  bool make_jobs(Transfer& t, RunCursor& at);  // false: no slot free (t waits at the queue's front)
   bool generate();
   void start_job(SlotJob& job);
   uint64_t start_copy(SlotJob& job, bool pack);
@@ -74,24 +77,24 @@ class Route final : public engine::Route {
   bool run_step(SlotJob& job);
   bool run_copy(SlotJob& job);
   void finish_job(SlotJob& job);
-  void on_stage_ack(const engine::StageAck& m);
+  void on_stage_ack(const StageAck& m);
   void poll_copies();
 
   // staging_serve.cpp: the owner's side.
-  void on_stage_request(Peer& p, engine::StageRequest req);
-  void serve(Peer& p, engine::StageRequest req, std::shared_ptr<engine::Region> region);
+  void on_stage_request(Peer& p, StageRequest req);
+  void serve(Peer& p, StageRequest req, std::shared_ptr<Region> region);
 
   engine::RouteHost& host_;
   const uint8_t id_;
   engine::PeerCopies* const same_host_;
   engine::Grants grants_;  // the owners' answers for the regions RmaRuns copies into by cma
   std::unordered_set<const Transfer*> by_cma_;  // queued, its runs' remote addresses the owner's
-  std::vector<std::pair<engine::Slot*, int>> held_;  // slots a failed peer may still copy with: its pidfd
-  std::vector<std::unique_ptr<engine::Slot>> slots_;
-  std::vector<engine::Slot*> free_slots_[2];  // [serve]
+  std::vector<std::pair<Slot*, int>> held_;  // slots a failed peer may still copy with: its pidfd
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::vector<Slot*> free_slots_[2];  // [serve]
   void* slot_memory_ = nullptr;
   std::unordered_map<uint64_t, std::unique_ptr<SlotJob>> jobs_;
-  engine::Ring<Transfer*> queue_;       // taken transfers whose jobs are not all made yet
+  engine::Ring<Queued> queue_;
   engine::Ring<uint64_t> serve_queue_;  // ids of requests waiting for a serve slot
   std::vector<SlotJob*> copying_;
   engine::Ring<SlotJob*> job_gen_queue_;

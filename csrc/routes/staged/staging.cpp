@@ -8,9 +8,9 @@
 #include "common/log.h"
 #include "routes/staged/route.h"
 
-namespace p2p::engine {
+namespace p2p::staged {
 
-void SlotJob::op_done(RouteHost&, Op&, const Status& status) { route->job_op_done(*this, status); }
+void SlotJob::op_done(engine::RouteHost&, engine::Op&, const Status& status) { route->job_op_done(*this, status); }
 
 const char* name(SlotJobState state) {
   switch (state) {
@@ -24,10 +24,6 @@ const char* name(SlotJobState state) {
   return "?";
 }
 
-}  // namespace p2p::staged
-
-namespace p2p::staged {
-
 using namespace engine;
 
 Route::Route(RouteHost& host, uint8_t id, PeerCopies* same_host)
@@ -39,12 +35,16 @@ Route::Route(RouteHost& host, uint8_t id, PeerCopies* same_host)
                        ? Status{}
                        : Status::error(ErrorKind::Remote, "the owner does not reach this peer by cma");
           },
-          [this](Peer& p, const Region&) { same_host_->consent(p); }) {}  // p copies into the region
+          [this](Peer& p, const Region&) {
+            same_host_->consent(p);  // p copies into the region
+            return std::string();
+          }) {}
 
 size_t Route::request_run_limit() const {
-  // Header, fixed fields, one (base, key) per local rail, the slot's address, then 12 bytes a run.
-  const size_t fixed = kHeaderBytes + 8 + 1 + 8 + 8 + 2 + 16 * host_.rails().size() + 8 + 2;
-  return std::min(kMaxJobRuns, (kMessageBytes - fixed) / 12);
+  // Header, the route message's id and length, the request's fixed fields, one (base, key) per
+  // local rail, then its runs.
+  const size_t fixed = kHeaderBytes + 1 + 4 + StageRequest::kFixedBytes + StageRequest::kPerRail * host_.rails().size();
+  return std::min(kMaxJobRuns, (kMessageBytes - fixed) / StageRequest::kPerRun);
 }
 
 // After the worker's rails are closed (stop() let go of the slots' registrations).
@@ -61,13 +61,18 @@ void Route::stop() {
   }
 }
 
-// Transfers of this engine's memory to `a` take the route if either end is staged.
+// GPU memory the NICs cannot register, and any memory with data_path="staged".
+bool Route::keeps_off_nics(int cuda_device) const {
+  return host_.config().data_path == DataPath::Staged || (cuda_device >= 0 && !host_.hmem());
+}
+
+// Transfers of this engine's memory to `a` take the route if either end is off the NICs.
 bool Route::reaches(const EngineAddress&, const RemoteRegion* region) {
-  return host_.staged_memory() || (region && region->staged);
+  return keeps_off_nics(host_.config().cuda_device) || (region && !region->on_nics);
 }
 
 void Route::describe(Region& region, RemoteRegion&) {
-  if (region.staged) ensure_slots();  // peers' requests are served from slots
+  if (!region.on_nics()) ensure_slots();  // peers' requests are served from slots
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -75,15 +80,15 @@ void Route::describe(Region& region, RemoteRegion&) {
 
 bool Route::take(Transfer& t) {
   if (t.kind == TransferKind::Message) return false;
-  const bool staged = std::any_of(t.local.begin(), t.local.end(), [](auto& r) { return r->staged; }) ||
-                      std::any_of(t.remote.begin(), t.remote.end(), [](auto& r) { return r->staged; });
+  const bool staged = std::any_of(t.local.begin(), t.local.end(), [](auto& r) { return !r->on_nics(); }) ||
+                      std::any_of(t.remote.begin(), t.remote.end(), [](auto& r) { return !r->on_nics; });
   if (!staged) return false;
   t.pages_to_runs();
   ++t.pending;  // until every job of it is made (generate())
   host_.started(t, id_);
   t.enter(TransferState::Queued);
   if (!runs_by_cma(t))
-    queue_.push_back(&t);
+    queue_.push_back({&t, {}});
   else if (!queue_by_cma(t))
     grants_.wait(t);  // on_message queues it
   return true;
@@ -105,8 +110,11 @@ bool Route::generate() {
     if (job.ops_left == 0) advance(job);
   }
   while (!queue_.empty()) {
-    Transfer& t = *queue_.front();
-    if (!t.reported() && !make_jobs(t)) break;  // waits for a slot, ahead of newer transfers
+    Queued q = queue_.front();  // a copy: its reference would not outlive a push meanwhile
+    Transfer& t = *q.t;
+    const bool made = t.reported() || make_jobs(t, q.at);
+    queue_.front().at = q.at;
+    if (!made) break;  // waits for a slot, ahead of newer transfers
     queue_.pop_front();
     by_cma_.erase(&t);
     any = true;
@@ -116,10 +124,10 @@ bool Route::generate() {
   return any;
 }
 
-bool Route::make_jobs(Transfer& t) {
+bool Route::make_jobs(Transfer& t, RunCursor& at) {
   ensure_slots();
   const bool write = t.kind == TransferKind::Write;
-  while (!t.at.at_end(t.runs)) {
+  while (!at.at_end(t.runs)) {
     Slot* slot = take_slot(false);
     if (!slot) return false;
     auto owned = std::make_unique<SlotJob>();
@@ -129,9 +137,9 @@ bool Route::make_jobs(Transfer& t) {
     job.transfer = &t;
     job.peer = t.peer;
     job.slot = slot;
-    const bool remote_staged = t.remote[t.runs[t.at.run].rreg]->staged;
+    const bool remote_staged = !t.remote[t.runs[at.run].rreg]->on_nics;
     const size_t max_runs = remote_staged ? request_run_limit() : kMaxJobRuns;
-    job.bytes = Striper::fill_slot(t.at, t.runs, max_runs, slot->bytes, job.runs);
+    job.bytes = Striper::fill_slot(at, t.runs, max_runs, slot->bytes, job.runs);
     if (remote_staged) {
       // The owner may copy with our slot, where we let its process.
       job.cma = same_host_ && same_host_->reaches(*t.peer) && same_host_->consent(*t.peer);
@@ -166,7 +174,9 @@ void Route::send_request(SlotJob& job) {
     host_.watch_process(*job.peer);  // its exit gives the slot back at once (hold_slot)
   }
   req.runs = job.runs;
-  host_.post_control(*job.peer, encode_message(req, host_.incarnation(), job.peer->incarnation));
+  ByteWriter w;
+  req.write(w);
+  host_.send(*job.peer, id_, std::move(w.str()));
 }
 
 void Route::on_stage_ack(const StageAck& m) {

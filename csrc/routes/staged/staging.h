@@ -5,8 +5,9 @@
 //    serving peers' requests. Serving never waits on anything but its own RMA and copies,
 //    so two staged engines writing to each other cannot deadlock on slots.
 //  - The side with staged memory drives the RMA. A write to a staged remote region: the
-//    initiator packs its data into a slot and sends a StageReq; the owner pulls it into one
-//    of its slots (RMA read), copies it into place and answers StageAck. A read: the owner
+//    initiator packs its data into a slot and sends a StageRequest (messages.h); the owner
+//    pulls it into one of its slots (RMA read), copies it into place and answers StageAck. A
+//    read: the owner
 //    packs into its slot and pushes it (RMA write) into the initiator's slot.
 //  - Back-pressure instead of growth: a transfer waits for a slot, a request for a serve slot.
 //  - On one host the host hop skips the fabric where the cma route reaches the peer
@@ -24,28 +25,28 @@
 
 #include "common/wire.h"
 #include "core/copier.h"
-#include "core/messages.h"
 #include "core/ops.h"
+#include "core/region.h"
 #include "core/route.h"
 #include "core/runs.h"
 #include "core/striper.h"
 #include "fabric/rail.h"
-
-namespace p2p::engine {
-
-struct Region;
-struct Transfer;
-struct Peer;
-class Worker;
-}  // namespace p2p::engine
+#include "routes/staged/messages.h"
 
 namespace p2p::staged {
+
+using engine::CopyOwner;
+using engine::CopySpan;
+using engine::OpOwner;
+using engine::Peer;
+using engine::Region;
+using engine::Run;
+using engine::RunCursor;
+using engine::Transfer;
+
 class Route;
-}  // namespace p2p::staged
 
-namespace p2p::engine {
-
-// Runs per slot job: bounded by what a StageReq carries and by the copy kernel's span list.
+// Runs per slot job: bounded by what a StageRequest carries and by the copy kernel's span list.
 constexpr size_t kMaxJobRuns = 512;
 
 struct Slot {
@@ -61,7 +62,7 @@ enum class Step : uint8_t {
   Unpack,   // slot -> memory
   RmaRuns,  // slot <-> remote runs of a directly registered remote region
   RmaSlot,  // slot <-> the requesting peer's slot (serving)
-  Request,  // send StageReq, wait for StageAck
+  Request,  // send StageRequest, wait for StageAck
   Ack,      // send StageAck
   Done,
 };
@@ -73,7 +74,7 @@ enum class SlotJobState : uint8_t {
   Copied,      // that copy has finished; its error is checked next
   Generating,  // waits in the route's job_gen_queue_ for room to make its RMA ops
   Moving,      // every RMA op is made; ops_left of them are in flight
-  Requesting,  // StageReq sent; on_stage_ack moves on
+  Requesting,  // StageRequest sent; on_stage_ack moves on
 };
 const char* name(SlotJobState state);
 
@@ -93,7 +94,7 @@ struct SlotJob final : OpOwner, CopyOwner {
   std::vector<Run> runs;   // local address <-> remote offset; slot offsets follow run order
   uint64_t bytes = 0;
   Peer* peer = nullptr;
-  staged::Route* route = nullptr;  // its owner
+  Route* route = nullptr;  // its owner
   Transfer* transfer = nullptr;    // initiator side
 
   // Serving side: the request.
@@ -119,7 +120,7 @@ struct SlotJob final : OpOwner, CopyOwner {
     return state == SlotJobState::Copying || state == SlotJobState::Generating ||
            (state == SlotJobState::Moving && ops_left > 0) || (state == SlotJobState::Requesting && cma);
   }
-  void op_done(RouteHost& host, Op& op, const Status& status) override;
+  void op_done(engine::RouteHost& host, engine::Op& op, const Status& status) override;
   void copied(const Status& status) override;
   bool abandoned() const override { return !status.ok(); }
 };
@@ -128,4 +129,4 @@ struct SlotJob final : OpOwner, CopyOwner {
 // or "" when it serves it; fills in the runs' local addresses.
 std::string stage_request_refusal(StageRequest& req, const Region* region, uint64_t max_bytes);
 
-}  // namespace p2p::engine
+}  // namespace p2p::staged

@@ -1,16 +1,18 @@
-// The serving side of the staged path (staging.h): a peer's StageReq is checked as the
+// The serving side of the staged path (staging.h): a peer's StageRequest is checked as the
 // provider would check direct RMA, then served by a slot job from the serve half of the pool.
 #include "common/log.h"
 #include "routes/staged/route.h"
 
-namespace p2p::engine {
+namespace p2p::staged {
+
+using namespace engine;
 
 // The owner checks what its provider would check for direct RMA: region, access, bounds. It
 // also fills in the runs' local addresses.
 std::string stage_request_refusal(StageRequest& req, const Region* region, uint64_t max_bytes) {
   const uint64_t id = req.region_id;
   if (!region || region->closing) return cat("region ", id, " is not registered (deregistered?)");
-  if (!region->staged) return cat("region ", id, " is registered for direct RMA");
+  if (region->on_nics()) return cat("region ", id, " is registered for direct RMA");
   if (req.dir == kOwnerPulls && !(region->access & kRemoteWrite))
     return cat("region ", id, " does not accept remote writes (registered with access='r')");
   if (req.dir == kOwnerPushes && !(region->access & kRemoteRead))
@@ -26,27 +28,24 @@ std::string stage_request_refusal(StageRequest& req, const Region* region, uint6
   return {};
 }
 
-}  // namespace p2p::engine
-
-namespace p2p::staged {
-
-using namespace engine;
-
 void Route::send_ack(Peer& p, uint64_t request, const Status& status) {
   if (p.failed()) return;
-  host_.post_control(p, encode_message(StageAck{request, status.kind, status.message}, host_.incarnation(), p.incarnation));
+  ByteWriter w;
+  StageAck{request, status.kind, status.message}.write(w);
+  host_.send(p, id_, std::move(w.str()));
 }
 
-bool Route::on_control(Peer& p, Message& m) {
-  if (auto* req = std::get_if<StageRequest>(&m)) {
-    on_stage_request(p, std::move(*req));
-    return true;
-  }
-  if (const auto* ack = std::get_if<StageAck>(&m)) {
-    on_stage_ack(*ack);
-    return true;
-  }
-  return false;
+// A request or an answer; else the host hop's grants (host_hop.cpp).
+void Route::on_message(Peer& p, std::string_view body) {
+  if (Grants::carries(body)) return on_grant_message(p, body);
+  ByteReader r(body, "staged message");
+  const uint8_t kind = r.get<uint8_t>();
+  if (kind == kStageRequest)
+    on_stage_request(p, StageRequest::read(r));
+  else if (kind == kStageAck)
+    on_stage_ack(StageAck::read(r));
+  else
+    r.fail("unknown kind");
 }
 
 void Route::on_stage_request(Peer& p, StageRequest req) {

@@ -1,0 +1,44 @@
+// SharedFile: the shared-memory file that holds a host region of ours (a tensor after torch's
+// share_memory_()), which the cma route hands to same-host peers to map (descriptors.h)
+// instead of copying through the kernel. Learnt at registration from the storage's allocator
+// (Route::learn) and kept with the region; sent in the route's answers for it (Grants).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "core/region.h"
+
+namespace c10 {
+struct StorageImpl;
+}  // namespace c10
+
+namespace p2p::cma {
+
+// The file's descriptor in the owner's process, the region's offset in it, and the file's
+// identity, which whoever takes the descriptor checks (a descriptor number may be reused once
+// closed). The tensor's allocator owns the descriptor; the engine keeps the tensor while the
+// region lives.
+struct SharedFile final : engine::RouteState {
+  int32_t fd = -1;
+  uint64_t offset = 0;
+  uint64_t device = 0, inode = 0;  // st_dev, st_ino
+
+  // The file of the storage's bytes [ptr, ptr + nbytes), where torch's allocator mapped it from
+  // a file it keeps open and shares; else null.
+  static std::unique_ptr<SharedFile> of(const c10::StorageImpl& storage, const uint8_t* ptr, uint64_t nbytes);
+  // As an answer of the route carries it (Grants::Granting), and back (none from bytes that
+  // are not one).
+  std::string encode() const;
+  static std::optional<SharedFile> decode(std::string_view bytes);
+};
+
+// The file `fd` (ours now; closed here) mapped into this process from the region's byte at
+// `file.offset` for `nbytes`; null with errno set where the descriptor does not name the file
+// the owner answered with, or is too short for the region.
+std::shared_ptr<uint8_t> map_file(int fd, const SharedFile& file, uint64_t nbytes, bool writable);
+
+}  // namespace p2p::cma
