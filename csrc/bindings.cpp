@@ -18,6 +18,7 @@
 namespace py = pybind11;
 using namespace p2p;
 using namespace p2p::engine;
+using namespace p2p::core;
 
 namespace {
 

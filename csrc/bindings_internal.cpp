@@ -23,6 +23,7 @@
 
 namespace py = pybind11;
 using namespace p2p::engine;
+using namespace p2p::core;
 
 namespace p2p {
 namespace {
@@ -233,10 +234,10 @@ void copy_rows(torch::Tensor dst, const std::vector<int64_t>& dst_ids, torch::Te
 // The cma route's copy of (local address, remote address, bytes) spans into (write) or out of
 // process `pid`, on this thread: its errno, 0 when every byte moved.
 int cma_copy(int pid, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& spans, bool write) {
-  std::vector<engine::Span> s;
+  std::vector<core::Span> s;
   for (const auto& [local, remote, len] : spans) s.push_back({reinterpret_cast<uint8_t*>(local), remote, len});
   py::gil_scoped_release release;
-  return engine::copy_spans(pid, s.data(), s.size(), write);
+  return core::copy_spans(pid, s.data(), s.size(), write);
 }
 
 // (type, from, to, fields, the bytes the message encodes back to).

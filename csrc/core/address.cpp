@@ -2,7 +2,7 @@
 
 #include "common/wire.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 namespace {
 
 constexpr uint32_t kAddressMagic = 0x41503250;  // "P2PA"
@@ -123,4 +123,4 @@ std::shared_ptr<RemoteRegion> RemoteRegion::decode(std::string_view bytes) {
   return g;
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -10,7 +10,7 @@
 #include <string_view>
 #include <vector>
 
-namespace p2p::engine {
+namespace p2p::core {
 
 // What engine.address encodes: enough for a peer to reach every rail of this engine and to
 // tell this incarnation from a later process on the same network address.
@@ -56,4 +56,4 @@ struct RemoteRegion {
   static std::shared_ptr<RemoteRegion> decode(std::string_view bytes);
 };
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -10,7 +10,7 @@
 #include "common/error.h"
 #include "fabric/profile.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 namespace {
 
 [[noreturn]] void malformed(const char* env, const char* text, const char* expected) {
@@ -140,4 +140,4 @@ void Setup::place(std::vector<std::string> domains, int cpu, std::vector<int> no
   if (cpu >= 0 && !config.chosen.count("spin_us")) config.spin_us = -1;
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

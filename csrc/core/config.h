@@ -17,7 +17,7 @@
 #include "common/log.h"
 #include "fabric/info.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 enum class DataPath : uint8_t { Auto, Direct, Staged };
 
@@ -106,4 +106,4 @@ struct Setup {
   void place(std::vector<std::string> domains, int cpu, std::vector<int> node_cpus);
 };
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

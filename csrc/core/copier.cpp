@@ -5,7 +5,7 @@
 
 #include "common/error.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 namespace {
 
@@ -34,4 +34,4 @@ class HostCopier final : public Copier {
 
 std::unique_ptr<Copier> make_host_copier() { return std::make_unique<HostCopier>(); }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -9,7 +9,7 @@
 #include <memory>
 #include <string>
 
-namespace p2p::engine {
+namespace p2p::core {
 
 struct CopySpan {
   void* dst;
@@ -57,4 +57,4 @@ class Copier {
 // The copier of a host engine (cuda/copier.h has the CUDA one).
 std::unique_ptr<Copier> make_host_copier();
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -8,7 +8,7 @@
 #include <climits>
 #include <cstring>
 
-namespace p2p::engine {
+namespace p2p::core {
 
 int copy_spans(pid_t pid, const Span* spans, size_t n, bool write) {
   constexpr size_t kBatch = IOV_MAX;  // the most iovecs one call takes (1024 on Linux)
@@ -157,4 +157,4 @@ bool Copies::ended() const {
   return !ended_.empty();
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

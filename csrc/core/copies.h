@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-namespace p2p::engine {
+namespace p2p::core {
 
 // One contiguous run: `local` in this process, `remote` in the other (or, for a mapped copy,
 // where the other's memory is mapped in this one).
@@ -95,4 +95,4 @@ class Copies {
   std::vector<std::thread> threads_;
 };
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -5,7 +5,7 @@
 
 #include "common/wire.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 namespace {
 
@@ -166,4 +166,4 @@ bool Grants::must_release(const Region& region, const Peer& p) {
   return granted;
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

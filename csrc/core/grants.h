@@ -36,7 +36,7 @@
 #include "core/route.h"
 #include "core/runs.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 class Grants {
  public:
@@ -164,4 +164,4 @@ class Grants {
   std::unordered_map<uint64_t, std::unordered_set<uint64_t>> granted_;
 };
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

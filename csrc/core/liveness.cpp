@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-namespace p2p::engine {
+namespace p2p::core {
 
 const char* name(PeerState state) {
   switch (state) {
@@ -73,4 +73,4 @@ Liveness::Due Liveness::tick(double now, bool busy) {
   return due;
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

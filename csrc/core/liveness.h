@@ -15,7 +15,7 @@
 
 #include <cstdint>
 
-namespace p2p::engine {
+namespace p2p::core {
 
 enum class PeerState : uint8_t { Connecting, Ready, Dead, Left };
 const char* name(PeerState state);
@@ -77,4 +77,4 @@ class Liveness {
   double hello_again_ = 0;       // when to send the next one, 0 = none due
 };
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -1,6 +1,6 @@
 #include "core/messages.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 void LiveRegions::write(ByteWriter& w) const {
   w.put(upto);
@@ -86,4 +86,4 @@ Received decode_message(std::string_view bytes) {
   return {header, read_body(header.type, r)};
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -11,7 +11,7 @@
 
 #include "common/wire.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 constexpr size_t kMessageBytes = 8192;
 
@@ -200,4 +200,4 @@ struct Received {
 };
 Received decode_message(std::string_view bytes);
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

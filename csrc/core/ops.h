@@ -13,7 +13,7 @@
 
 #include "common/error.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 struct Op;
 class RouteHost;
@@ -155,4 +155,4 @@ class OpPool {
   std::vector<Op*> free_;
 };
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

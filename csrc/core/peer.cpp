@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-namespace p2p::engine {
+namespace p2p::core {
 
 bool Peer::region_gone(uint64_t id) const {
   if (closed_regions.count(id)) return true;
@@ -22,4 +22,4 @@ void Peer::forget() {
   }
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -16,7 +16,7 @@
 #include "core/address.h"
 #include "core/liveness.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 struct Transfer;
 
@@ -71,4 +71,4 @@ struct PeerFailure {
   PeerState state;  // Dead, or Left (its goodbye, or our disconnect)
 };
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

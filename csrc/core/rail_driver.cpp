@@ -10,7 +10,7 @@
 #include "common/clock.h"
 #include "common/log.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 namespace {
 
 void wake(int fd) {
@@ -172,4 +172,4 @@ void doze(int epoll_fd, int wake_fd, int timeout_ms) {
   (void)!read(wake_fd, &drained, sizeof drained);
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -23,7 +23,7 @@
 #include "core/ops.h"
 #include "fabric/rail.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 // Posts one op on its rail, as the worker and the rail threads both do. -FI_EAGAIN: nothing
 // was posted, try again later.
@@ -187,4 +187,4 @@ class RailDriver {
   std::thread thread_;
 };
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

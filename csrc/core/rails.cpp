@@ -8,7 +8,7 @@
 
 #include "common/log.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 Rails::Rails(const Config& config, const fabric::Offer& offer, const cpu_set_t& node_cpus, int wake_fd,
              std::atomic<bool>* worker_sleeping)
@@ -260,4 +260,4 @@ void Rails::close() {
   rails_.clear();    // closes the endpoints
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

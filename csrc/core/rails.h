@@ -24,7 +24,7 @@
 #include "fabric/info.h"
 #include "fabric/rail.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 struct RailFacts {
   std::string domain;
@@ -143,4 +143,4 @@ bool Rails::generate(Peer& p, OpKind kind, OpOwner* owner, const More& more, con
   return true;
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

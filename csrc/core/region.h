@@ -7,7 +7,7 @@
 
 #include "fabric/rail.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 // What a route keeps of one of our regions (Route::learn), as the route's own type.
 struct RouteState {
@@ -42,4 +42,4 @@ struct Region : std::enable_shared_from_this<Region> {
   }
 };
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-namespace p2p::engine {
+namespace p2p::core {
 
 bool RegionTable::close(uint64_t id, Waiter done, double deadline) {
   auto it = live_.find(id);
@@ -72,4 +72,4 @@ LiveRegions RegionTable::live() const {
   return live;
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -17,7 +17,7 @@
 #include "core/messages.h"
 #include "core/region.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 class RegionTable {
  public:
@@ -64,4 +64,4 @@ class RegionTable {
   std::vector<Closing> closing_;
 };
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -35,7 +35,7 @@ namespace c10 {
 struct StorageImpl;
 }  // namespace c10
 
-namespace p2p::engine {
+namespace p2p::core {
 
 // What a CUDA stream must wait on to follow a transfer (Engine::stream_wait).
 struct StreamOrder {
@@ -173,4 +173,4 @@ class Route {
   virtual void stop() = 0;
 };
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

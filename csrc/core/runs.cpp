@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <numeric>
 
-namespace p2p::engine {
+namespace p2p::core {
 namespace {
 
 struct Dim {
@@ -156,4 +156,4 @@ bool self_overlapping(Ints shape, const int64_t* strides) {
   return false;
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-namespace p2p::engine {
+namespace p2p::core {
 
 // `len` bytes at local address `local` correspond to `len` bytes at byte offset `remote` of
 // the remote storage. lreg/rreg index the transfer's local and remote region lists.
@@ -92,4 +92,4 @@ uint64_t extent_bytes(Ints shape, const int64_t* strides, int64_t elem);
 // size > 1, or strides that fold onto each other). Destinations must not overlap.
 bool self_overlapping(Ints shape, const int64_t* strides);
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

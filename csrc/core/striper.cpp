@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-namespace p2p::engine {
+namespace p2p::core {
 
 uint64_t round_page(uint64_t n) { return (n + 4095) & ~uint64_t{4095}; }
 
@@ -42,4 +42,4 @@ uint64_t Striper::fill_slot(RunCursor& at, RunView runs, size_t max_runs, uint64
   return bytes;
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -14,7 +14,7 @@
 
 #include "core/runs.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 // NOTE: segments below this share an op (scatter-gather, up to the rail's max_iov): on the
 // GPU machine, 256 random 64 KiB pages run at 64% of one contiguous 16 MiB view over tcp
@@ -141,4 +141,4 @@ size_t Striper::fill(RunCursor& at, RunView runs, LocalExtent local, RemoteExten
   return n;
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

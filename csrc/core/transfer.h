@@ -25,7 +25,7 @@
 #include "core/runs.h"
 #include "core/striper.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 struct Peer;
 
@@ -127,4 +127,4 @@ class TransferPool {
   std::vector<std::unique_ptr<Transfer>> spare_;
 };
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -3,7 +3,7 @@
 
 #include "core/route.h"
 
-namespace p2p::engine {
+namespace p2p::core {
 
 const char* name(TransferState state) {
   switch (state) {
@@ -114,4 +114,4 @@ void Transfer::enter(TransferState to) {
   state = to;
 }
 
-}  // namespace p2p::engine
+}  // namespace p2p::core

@@ -14,8 +14,8 @@
 namespace p2p::cuda {
 namespace {
 
-using engine::Copier;
-using engine::CopySpan;
+using core::Copier;
+using core::CopySpan;
 
 // NOTE: few large spans go to the copy engines (cudaMemcpyAsync); many small ones to one
 // gather kernel, which beats a memcpy call per 4 KiB page by far.

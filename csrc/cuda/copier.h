@@ -8,6 +8,6 @@
 namespace p2p::cuda {
 
 // Makes cuda_device current on the calling thread, the worker's, the only one that uses it.
-std::unique_ptr<engine::Copier> make_copier(int cuda_device);
+std::unique_ptr<core::Copier> make_copier(int cuda_device);
 
 }  // namespace p2p::cuda

@@ -47,12 +47,12 @@ __device__ void signal(const CopyDone& done) {
 // NOTE: one thread reads a descriptor and the block shares it: with every warp reading it,
 // 4096 spans of 4 KiB whose descriptors lie in pinned host memory cost eight PCIe reads per
 // span instead of one.
-__global__ void copy_spans_kernel(const engine::CopySpan* spans, size_t n, CopyDone done) {
-  __shared__ engine::CopySpan shared;
+__global__ void copy_spans_kernel(const core::CopySpan* spans, size_t n, CopyDone done) {
+  __shared__ core::CopySpan shared;
   for (size_t s = blockIdx.x; s < n; s += gridDim.x) {
     if (threadIdx.x == 0) shared = spans[s];
     __syncthreads();
-    const engine::CopySpan span = shared;
+    const core::CopySpan span = shared;
     __syncthreads();
     copy_bytes<4>(static_cast<char*>(span.dst), static_cast<const char*>(span.src), span.len, threadIdx.x, blockDim.x);
   }
@@ -112,7 +112,7 @@ constexpr unsigned kBlocks = 8192;  // enough to fill any GPU; more blocks take 
 }  // namespace
 
 // A launch that must signal runs even with nothing to copy: its ticket waits for the flag.
-cudaError_t launch_copy_spans(const engine::CopySpan* spans, size_t n, cudaStream_t stream, CopyDone done) {
+cudaError_t launch_copy_spans(const core::CopySpan* spans, size_t n, cudaStream_t stream, CopyDone done) {
   if (n == 0 && !done.flag) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>(n == 0 ? 1 : n < kBlocks ? n : kBlocks);
   copy_spans_kernel<<<blocks, 256, 0, stream>>>(spans, n, done);

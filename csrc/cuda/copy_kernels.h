@@ -23,7 +23,7 @@ struct CopyDone {
   volatile uint64_t* flag = nullptr;
   uint64_t value = 0;
 };
-cudaError_t launch_copy_spans(const engine::CopySpan* spans, size_t n, cudaStream_t stream, CopyDone done = {});
+cudaError_t launch_copy_spans(const core::CopySpan* spans, size_t n, cudaStream_t stream, CopyDone done = {});
 
 // Small pages packed for the page kernel. A packed block holds each list's page pairs (source
 // id, destination id, 32-bit), then the lists; `pairs` is the byte offset of a list's first

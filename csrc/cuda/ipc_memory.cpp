@@ -142,7 +142,7 @@ class CudaMemory final : public IpcMemory {
   // descriptor block (launched when full) and its small pages join the batch that flush()
   // launches: the calls of one worker turn share a launch. A wait first launches the batch
   // before it, so no copy ever waits behind a later call's stream (which may wait for it).
-  uint64_t copy(const std::vector<engine::CopySpan>& spans, const std::vector<engine::CopyPages>& pages,
+  uint64_t copy(const std::vector<core::CopySpan>& spans, const std::vector<core::CopyPages>& pages,
                 void* after) override {
     if (after) {
       flush();
@@ -151,7 +151,7 @@ class CudaMemory final : public IpcMemory {
     big_pages_.clear();
     const size_t first = lists_.size();
     try {
-      for (const engine::CopyPages& p : pages) {
+      for (const core::CopyPages& p : pages) {
         if (p.bytes <= kKernelSpan && queue_pages(p, first)) continue;
         for (uint64_t k = 0; k < p.n; ++k)
           big_pages_.push_back({static_cast<char*>(p.dst) + p.dst_ids[k] * p.dst_stride,
@@ -238,16 +238,16 @@ class CudaMemory final : public IpcMemory {
   };
 
   // Copy-engine copies go out at once; the rest fill descriptor blocks, launched when full.
-  void queue_spans(const std::vector<engine::CopySpan>& spans) {
-    for (const engine::CopySpan& s : spans) {
+  void queue_spans(const std::vector<core::CopySpan>& spans) {
+    for (const core::CopySpan& s : spans) {
       if (s.len >= copy_engine_bytes_) {
         note(cudaMemcpyAsync(s.dst, s.src, s.len, cudaMemcpyDefault, stream_));
         continue;
       }
       for (uint64_t off = 0; off < s.len; off += kKernelSpan) {
         if (spans_.used == kBlockSpans) launch_spans(false);
-        if (!spans_.block) spans_.block = &take_pinned(kBlockSpans * sizeof(engine::CopySpan));
-        reinterpret_cast<engine::CopySpan*>(spans_.block->host)[spans_.used++] = {
+        if (!spans_.block) spans_.block = &take_pinned(kBlockSpans * sizeof(core::CopySpan));
+        reinterpret_cast<core::CopySpan*>(spans_.block->host)[spans_.used++] = {
             static_cast<char*>(s.dst) + off, static_cast<const char*>(s.src) + off, std::min(kKernelSpan, s.len - off)};
       }
     }
@@ -255,7 +255,7 @@ class CudaMemory final : public IpcMemory {
 
   void launch_spans(bool last) {
     if (!spans_.used) return;
-    note(cuda::launch_copy_spans(reinterpret_cast<engine::CopySpan*>(spans_.block->device), spans_.used, stream_,
+    note(cuda::launch_copy_spans(reinterpret_cast<core::CopySpan*>(spans_.block->device), spans_.used, stream_,
                                  signal_if(last)));
     spans_ = {};
   }
@@ -264,7 +264,7 @@ class CudaMemory final : public IpcMemory {
   // caller's may be gone by the launch); a list that shares its ids with the one before in the
   // same call (a KV cache's layers) shares the pairs. `first`: the call's first list in the
   // batch. False if an id does not fit 32 bits: the caller sends those pages as spans.
-  bool queue_pages(const engine::CopyPages& p, size_t first) {
+  bool queue_pages(const core::CopyPages& p, size_t first) {
     cuda::PackedPages list{p.dst, p.src, p.dst_stride, p.src_stride, p.bytes, static_cast<uint32_t>(p.n), 0};
     if (lists_.size() > first && lists_.back().n == p.n && last_src_ids_ == p.src_ids && last_dst_ids_ == p.dst_ids) {
       list.pairs = lists_.back().pairs;
@@ -369,7 +369,7 @@ class CudaMemory final : public IpcMemory {
     auto fits = std::find_if(free_blocks_.begin(), free_blocks_.end(), [&](size_t b) { return blocks_[b].bytes >= bytes; });
     if (fits == free_blocks_.end()) {
       Pinned b;
-      b.bytes = kBlockSpans * sizeof(engine::CopySpan);
+      b.bytes = kBlockSpans * sizeof(core::CopySpan);
       while (b.bytes < bytes) b.bytes *= 2;
       b.host = static_cast<char*>(mapped(b.bytes, &b.device));
       blocks_.push_back(b);
@@ -420,7 +420,7 @@ class CudaMemory final : public IpcMemory {
   const int64_t* last_src_ids_ = nullptr;  // the caller's ids of the last list queued
   const int64_t* last_dst_ids_ = nullptr;
   bool queued_ = false;
-  std::vector<engine::CopySpan> big_pages_;  // reused by copy(): pages too long for the page kernel
+  std::vector<core::CopySpan> big_pages_;  // reused by copy(): pages too long for the page kernel
   uint64_t issued_ = 0, completed_ = 0;
   std::string error_;                                   // stick()'s
   std::deque<std::pair<uint64_t, std::string>> failures_;  // done tickets that failed, for error()

@@ -42,7 +42,7 @@ class IpcMemory {
   // behind `after` (a cudaEvent_t, or null); returns a ticket. Tickets complete in order. The
   // page ids are read before copy() returns. Copies may wait for flush() to go out: the calls
   // queued between two flushes share one launch and one ticket.
-  virtual uint64_t copy(const std::vector<engine::CopySpan>& spans, const std::vector<engine::CopyPages>& pages,
+  virtual uint64_t copy(const std::vector<core::CopySpan>& spans, const std::vector<core::CopyPages>& pages,
                         void* after) = 0;
   virtual void flush() = 0;
   virtual bool done(uint64_t ticket) = 0;

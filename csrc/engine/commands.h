@@ -15,6 +15,8 @@
 
 namespace p2p::engine {
 
+using namespace core;
+
 class Worker;
 
 struct StartTransfer {  // write_slices, read_slices or send: the worker owns the transfer

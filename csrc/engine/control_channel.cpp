@@ -8,6 +8,8 @@
 
 namespace p2p::engine {
 
+using namespace core;
+
 void ControlChannel::open(fabric::Rail& rail0, size_t receive_buffers, size_t send_buffers) {
   buffers_.assign((receive_buffers + send_buffers) * kMessageBytes, 0);
   mr_.push_back(rail0.register_memory(buffers_.data(), buffers_.size(), FI_SEND | FI_RECV, -1));

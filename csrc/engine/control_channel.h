@@ -17,6 +17,8 @@
 
 namespace p2p::engine {
 
+using namespace core;
+
 class ControlChannel {
  public:
   // Registers the buffers on rail 0; receive_ops() are then to be posted.

@@ -13,6 +13,8 @@
 #endif
 
 namespace p2p::engine {
+
+using namespace core;
 namespace {
 
 std::string dims(at::IntArrayRef v) {

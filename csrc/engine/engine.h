@@ -22,6 +22,8 @@
 
 namespace p2p::engine {
 
+using namespace core;
+
 class Engine {
  public:
   explicit Engine(Setup setup);

@@ -9,6 +9,8 @@
 #endif
 
 namespace p2p::engine {
+
+using namespace core;
 namespace {
 
 uint8_t parse_access(const std::string& access) {

@@ -2,6 +2,8 @@
 
 namespace p2p::engine {
 
+using namespace core;
+
 void Inbox::deliver(const std::string& from, std::string payload) {
   if (!receivers_.empty()) {
     const uint64_t waiter = receivers_.front().id;

@@ -17,6 +17,8 @@
 
 namespace p2p::engine {
 
+using namespace core;
+
 class Inbox {
  public:
   explicit Inbox(Reports& reports) : reports_(reports) {}

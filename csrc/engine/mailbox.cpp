@@ -11,6 +11,8 @@
 
 namespace p2p::engine {
 
+using namespace core;
+
 Mailbox::Mailbox() {
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
@@ -67,6 +69,6 @@ void Mailbox::watch(int fd) {
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
 }
 
-void Mailbox::doze(bool fds, int timeout_ms) { p2p::engine::doze(fds ? epoll_fd_ : -1, wake_fd_, timeout_ms); }
+void Mailbox::doze(bool fds, int timeout_ms) { p2p::core::doze(fds ? epoll_fd_ : -1, wake_fd_, timeout_ms); }
 
 }  // namespace p2p::engine

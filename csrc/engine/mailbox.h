@@ -12,6 +12,8 @@
 
 namespace p2p::engine {
 
+using namespace core;
+
 class Mailbox {
  public:
   Mailbox();  // the wake eventfd and the epoll set the worker sleeps on

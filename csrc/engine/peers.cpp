@@ -11,6 +11,8 @@
 #include "common/process.h"
 
 namespace p2p::engine {
+
+using namespace core;
 namespace {
 
 std::string describe(const Peer& p) { return cat("peer ", hex(p.incarnation)); }

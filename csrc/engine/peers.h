@@ -22,6 +22,8 @@
 
 namespace p2p::engine {
 
+using namespace core;
+
 class PeerEvents {
  public:
   virtual ~PeerEvents() = default;

@@ -14,6 +14,8 @@
 
 namespace p2p::engine {
 
+using namespace core;
+
 std::shared_ptr<RemoteRegion> Worker::register_region(const RegionSpec& spec) {
   assert_on_worker();
   auto region = std::make_shared<Region>();

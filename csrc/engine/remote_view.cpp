@@ -8,6 +8,8 @@
 #include "core/runs.h"
 
 namespace p2p::engine {
+
+using namespace core;
 namespace {
 
 constexpr uint32_t kTensorMagic = 0x54503250;  // "P2PT"

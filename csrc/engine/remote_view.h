@@ -16,6 +16,8 @@
 
 namespace p2p::engine {
 
+using namespace core;
+
 // One item of a basic index (remote[...]) as the bindings parse it from Python.
 struct IndexItem {
   enum class Kind : uint8_t { NewAxis, Ellipsis, Slice, Int };

@@ -8,6 +8,8 @@
 #include "engine/worker.h"
 
 namespace p2p::engine {
+
+using namespace core;
 namespace {
 
 // Refuses handles the owner told us are stale (before anything is posted to it).

@@ -17,6 +17,8 @@
 #include "routes/registry.h"
 
 namespace p2p::engine {
+
+using namespace core;
 namespace {
 
 // Moves the calling thread onto the configured core's NUMA node (config.node_cpus), where the

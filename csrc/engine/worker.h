@@ -43,6 +43,8 @@
 
 namespace p2p::engine {
 
+using namespace core;
+
 class Worker final : public RouteHost, OpSink, PeerEvents {
  public:
   // Finished transfers go back to `transfers` (the engine's).

@@ -8,12 +8,12 @@
 
 namespace p2p::routes {
 
-std::vector<std::unique_ptr<engine::Route>> make_routes(engine::RouteHost& host, const engine::Config& config,
+std::vector<std::unique_ptr<core::Route>> make_routes(core::RouteHost& host, const core::Config& config,
                                                         const std::string& host_id) {
-  std::vector<std::unique_ptr<engine::Route>> routes;
+  std::vector<std::unique_ptr<core::Route>> routes;
   routes.push_back(std::make_unique<ipc::Route>(host, 0, config, host_id));
   auto cma = std::make_unique<cma::Route>(host, 1, config, host_id);
-  engine::PeerCopies* same_host = cma.get();  // the staged route's host hop, where it reaches
+  core::PeerCopies* same_host = cma.get();  // the staged route's host hop, where it reaches
   routes.push_back(std::move(cma));
   routes.push_back(std::make_unique<staged::Route>(host, 2, same_host));
   routes.push_back(std::make_unique<loopback::Route>(host, 3, config, host_id));  // tests only

@@ -16,7 +16,7 @@
 
 namespace p2p::routes {
 
-std::vector<std::unique_ptr<engine::Route>> make_routes(engine::RouteHost& host, const engine::Config& config,
+std::vector<std::unique_ptr<core::Route>> make_routes(core::RouteHost& host, const core::Config& config,
                                                         const std::string& host_id);
 
 }  // namespace p2p::routes

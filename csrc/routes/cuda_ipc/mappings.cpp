@@ -14,7 +14,7 @@ Mappings::~Mappings() {
   memory_.reset();
 }
 
-void Mappings::map(uint64_t peer, bool same_process, const engine::RemoteRegion& region, const IpcExport& x) {
+void Mappings::map(uint64_t peer, bool same_process, const core::RemoteRegion& region, const IpcExport& x) {
   if (auto known = regions_.find({peer, region.id}); known != regions_.end()) {
     // The same region through another handle (views share one; a tampered one may not).
     P2P_CHECK(region.nbytes <= known->second.bytes, ErrorKind::Value, "region ", region.id, " of peer ", hex(peer),
@@ -45,14 +45,14 @@ void Mappings::map(uint64_t peer, bool same_process, const engine::RemoteRegion&
   add(peer, region, x.shared.offset, it);
 }
 
-void Mappings::map_vmm(uint64_t peer, const engine::RemoteRegion& region, const IpcExport& x,
+void Mappings::map_vmm(uint64_t peer, const core::RemoteRegion& region, const IpcExport& x,
                        std::vector<cuda::VmmChunk>& chunks) {
   Allocation a;
   a.base = memory_->open_vmm(chunks, a.size);
   add(peer, region, x.shared.offset, allocations_.emplace(AllocationKey{peer, std::to_string(region.id)}, a).first);
 }
 
-void Mappings::add(uint64_t peer, const engine::RemoteRegion& region, uint64_t offset,
+void Mappings::add(uint64_t peer, const core::RemoteRegion& region, uint64_t offset,
                    std::map<AllocationKey, Allocation>::iterator it) {
   Allocation& a = it->second;
   // A handle that claims more than its allocation holds would let a copy fault the GPU.
@@ -68,25 +68,25 @@ void Mappings::add(uint64_t peer, const engine::RemoteRegion& region, uint64_t o
   regions_[{peer, region.id}] = {it->first, static_cast<uint8_t*>(a.base) + offset, a.size - offset};
 }
 
-uint64_t Mappings::copy(uint64_t peer, const std::vector<const engine::RemoteRegion*>& regions,
-                     const std::vector<engine::Run>& runs, const std::vector<engine::PageRuns>& pages,
+uint64_t Mappings::copy(uint64_t peer, const std::vector<const core::RemoteRegion*>& regions,
+                     const std::vector<core::Run>& runs, const std::vector<core::PageRuns>& pages,
                      const std::vector<int64_t>& page_ids, bool write, void* after) {
   std::vector<uint8_t*> starts;
-  for (const engine::RemoteRegion* r : regions) starts.push_back(regions_.at({peer, r->id}).start);
+  for (const core::RemoteRegion* r : regions) starts.push_back(regions_.at({peer, r->id}).start);
   spans_.clear();
-  for (const engine::Run& run : runs) {
+  for (const core::Run& run : runs) {
     void* local = reinterpret_cast<void*>(run.local);
     void* remote = starts[run.rreg] + run.remote;
-    spans_.push_back(write ? engine::CopySpan{remote, local, run.len} : engine::CopySpan{local, remote, run.len});
+    spans_.push_back(write ? core::CopySpan{remote, local, run.len} : core::CopySpan{local, remote, run.len});
   }
   pages_.clear();
-  for (const engine::PageRuns& p : pages) {
+  for (const core::PageRuns& p : pages) {
     void* local = reinterpret_cast<void*>(p.local);
     void* remote = starts[p.rreg] + p.remote;
     const int64_t* lids = page_ids.data() + p.first;
     const int64_t* rids = lids + p.n;
-    pages_.push_back(write ? engine::CopyPages{remote, local, p.remote_stride, p.local_stride, rids, lids, p.bytes, p.n}
-                           : engine::CopyPages{local, remote, p.local_stride, p.remote_stride, lids, rids, p.bytes, p.n});
+    pages_.push_back(write ? core::CopyPages{remote, local, p.remote_stride, p.local_stride, rids, lids, p.bytes, p.n}
+                           : core::CopyPages{local, remote, p.local_stride, p.remote_stride, lids, rids, p.bytes, p.n});
   }
   last_ticket_ = memory_->copy(spans_, pages_, after);
   return last_ticket_;

@@ -40,16 +40,16 @@ class Mappings {
   // Makes `region` of peer `peer`, exported as `x`, reachable (mapping it if needed): a legacy
   // export, or any export of an engine of this process. Throws an Error naming the reason when
   // it cannot be: then the peer takes the fabric.
-  void map(uint64_t peer, bool same_process, const engine::RemoteRegion& region, const IpcExport& x);
+  void map(uint64_t peer, bool same_process, const core::RemoteRegion& region, const IpcExport& x);
   // The same for a VMM export of another process, from its allocations (`chunks`: their sizes
   // and descriptors, closed here).
-  void map_vmm(uint64_t peer, const engine::RemoteRegion& region, const IpcExport& x,
+  void map_vmm(uint64_t peer, const core::RemoteRegion& region, const IpcExport& x,
                std::vector<cuda::VmmChunk>& chunks);
   bool mapped(uint64_t peer, uint64_t region) const { return regions_.count({peer, region}) > 0; }
   // Queues one transfer's runs and pages (local addresses, offsets into regions[rreg], all
   // mapped; page ids in `page_ids`) after `after`; returns a ticket for done().
-  uint64_t copy(uint64_t peer, const std::vector<const engine::RemoteRegion*>& regions,
-                const std::vector<engine::Run>& runs, const std::vector<engine::PageRuns>& pages,
+  uint64_t copy(uint64_t peer, const std::vector<const core::RemoteRegion*>& regions,
+                const std::vector<core::Run>& runs, const std::vector<core::PageRuns>& pages,
                 const std::vector<int64_t>& page_ids, bool write, void* after);
   void flush() { memory_->flush(); }  // see IpcMemory::flush
   bool done(uint64_t ticket) { return memory_->done(ticket); }
@@ -79,14 +79,14 @@ class Mappings {
   };
   void unmap(uint64_t peer, uint64_t region);
   // Adds `region` to allocation `it` (just mapped, or shared), checking that it fits.
-  void add(uint64_t peer, const engine::RemoteRegion& region, uint64_t offset,
+  void add(uint64_t peer, const core::RemoteRegion& region, uint64_t offset,
            std::map<AllocationKey, Allocation>::iterator it);
 
   std::unique_ptr<cuda::IpcMemory> memory_;
   std::map<AllocationKey, Allocation> allocations_;
   std::map<std::pair<uint64_t, uint64_t>, Mapped> regions_;  // (peer, region id)
-  std::vector<engine::CopySpan> spans_;  // reused by copy()
-  std::vector<engine::CopyPages> pages_;
+  std::vector<core::CopySpan> spans_;  // reused by copy()
+  std::vector<core::CopyPages> pages_;
   uint64_t last_ticket_ = 0;
   std::vector<std::pair<uint64_t, std::function<void()>>> deferred_;  // (ticket, release)
 };

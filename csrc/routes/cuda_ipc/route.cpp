@@ -11,10 +11,10 @@
 
 namespace p2p::ipc {
 
-using engine::EngineAddress;
-using engine::Peer;
-using engine::RemoteRegion;
-using engine::Transfer;
+using core::EngineAddress;
+using core::Peer;
+using core::RemoteRegion;
+using core::Transfer;
 
 namespace {
 
@@ -31,7 +31,7 @@ bool fails_transfer(const Status& refused) {
 
 }  // namespace
 
-Route::Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, std::string host_id)
+Route::Route(core::RouteHost& host, uint8_t id, const core::Config& config, std::string host_id)
     : host_(host), id_(id), host_id_(std::move(host_id)) {
   if (config.cuda_device < 0 || !config.ipc) return;
   if (host_id_.empty()) {
@@ -98,7 +98,7 @@ bool Route::reaches(const EngineAddress& a, const RemoteRegion* region) {
   }
 }
 
-void Route::describe(engine::Region& region, RemoteRegion& handle) {
+void Route::describe(core::Region& region, RemoteRegion& handle) {
   if (!mappings_ || region.cuda_device < 0) return;
   std::string why;
   IpcExport x;
@@ -115,7 +115,7 @@ void Route::describe(engine::Region& region, RemoteRegion& handle) {
 // Takes t if both ends are CUDA memory of this host and every remote region maps (VMM regions
 // of another process: once their owner answers).
 bool Route::take(Transfer& t) {
-  if (t.kind == engine::TransferKind::Message || !peer_reaches(t.peer->address)) return false;
+  if (t.kind == core::TransferKind::Message || !peer_reaches(t.peer->address)) return false;
   for (const auto& r : t.local)
     if (r->cuda_device < 0) return false;
   Peer& p = *t.peer;
@@ -176,19 +176,19 @@ void Route::start(Transfer& t) {
   std::vector<const RemoteRegion*> regions;
   for (const auto& r : t.remote) regions.push_back(r.get());
   const uint64_t ticket = mappings_->copy(p.incarnation, regions, t.runs, t.pages, t.page_ids,
-                                          t.kind == engine::TransferKind::Write, t.cuda_event);
-  t.enter(engine::TransferState::Running);
+                                          t.kind == core::TransferKind::Write, t.cuda_event);
+  t.enter(core::TransferState::Running);
   copies_.push_back({ticket, &t});
 }
 
 // A stream that follows an IPC copy waits for an event recorded after it: on the GPU only, so
 // nothing it holds up can hold up the copy (a wait on a flag the host releases could). A
 // transfer still waiting for its owner's answer has no copy yet: its future says when it ends.
-engine::StreamOrder Route::stream_order(const Transfer& t) {
+core::StreamOrder Route::stream_order(const Transfer& t) {
   if (auto w = waiting_.find(t.peer->incarnation); w != waiting_.end())
-    if (std::find(w->second.begin(), w->second.end(), &t) != w->second.end()) return {engine::StreamOrder::Future};
-  if (void* event = mappings_->mark()) return {engine::StreamOrder::Event, event};
-  return {engine::StreamOrder::Future};
+    if (std::find(w->second.begin(), w->second.end(), &t) != w->second.end()) return {core::StreamOrder::Future};
+  if (void* event = mappings_->mark()) return {core::StreamOrder::Event, event};
+  return {core::StreamOrder::Future};
 }
 
 // Sends out the copies queued since the last turn in one launch, completes the transfers whose
@@ -239,7 +239,7 @@ void Route::on_message(Peer& p, std::string_view body) {
 void Route::answer(Peer& p, uint64_t region) {
   Status refused;
   std::vector<std::pair<uint64_t, uint32_t>> runs;  // (size, count)
-  const std::shared_ptr<engine::Region> r = host_.region(region);
+  const std::shared_ptr<core::Region> r = host_.region(region);
   if (!mappings_ || !peer_reaches(p.address)) {
     refused = Status::error(ErrorKind::Remote, "the owner's IPC route does not reach the asking engine");
   } else if (!r) {
@@ -362,7 +362,7 @@ void Route::release(uint64_t peer, uint64_t region) {
 }
 
 // IPC copies check nothing at our end: a peer that may have the region mapped must let go first.
-bool Route::must_release(const engine::Region& region, const Peer& p) {
+bool Route::must_release(const core::Region& region, const Peer& p) {
   return region.cuda_device >= 0 && peer_reaches(p.address);
 }
 

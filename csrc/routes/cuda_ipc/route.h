@@ -37,57 +37,57 @@
 
 namespace p2p::ipc {
 
-class Route final : public engine::Route {
+class Route final : public core::Route {
  public:
   // id: the route's index in the registry; host_id: host_identity().
-  Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, std::string host_id);
+  Route(core::RouteHost& host, uint8_t id, const core::Config& config, std::string host_id);
   ~Route() override;
 
   const char* name() const override { return "ipc"; }
   bool advertised() const override { return mappings_ != nullptr; }
-  bool reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) override;
-  void describe(engine::Region& region, engine::RemoteRegion& handle) override;
-  bool take(engine::Transfer& t) override;
-  engine::StreamOrder stream_order(const engine::Transfer& t) override;
+  bool reaches(const core::EngineAddress& a, const core::RemoteRegion* region) override;
+  void describe(core::Region& region, core::RemoteRegion& handle) override;
+  bool take(core::Transfer& t) override;
+  core::StreamOrder stream_order(const core::Transfer& t) override;
   bool poll() override;
   bool idle() const override { return copies_.empty(); }
-  void on_message(engine::Peer& p, std::string_view body) override;
-  void peer_failed(engine::Peer& p) override;
+  void on_message(core::Peer& p, std::string_view body) override;
+  void peer_failed(core::Peer& p) override;
   void release(uint64_t peer, uint64_t region) override;
-  bool must_release(const engine::Region& region, const engine::Peer& p) override;
+  bool must_release(const core::Region& region, const core::Peer& p) override;
   void stop() override;
 
  private:
   using RegionKey = std::pair<uint64_t, uint64_t>;  // (peer, region id)
 
-  bool peer_reaches(const engine::EngineAddress& a) const;
+  bool peer_reaches(const core::EngineAddress& a) const;
   // The export in `region`'s handle (kind None: none); throws the Value error of a forged one.
-  IpcExport export_of(const engine::RemoteRegion& region) const;
+  IpcExport export_of(const core::RemoteRegion& region) const;
   // Whether `region` of peer `a` is mapped from the owner's descriptors (VMM memory of another
   // process), so that a transfer to it waits for the owner's answer first.
-  bool asks(const engine::EngineAddress& a, const IpcExport& x) const;
+  bool asks(const core::EngineAddress& a, const IpcExport& x) const;
   // Maps `region` of peer `a`; false (said once) where the peer cannot be mapped at all.
   // Throws the Value error of a handle that lies about its memory.
-  bool map(const engine::EngineAddress& a, const engine::RemoteRegion& region);
+  bool map(const core::EngineAddress& a, const core::RemoteRegion& region);
   // Queues t's copy (every region mapped); or ends it where a region cannot be had.
-  void start(engine::Transfer& t);
+  void start(core::Transfer& t);
   // Owner side: a peer asks for VMM region `region`: passes its allocations, and answers.
-  void answer(engine::Peer& p, uint64_t region);
+  void answer(core::Peer& p, uint64_t region);
   // Initiator side: the owner's answer for `region` (sizes of its allocations, or why not).
-  void answered(engine::Peer& p, uint64_t region, Status refused, std::vector<uint64_t> sizes);
+  void answered(core::Peer& p, uint64_t region, Status refused, std::vector<uint64_t> sizes);
 
-  engine::RouteHost& host_;
+  core::RouteHost& host_;
   const uint8_t id_;
   const std::string host_id_;
   std::unique_ptr<Mappings> mappings_;  // null where the route is off
-  std::vector<std::pair<uint64_t, engine::Transfer*>> copies_;  // (ticket, transfer), in order
+  std::vector<std::pair<uint64_t, core::Transfer*>> copies_;  // (ticket, transfer), in order
   std::unordered_map<uint64_t, std::string> unreachable_;        // peers whose mapping failed: why
   // VMM memory of other processes (initiator side).
   Descriptors descriptors_{"ipc"};
   bool listening_ = false;
   std::set<RegionKey> asked_;                // no answer yet
   std::map<RegionKey, Status> refused_;      // answered with no mapping: why
-  std::unordered_map<uint64_t, std::vector<engine::Transfer*>> waiting_;  // by peer, for answers
+  std::unordered_map<uint64_t, std::vector<core::Transfer*>> waiting_;  // by peer, for answers
 };
 
 }  // namespace p2p::ipc

@@ -15,13 +15,13 @@ namespace p2p::routes::fabric {
 
 class Fences {
  public:
-  void add(engine::Copier& copier, engine::Peer* peer, uint64_t transfer) {
+  void add(core::Copier& copier, core::Peer* peer, uint64_t transfer) {
     pending_.push_back({copier.record_provider_event(), peer, transfer});
   }
   bool empty() const { return pending_.empty(); }
   // answer(peer, transfer) for each fence whose copies are done.
   template <typename Answer>
-  void poll(engine::Copier& copier, const Answer& answer) {
+  void poll(core::Copier& copier, const Answer& answer) {
     for (size_t i = 0; i < pending_.size();) {
       Pending& f = pending_[i];
       if (f.event && !copier.event_done(f.event)) {
@@ -35,7 +35,7 @@ class Fences {
     }
   }
   // Lets go of the events of fences never answered.
-  void release(engine::Copier& copier) {
+  void release(core::Copier& copier) {
     for (const Pending& f : pending_)
       if (f.event) copier.release_event(f.event);
     pending_.clear();
@@ -44,7 +44,7 @@ class Fences {
  private:
   struct Pending {
     void* event;  // after the provider's copies (Copier::record_provider_event)
-    engine::Peer* peer;  // peers are never erased
+    core::Peer* peer;  // peers are never erased
     uint64_t transfer;
   };
   std::vector<Pending> pending_;

@@ -6,18 +6,18 @@
 
 namespace p2p::routes::fabric {
 
-using engine::Transfer;
-using engine::TransferKind;
-using engine::TransferState;
+using core::Transfer;
+using core::TransferKind;
+using core::TransferState;
 
 bool Route::take(Transfer& t) {
   t.pages_to_runs();
   uint64_t chunk = 0;
   if (t.kind != TransferKind::Message) {
     uint64_t total = 0;
-    for (const engine::Run& r : t.runs) total += r.len;
-    engine::Rails& rails = host_.rails();
-    chunk = rails.striper().chunk(total, engine::Striper::pairs(rails.size(), t.peer->remote_rails()));
+    for (const core::Run& r : t.runs) total += r.len;
+    core::Rails& rails = host_.rails();
+    chunk = rails.striper().chunk(total, core::Striper::pairs(rails.size(), t.peer->remote_rails()));
   }
   ++t.pending;  // until its ops are all made (generate())
   host_.started(t, id_);
@@ -28,8 +28,8 @@ bool Route::take(Transfer& t) {
 }
 
 bool Route::poll() {
-  fences_.poll(host_.copier(), [this](engine::Peer* p, uint64_t transfer) {
-    if (!p->failed()) host_.post_control(*p, encode_message(engine::FenceAck{transfer}, host_.incarnation(), p->incarnation));
+  fences_.poll(host_.copier(), [this](core::Peer* p, uint64_t transfer) {
+    if (!p->failed()) host_.post_control(*p, encode_message(core::FenceAck{transfer}, host_.incarnation(), p->incarnation));
   });
   return generate();
 }
@@ -66,39 +66,39 @@ bool Route::generate() {
   return any;
 }
 
-bool Route::generate_rma(Transfer& t, uint64_t chunk, engine::RunCursor& at) {
-  engine::Rails& rails = host_.rails();
+bool Route::generate_rma(Transfer& t, uint64_t chunk, core::RunCursor& at) {
+  core::Rails& rails = host_.rails();
   const size_t L = rails.size(), R = t.peer->remote_rails();
-  auto local = [&](uint32_t i) { return engine::Extent{reinterpret_cast<uint64_t>(t.local[i]->ptr), t.local[i]->piece_bytes}; };
-  auto remote = [&](uint32_t i) { return engine::Extent{0, t.remote[i]->piece_bytes}; };
+  auto local = [&](uint32_t i) { return core::Extent{reinterpret_cast<uint64_t>(t.local[i]->ptr), t.local[i]->piece_bytes}; };
+  auto remote = [&](uint32_t i) { return core::Extent{0, t.remote[i]->piece_bytes}; };
   return rails.generate(
-      *t.peer, t.kind == TransferKind::Write ? engine::OpKind::Write : engine::OpKind::Read, &t,
+      *t.peer, t.kind == TransferKind::Write ? core::OpKind::Write : core::OpKind::Read, &t,
       [&] { return !at.at_end(t.runs); },
-      [&](engine::Op& op, const engine::RailPair& pair) {
-        engine::Segment segs[engine::kMaxIov];
-        const size_t max_iov = std::min(rails.rail(pair.local).max_iov(), engine::kMaxIov);
-        const size_t n = engine::Striper::fill(at, t.runs, local, remote, chunk, max_iov, segs);
+      [&](core::Op& op, const core::RailPair& pair) {
+        core::Segment segs[core::kMaxIov];
+        const size_t max_iov = std::min(rails.rail(pair.local).max_iov(), core::kMaxIov);
+        const size_t n = core::Striper::fill(at, t.runs, local, remote, chunk, max_iov, segs);
         for (size_t i = 0; i < n; ++i) {
-          const engine::Segment& s = segs[i];
-          const engine::Run& run = t.runs[s.run];
-          const engine::Region& lr = *t.local[run.lreg];
-          const engine::RemoteRegion& rr = *t.remote[run.rreg];
-          const size_t rkey = engine::mr_index(s.rpiece, R, pair.remote);
+          const core::Segment& s = segs[i];
+          const core::Run& run = t.runs[s.run];
+          const core::Region& lr = *t.local[run.lreg];
+          const core::RemoteRegion& rr = *t.remote[run.rreg];
+          const size_t rkey = core::mr_index(s.rpiece, R, pair.remote);
           op.region = t.local[run.lreg].get();
           op.device = lr.cuda_device >= 0;
           op.add(reinterpret_cast<uint8_t*>(run.local + s.offset), s.len,
-                 lr.mrs[engine::mr_index(s.lpiece, L, pair.local)].desc, rr.base[rkey] + s.rpiece_offset, rr.key[rkey]);
+                 lr.mrs[core::mr_index(s.lpiece, L, pair.local)].desc, rr.base[rkey] + s.rpiece_offset, rr.key[rkey]);
         }
         ++t.pending;
       });
 }
 
-bool Route::on_control(engine::Peer& p, engine::Message& m) {
-  if (const auto* fence = std::get_if<engine::Fence>(&m)) {
+bool Route::on_control(core::Peer& p, core::Message& m) {
+  if (const auto* fence = std::get_if<core::Fence>(&m)) {
     fences_.add(host_.copier(), &p, fence->id);
-  } else if (const auto* ack = std::get_if<engine::FenceAck>(&m)) {
+  } else if (const auto* ack = std::get_if<core::FenceAck>(&m)) {
     host_.acknowledged(p, ack->id);
-  } else if (!std::holds_alternative<engine::KeepPolling>(m)) {  // its arrival was the point
+  } else if (!std::holds_alternative<core::KeepPolling>(m)) {  // its arrival was the point
     return false;
   }
   return true;
@@ -118,7 +118,7 @@ bool Route::confirms(const Transfer& t) const {
 }
 
 void Route::confirm(Transfer& t) {
-  host_.post_control(*t.peer, encode_message(engine::Fence{t.id}, host_.incarnation(), t.peer->incarnation));
+  host_.post_control(*t.peer, encode_message(core::Fence{t.id}, host_.incarnation(), t.peer->incarnation));
 }
 
 void Route::waiting(Transfer& t) {
@@ -131,13 +131,13 @@ void Route::waiting(Transfer& t) {
 // 256 random 4 KiB pages took 13 ms to read napping, about 1 ms polling.
 void Route::keep_polling(Transfer& t) {
   constexpr double kKeepPollingS = 200e-6;
-  engine::Peer& p = *t.peer;
+  core::Peer& p = *t.peer;
   if (p.failed() || p.waits()) return;
   const double at = now();
   double& last = kept_polling_at_[&p];
   if (at - last < kKeepPollingS) return;
   last = at;
-  host_.post_control(p, encode_message(engine::KeepPolling{}, host_.incarnation(), p.incarnation));
+  host_.post_control(p, encode_message(core::KeepPolling{}, host_.incarnation(), p.incarnation));
 }
 
 }  // namespace p2p::routes::fabric

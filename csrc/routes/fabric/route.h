@@ -21,46 +21,46 @@
 
 namespace p2p::routes::fabric {
 
-class Route final : public engine::Route {
+class Route final : public core::Route {
  public:
   // id: the route's index in the registry.
-  Route(engine::RouteHost& host, uint8_t id) : host_(host), id_(id) {}
+  Route(core::RouteHost& host, uint8_t id) : host_(host), id_(id) {}
 
   const char* name() const override { return "direct"; }
   bool advertised() const override { return false; }  // every engine has it: no flag
-  bool reaches(const engine::EngineAddress&, const engine::RemoteRegion*) override { return true; }
-  bool take(engine::Transfer& t) override;
+  bool reaches(const core::EngineAddress&, const core::RemoteRegion*) override { return true; }
+  bool take(core::Transfer& t) override;
   bool poll() override;
   bool idle() const override;
-  void on_message(engine::Peer&, std::string_view) override {}  // its messages are the wire's own
-  bool on_control(engine::Peer& p, engine::Message& m) override;
-  bool confirms(const engine::Transfer& t) const override;
-  void confirm(engine::Transfer& t) override;
-  void waiting(engine::Transfer& t) override;
-  void peer_failed(engine::Peer& p) override { kept_polling_at_.erase(&p); }
+  void on_message(core::Peer&, std::string_view) override {}  // its messages are the wire's own
+  bool on_control(core::Peer& p, core::Message& m) override;
+  bool confirms(const core::Transfer& t) const override;
+  void confirm(core::Transfer& t) override;
+  void waiting(core::Transfer& t) override;
+  void peer_failed(core::Peer& p) override { kept_polling_at_.erase(&p); }
   void release(uint64_t, uint64_t) override {}
-  bool must_release(const engine::Region&, const engine::Peer&) override { return false; }
+  bool must_release(const core::Region&, const core::Peer&) override { return false; }
   void stop() override { fences_.release(host_.copier()); }
 
  private:
   // A taken transfer whose ops are not all made yet, and how far their making has come.
   struct Queued {
-    engine::Transfer* t = nullptr;
+    core::Transfer* t = nullptr;
     uint64_t chunk = 0;     // the striper's op size for the transfer's bytes
-    engine::RunCursor at;  // the first byte no op moves yet
+    core::RunCursor at;  // the first byte no op moves yet
   };
 
   // Makes the ops (or a message's fragments) of the queued transfers, in order.
   bool generate();
-  bool generate_rma(engine::Transfer& t, uint64_t chunk, engine::RunCursor& at);
+  bool generate_rma(core::Transfer& t, uint64_t chunk, core::RunCursor& at);
   // A KeepPolling message to t's peer, at most one per kKeepPollingS.
-  void keep_polling(engine::Transfer& t);
+  void keep_polling(core::Transfer& t);
 
-  engine::RouteHost& host_;
+  core::RouteHost& host_;
   const uint8_t id_;
-  engine::Ring<Queued> queue_;
+  core::Ring<Queued> queue_;
   Fences fences_;                          // peers' Fences we answer
-  std::unordered_map<const engine::Peer*, double> kept_polling_at_;  // our last KeepPolling to each
+  std::unordered_map<const core::Peer*, double> kept_polling_at_;  // our last KeepPolling to each
 };
 
 }  // namespace p2p::routes::fabric

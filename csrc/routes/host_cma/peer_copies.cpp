@@ -12,7 +12,7 @@
 
 namespace p2p::cma {
 
-using engine::Peer;
+using core::Peer;
 
 bool Route::reaches(const Peer& p) const {
   return copies_ && peer_reaches(p.address, nullptr) && !denied_.count(p.incarnation);
@@ -38,7 +38,7 @@ bool Route::allowed(Peer& p, uint64_t addr) {
   return !denied_.count(p.incarnation);
 }
 
-void Route::copy(Peer& p, std::vector<Span> spans, bool write, engine::CopyOwner& owner) {
+void Route::copy(Peer& p, std::vector<Span> spans, bool write, core::CopyOwner& owner) {
   host_.watch_process(p);
   lent_[copies_->submit(static_cast<pid_t>(p.address.pid), std::move(spans), write)] = {&p, &owner};
 }

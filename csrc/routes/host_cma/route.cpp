@@ -12,19 +12,19 @@
 
 namespace p2p::cma {
 
-using engine::Peer;
-using engine::RemoteRegion;
-using engine::Transfer;
+using core::Peer;
+using core::RemoteRegion;
+using core::Transfer;
 
-Route::Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, std::string host_id)
+Route::Route(core::RouteHost& host, uint8_t id, const core::Config& config, std::string host_id)
     : host_(host), id_(id), host_id_(std::move(host_id)),
-      engine_memory_(config.cuda_device < 0 && config.data_path != engine::DataPath::Staged),
+      engine_memory_(config.cuda_device < 0 && config.data_path != core::DataPath::Staged),
       grants_(
           host, id, "cma message",
           [this](const Peer&) {
             return on_ ? Status{} : Status::error(ErrorKind::Remote, "the owner's cma route is off");
           },
-          [this](Peer& p, const engine::Region& region) { return granting(p, region); }) {
+          [this](Peer& p, const core::Region& region) { return granting(p, region); }) {
   if (!config.cma || host_id_.empty()) return;
   scope_ = ptrace_scope();
   if (scope_ >= 2) {
@@ -52,24 +52,24 @@ Route::Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, 
 
 Route::~Route() { stop(); }
 
-void Route::learn(engine::Region& region, const c10::StorageImpl& storage) {
+void Route::learn(core::Region& region, const c10::StorageImpl& storage) {
   if (region.cuda_device < 0) region.keep(id_, SharedFile::of(storage, region.ptr, region.nbytes));
 }
 
-bool Route::reaches(const engine::EngineAddress& a, const RemoteRegion* region) {
+bool Route::reaches(const core::EngineAddress& a, const RemoteRegion* region) {
   if (!engine_memory_ || !peer_reaches(a, region)) return false;
   if (!denied_.count(a.incarnation)) return true;
-  const engine::Grants::Grant* grant = region ? grants_.find(a.incarnation, *region) : nullptr;
+  const core::Grants::Grant* grant = region ? grants_.find(a.incarnation, *region) : nullptr;
   return grant && grant->mapped;
 }
 
-bool Route::peer_reaches(const engine::EngineAddress& a, const RemoteRegion* region) const {
+bool Route::peer_reaches(const core::EngineAddress& a, const RemoteRegion* region) const {
   if (!on_ || a.host != host_id_ || !(a.routes & (1u << id_))) return false;
   return !region || (region->device_type == 0 && region->on_nics);
 }
 
 bool Route::take(Transfer& t) {
-  if (t.kind == engine::TransferKind::Message || t.cuda_event || !peer_reaches(t.peer->address, nullptr))
+  if (t.kind == core::TransferKind::Message || t.cuda_event || !peer_reaches(t.peer->address, nullptr))
     return false;
   for (const auto& r : t.local)  // off the NICs: data_path="staged" asked for the slots
     if (r->cuda_device >= 0 || !r->on_nics()) return false;
@@ -106,15 +106,15 @@ bool Route::try_start(Transfer& t) {
     host_.pass_on(t);
     return true;
   }
-  if (t.state != engine::TransferState::Running) t.enter(engine::TransferState::Running);
+  if (t.state != core::TransferState::Running) t.enter(core::TransferState::Running);
   host_.watch_process(p);  // a mapped copy outlives its peer: the process watch fails the transfer
   copying_[copies_->submit(static_cast<pid_t>(p.address.pid), std::move(spans),
-                           t.kind == engine::TransferKind::Write, std::move(mapped))] = &t;
+                           t.kind == core::TransferKind::Write, std::move(mapped))] = &t;
   return true;
 }
 
 std::shared_ptr<const void> Route::in_mappings(std::vector<Span>& spans) const {
-  const std::vector<const engine::Grants::Grant*>& grants = grants_.resolved();
+  const std::vector<const core::Grants::Grant*>& grants = grants_.resolved();
   for (const auto* g : grants)
     if (!g->mapped) return nullptr;
   for (Span& s : spans) {
@@ -161,7 +161,7 @@ Status Route::outcome(Peer& p, int error) {
 }
 
 void Route::on_message(Peer& p, std::string_view body) {
-  engine::Grants::Grant* grant = grants_.on_message(p, body);
+  core::Grants::Grant* grant = grants_.on_message(p, body);
   if (!grant) return;  // an ask (answered), or nothing new
   if (map_ && grant->refused.ok() && !grant->extra.empty()) map(p, *grant);
   // Only the kernel's copies need the OS's leave: tried at the first region we do not map.
@@ -169,7 +169,7 @@ void Route::on_message(Peer& p, std::string_view body) {
   grants_.resume(p, [&](Transfer& t) { return try_start(t); });
 }
 
-void Route::map(const Peer& p, engine::Grants::Grant& grant) {
+void Route::map(const Peer& p, core::Grants::Grant& grant) {
   const pid_t pid = static_cast<pid_t>(p.address.pid);
   const std::optional<SharedFile> file = SharedFile::decode(grant.extra);
   int fd = -1;
@@ -179,7 +179,7 @@ void Route::map(const Peer& p, engine::Grants::Grant& grant) {
     for (size_t i = fd >= 0 ? 1 : 0; i < fds.size(); ++i) close(fds[i]);  // one file per region
   }
   errno = 0;
-  if (fd >= 0) grant.mapped = map_file(fd, *file, grant.nbytes, grant.access & engine::kRemoteWrite);
+  if (fd >= 0) grant.mapped = map_file(fd, *file, grant.nbytes, grant.access & core::kRemoteWrite);
   if (!logged_maps_.insert(p.incarnation).second) return;
   if (grant.mapped)
     P2P_LOG(Info, "the cma route maps the shared memory of peer ", hex(p.incarnation), " (pid ", p.address.pid, ")");
@@ -189,7 +189,7 @@ void Route::map(const Peer& p, engine::Grants::Grant& grant) {
             "; the kernel copies it");
 }
 
-std::string Route::granting(Peer& p, const engine::Region& region) {
+std::string Route::granting(Peer& p, const core::Region& region) {
   const SharedFile* file = region.state<SharedFile>(id_);
   if (file) {
     const std::string why = descriptors_.push(p.incarnation, static_cast<pid_t>(p.address.pid), region.id, {file->fd});
@@ -224,6 +224,6 @@ void Route::peer_failed(Peer& p) {
 
 void Route::release(uint64_t peer, uint64_t region) { grants_.release(peer, region); }
 
-bool Route::must_release(const engine::Region& region, const Peer& p) { return grants_.must_release(region, p); }
+bool Route::must_release(const core::Region& region, const Peer& p) { return grants_.must_release(region, p); }
 
 }  // namespace p2p::cma

@@ -40,55 +40,55 @@
 
 namespace p2p::cma {
 
-using engine::Copies;
-using engine::Outcome;
-using engine::Span;
+using core::Copies;
+using core::Outcome;
+using core::Span;
 
-class Route final : public engine::Route, public engine::PeerCopies {
+class Route final : public core::Route, public core::PeerCopies {
  public:
   // id: the route's index in the registry (its messages carry it); host_id: host_identity().
-  Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, std::string host_id);
+  Route(core::RouteHost& host, uint8_t id, const core::Config& config, std::string host_id);
   ~Route() override;
 
   const char* name() const override { return "cma"; }
   bool advertised() const override { return on_; }
-  bool reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) override;
+  bool reaches(const core::EngineAddress& a, const core::RemoteRegion* region) override;
   // Keeps a host region's shared-memory file (SharedFile), which granting() passes to peers.
-  void learn(engine::Region& region, const c10::StorageImpl& storage) override;
-  bool take(engine::Transfer& t) override;
+  void learn(core::Region& region, const c10::StorageImpl& storage) override;
+  bool take(core::Transfer& t) override;
   bool poll() override;
   bool idle() const override { return !copies_ || !copies_->ended(); }
-  void on_message(engine::Peer& p, std::string_view body) override;
-  void peer_failed(engine::Peer& p) override;
+  void on_message(core::Peer& p, std::string_view body) override;
+  void peer_failed(core::Peer& p) override;
   void release(uint64_t peer, uint64_t region) override;
-  bool must_release(const engine::Region& region, const engine::Peer& p) override;
+  bool must_release(const core::Region& region, const core::Peer& p) override;
   void stop() override { copies_.reset(); }
 
   // PeerCopies (peer_copies.cpp).
-  bool reaches(const engine::Peer& p) const override;
-  bool allowed(engine::Peer& p, uint64_t addr) override;
-  bool consent(const engine::Peer& p) override;
-  void copy(engine::Peer& p, std::vector<Span> spans, bool write, engine::CopyOwner& owner) override;
+  bool reaches(const core::Peer& p) const override;
+  bool allowed(core::Peer& p, uint64_t addr) override;
+  bool consent(const core::Peer& p) override;
+  void copy(core::Peer& p, std::vector<Span> spans, bool write, core::CopyOwner& owner) override;
 
  private:
   // reaches(), for host memory of this engine whatever its device, whether or not the OS
   // lets the kernel copy (a mapped region needs no leave).
-  bool peer_reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) const;
+  bool peer_reaches(const core::EngineAddress& a, const core::RemoteRegion* region) const;
   // Starts t's copy once every region it touches is answered; false if one is not.
-  bool try_start(engine::Transfer& t);
+  bool try_start(core::Transfer& t);
   // How a copy with p that ended with `error` ends: fails p first if its process is gone.
-  Status outcome(engine::Peer& p, int error);
+  Status outcome(core::Peer& p, int error);
   // Owner side, before answering p for `region`: hands p the region's file, or where it
   // cannot, consents to p's copies; returns the file as the answer carries it (or "").
-  std::string granting(engine::Peer& p, const engine::Region& region);
+  std::string granting(core::Peer& p, const core::Region& region);
   // Maps the owner's shared-memory file of a grant, from the descriptor it passed; logs the
   // first outcome with each peer.
-  void map(const engine::Peer& p, engine::Grants::Grant& grant);
+  void map(const core::Peer& p, core::Grants::Grant& grant);
   // After resolve(): where every region of the call is mapped, points `spans` into the
   // mappings and returns what keeps them; else null (the kernel copies).
   std::shared_ptr<const void> in_mappings(std::vector<Span>& spans) const;
 
-  engine::RouteHost& host_;
+  core::RouteHost& host_;
   const uint8_t id_;
   const std::string host_id_;
   const bool engine_memory_;  // this engine's own memory is host memory the route may move
@@ -101,13 +101,13 @@ class Route final : public engine::Route, public engine::PeerCopies {
   std::unordered_set<uint64_t> unconsented_;  // peers we could not consent to (logged)
   std::unordered_set<uint64_t> logged_pushes_;  // peers whose failed descriptor push was logged
   std::unique_ptr<Copies> copies_;
-  engine::Grants grants_;
+  core::Grants grants_;
   // Initiator side.
   std::unordered_map<uint64_t, std::string> denied_;  // peers whose memory the OS keeps from our kernel copies: why
   std::unordered_set<uint64_t> tried_;                // peers whose access was tried
   std::unordered_set<uint64_t> logged_maps_;          // peers whose first mapping was logged
-  std::unordered_map<uint64_t, engine::Transfer*> copying_;  // by ticket
-  std::unordered_map<uint64_t, std::pair<engine::Peer*, engine::CopyOwner*>> lent_;  // by ticket
+  std::unordered_map<uint64_t, core::Transfer*> copying_;  // by ticket
+  std::unordered_map<uint64_t, std::pair<core::Peer*, core::CopyOwner*>> lent_;  // by ticket
   std::vector<Outcome> ended_;                               // poll()'s, kept for its buffer
 };
 

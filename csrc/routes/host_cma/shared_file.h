@@ -22,7 +22,7 @@ namespace p2p::cma {
 // identity, which whoever takes the descriptor checks (a descriptor number may be reused once
 // closed). The tensor's allocator owns the descriptor; the engine keeps the tensor while the
 // region lives.
-struct SharedFile final : engine::RouteState {
+struct SharedFile final : core::RouteState {
   int32_t fd = -1;
   uint64_t offset = 0;
   uint64_t device = 0, inode = 0;  // st_dev, st_ino

@@ -28,39 +28,39 @@
 
 namespace p2p::loopback {
 
-class Route final : public engine::Route {
+class Route final : public core::Route {
  public:
   // id: the route's index in the registry (its messages carry it); host_id: host_identity().
-  Route(engine::RouteHost& host, uint8_t id, const engine::Config& config, std::string host_id);
+  Route(core::RouteHost& host, uint8_t id, const core::Config& config, std::string host_id);
 
   const char* name() const override { return "loopback"; }
   bool advertised() const override { return on_; }
-  bool reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) override;
-  bool take(engine::Transfer& t) override;
+  bool reaches(const core::EngineAddress& a, const core::RemoteRegion* region) override;
+  bool take(core::Transfer& t) override;
   bool poll() override;
   bool idle() const override { return ready_.empty(); }
-  void on_message(engine::Peer& p, std::string_view body) override;
-  void peer_failed(engine::Peer& p) override;
+  void on_message(core::Peer& p, std::string_view body) override;
+  void peer_failed(core::Peer& p) override;
   void release(uint64_t peer, uint64_t region) override;
-  bool must_release(const engine::Region& region, const engine::Peer& p) override;
+  bool must_release(const core::Region& region, const core::Peer& p) override;
   void stop() override {}  // nothing of its own runs outside poll()
 
  private:
-  bool peer_reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) const;
+  bool peer_reaches(const core::EngineAddress& a, const core::RemoteRegion* region) const;
   // Queues t for poll() once every region it touches is answered; false if one is not.
-  bool try_ready(engine::Transfer& t);
+  bool try_ready(core::Transfer& t);
   // Copies t's runs and pages, each checked against the owner's answers.
-  Status copy(const engine::Transfer& t);
+  Status copy(const core::Transfer& t);
 
-  engine::RouteHost& host_;
+  core::RouteHost& host_;
   const uint8_t id_;
   const std::string host_id_;
   const pid_t pid_;
   const bool engine_memory_;  // this engine's own memory is host memory the route may move
   const bool on_;
-  engine::Grants grants_;
-  std::vector<engine::Transfer*> ready_;    // answered: poll() copies them
-  std::vector<engine::Transfer*> copying_;  // poll()'s, kept for its capacity
+  core::Grants grants_;
+  std::vector<core::Transfer*> ready_;    // answered: poll() copies them
+  std::vector<core::Transfer*> copying_;  // poll()'s, kept for its capacity
 };
 
 }  // namespace p2p::loopback

@@ -25,7 +25,7 @@
 
 namespace p2p::staged {
 
-using namespace engine;
+using namespace core;
 
 void SlotJob::copied(const Status& status) { route->job_op_done(*this, status); }
 

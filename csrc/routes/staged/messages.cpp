@@ -17,7 +17,7 @@ void StageRequest::write(ByteWriter& w) const {
   }
   w.put(slot);
   w.put(static_cast<uint16_t>(runs.size()));
-  for (const engine::Run& run : runs) {
+  for (const core::Run& run : runs) {
     w.put(run.remote);
     w.put(static_cast<uint32_t>(run.len));
   }
@@ -39,7 +39,7 @@ StageRequest StageRequest::read(ByteReader& r) {
   }
   m.slot = r.get<uint64_t>();
   m.runs.resize(r.get<uint16_t>());
-  for (engine::Run& run : m.runs) {
+  for (core::Run& run : m.runs) {
     run.remote = r.get<uint64_t>();
     run.len = r.get<uint32_t>();
   }
@@ -60,7 +60,7 @@ StageAck StageAck::read(ByteReader& r) {
   const uint8_t kind = r.get<uint8_t>();
   if (!is_error_kind(kind)) r.fail("bad status");
   m.kind = static_cast<ErrorKind>(kind);
-  m.message = r.get_bytes(engine::kMessageBytes);
+  m.message = r.get_bytes(core::kMessageBytes);
   r.expect_end();
   return m;
 }

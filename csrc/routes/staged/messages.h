@@ -25,7 +25,7 @@ struct StageRequest {  // the initiator's slot and the region's runs it stands f
   uint64_t bytes = 0;
   std::vector<uint64_t> base, key;  // the initiator's slot, per initiator rail
   uint64_t slot = 0;  // its address in the initiator's process, if the owner may copy with it (cma), else 0
-  std::vector<engine::Run> runs;  // remote offsets and lengths in the region
+  std::vector<core::Run> runs;  // remote offsets and lengths in the region
   // Bytes of a body before its runs, and per run.
   static constexpr size_t kFixedBytes = 1 + 8 + 1 + 8 + 8 + 2 + 8 + 2, kPerRail = 16, kPerRun = 12;
   void write(ByteWriter& w) const;  // with the kind byte

@@ -19,17 +19,17 @@
 
 namespace p2p::staged {
 
-class Route final : public engine::Route {
+class Route final : public core::Route {
  public:
   // same_host: the cma route's copies, for the host hop to peers it reaches (null: none).
-  Route(engine::RouteHost& host, uint8_t id, engine::PeerCopies* same_host);
+  Route(core::RouteHost& host, uint8_t id, core::PeerCopies* same_host);
   ~Route() override;
 
   const char* name() const override { return "staged"; }
   bool advertised() const override { return false; }  // the regions' handles say it
-  bool reaches(const engine::EngineAddress& a, const engine::RemoteRegion* region) override;
+  bool reaches(const core::EngineAddress& a, const core::RemoteRegion* region) override;
   bool keeps_off_nics(int cuda_device) const override;
-  void describe(engine::Region& region, engine::RemoteRegion& handle) override;
+  void describe(core::Region& region, core::RemoteRegion& handle) override;
   bool take(Transfer& t) override;
   bool poll() override;
   // The copier does not wake the worker: a copy in flight keeps it polling.
@@ -38,7 +38,7 @@ class Route final : public engine::Route {
   void tick() override;
   void peer_failed(Peer& p) override;
   void release(uint64_t peer, uint64_t region) override { grants_.release(peer, region); }
-  bool must_release(const engine::Region& region, const Peer& p) override { return grants_.must_release(region, p); }
+  bool must_release(const core::Region& region, const Peer& p) override { return grants_.must_release(region, p); }
   void stop() override;
 
   void job_op_done(SlotJob& job, const Status& status);
@@ -84,20 +84,20 @@ class Route final : public engine::Route {
   void on_stage_request(Peer& p, StageRequest req);
   void serve(Peer& p, StageRequest req, std::shared_ptr<Region> region);
 
-  engine::RouteHost& host_;
+  core::RouteHost& host_;
   const uint8_t id_;
-  engine::PeerCopies* const same_host_;
-  engine::Grants grants_;  // the owners' answers for the regions RmaRuns copies into by cma
+  core::PeerCopies* const same_host_;
+  core::Grants grants_;  // the owners' answers for the regions RmaRuns copies into by cma
   std::unordered_set<const Transfer*> by_cma_;  // queued, its runs' remote addresses the owner's
   std::vector<std::pair<Slot*, int>> held_;  // slots a failed peer may still copy with: its pidfd
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<Slot*> free_slots_[2];  // [serve]
   void* slot_memory_ = nullptr;
   std::unordered_map<uint64_t, std::unique_ptr<SlotJob>> jobs_;
-  engine::Ring<Queued> queue_;
-  engine::Ring<uint64_t> serve_queue_;  // ids of requests waiting for a serve slot
+  core::Ring<Queued> queue_;
+  core::Ring<uint64_t> serve_queue_;  // ids of requests waiting for a serve slot
   std::vector<SlotJob*> copying_;
-  engine::Ring<SlotJob*> job_gen_queue_;
+  core::Ring<SlotJob*> job_gen_queue_;
   uint64_t next_request_ = 1;
 };
 

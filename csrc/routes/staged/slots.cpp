@@ -13,7 +13,7 @@
 
 namespace p2p::staged {
 
-using namespace engine;
+using namespace core;
 namespace {
 
 constexpr uint64_t kSlotAccess = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;

@@ -10,7 +10,7 @@
 
 namespace p2p::staged {
 
-void SlotJob::op_done(engine::RouteHost&, engine::Op&, const Status& status) { route->job_op_done(*this, status); }
+void SlotJob::op_done(core::RouteHost&, core::Op&, const Status& status) { route->job_op_done(*this, status); }
 
 const char* name(SlotJobState state) {
   switch (state) {
@@ -24,7 +24,7 @@ const char* name(SlotJobState state) {
   return "?";
 }
 
-using namespace engine;
+using namespace core;
 
 Route::Route(RouteHost& host, uint8_t id, PeerCopies* same_host)
     : host_(host), id_(id), same_host_(same_host),

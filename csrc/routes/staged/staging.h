@@ -35,14 +35,14 @@
 
 namespace p2p::staged {
 
-using engine::CopyOwner;
-using engine::CopySpan;
-using engine::OpOwner;
-using engine::Peer;
-using engine::Region;
-using engine::Run;
-using engine::RunCursor;
-using engine::Transfer;
+using core::CopyOwner;
+using core::CopySpan;
+using core::OpOwner;
+using core::Peer;
+using core::Region;
+using core::Run;
+using core::RunCursor;
+using core::Transfer;
 
 class Route;
 
@@ -120,7 +120,7 @@ struct SlotJob final : OpOwner, CopyOwner {
     return state == SlotJobState::Copying || state == SlotJobState::Generating ||
            (state == SlotJobState::Moving && ops_left > 0) || (state == SlotJobState::Requesting && cma);
   }
-  void op_done(engine::RouteHost& host, engine::Op& op, const Status& status) override;
+  void op_done(core::RouteHost& host, core::Op& op, const Status& status) override;
   void copied(const Status& status) override;
   bool abandoned() const override { return !status.ok(); }
 };

@@ -5,7 +5,7 @@
 
 namespace p2p::staged {
 
-using namespace engine;
+using namespace core;
 
 // The owner checks what its provider would check for direct RMA: region, access, bounds. It
 // also fills in the runs' local addresses.
