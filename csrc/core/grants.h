@@ -13,8 +13,9 @@
 //
 // The messages travel as the route's own (RouteHost::send with its id): an ask (1, region,
 // key) and an answer (2, region, key, address, size, access, digest, the route's own fields
-// (Granting's, length-prefixed), status kind, status message). The route keeps the rest: which peers and memory it reaches, who the owner answers at all, what it does with a
-// call once its regions are answered, and how it moves the bytes.
+// (Granting's, length-prefixed), status kind, status message). The route keeps the rest:
+// which peers and memory it reaches, who the owner answers at all, what it does with a call
+// once its regions are answered, and how it moves the bytes.
 //
 // Owned by its route: every method runs on the worker thread.
 #pragma once
