@@ -125,6 +125,7 @@ Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port, const QueryOption
   host_completion_flags_ = shm_fast ? 0 : completion_flags_;
   peers_must_release_ = profile(prov).peers_must_release;
   target_progress_ = profile(prov).target_progress;
+  unchecked_fast_rma_ = shm_fast;
   cuda_ipc_ = wants_cuda_ipc(prov, options);
   // Several segments per op cut the per-op cost of small pages (tcp allows 4). Not on the shm
   // fast path: it takes one remote segment only.

@@ -71,6 +71,9 @@ class Rail {
   bool cuda_ipc() const { return cuda_ipc_; }
   // Profile::target_progress: the target serves our RMA only while it polls.
   bool target_progress() const { return target_progress_; }
+  // True where RMA of host memory takes shm's unchecked fast path (QueryOptions::shm_fast),
+  // which the initiator does alone: the target need not poll.
+  bool unchecked_fast_rma() const { return unchecked_fast_rma_; }
   ssize_t send(void* buf, size_t len, void* desc, fi_addr_t dest, void* context);
   ssize_t recv(void* buf, size_t len, void* desc, void* context);
 
@@ -107,6 +110,7 @@ class Rail {
   ssize_t efa_refuses(const iovec* iov, void** desc, size_t n, const fi_rma_iov* rma, uint64_t flags) const;
   bool peers_must_release_ = false;
   bool target_progress_ = false;
+  bool unchecked_fast_rma_ = false;
   bool cuda_ipc_ = false;
   std::string address_;
   struct AvEntry {

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/clock.h"
+#include "common/counters.h"
 
 namespace p2p::routes::fabric {
 
@@ -113,11 +114,19 @@ bool Route::confirms(const Transfer& t) const {
 }
 
 void Route::confirm(Transfer& t) {
+  count(Counter::Fences);
   host_.post_control(*t.peer, encode_message(engine::Fence{t.id}, host_.incarnation(), t.peer->incarnation));
 }
 
+// NOTE: shm (libfabric 1.17) sends a message that asks FI_DELIVERY_COMPLETE, as our control
+// messages do, by its SAR protocol, and until the target has taken it every op to that peer
+// returns -FI_EAGAIN (tests/test_security.py, test_shm_fast_rma_setting). The unchecked fast
+// path needs nothing of the target, so its transfers send no KeepPolling to hold them up.
 void Route::waiting(Transfer& t) {
-  if (t.kind != TransferKind::Message && host_.rails().rail(0).target_progress()) keep_polling(t);
+  const p2p::fabric::Rail& rail = host_.rails().rail(0);
+  if (t.kind == TransferKind::Message || !rail.target_progress()) return;
+  const bool host_only = std::all_of(t.local.begin(), t.local.end(), [](const auto& r) { return r->cuda_device < 0; });
+  if (!(rail.unchecked_fast_rma() && host_only)) keep_polling(t);
 }
 
 // Profile::target_progress (shm): an idle target naps 50-100 us between polls and nothing wakes
