@@ -718,6 +718,7 @@ PYBIND11_MODULE(_C, m) {
           d["fabric"] = r.fabric;
           d["tx_depth"] = r.tx_depth;
           d["wait_fd"] = r.wait_fd;
+          d["cuda_ipc"] = r.cuda_ipc;
           out.append(d);
         }
         return out;

@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "common/counters.h"
 #include "common/error.h"
 #include "common/wire.h"
 #include "core/address.h"
@@ -275,6 +276,14 @@ py::tuple decode_stage_message(const py::bytes& data) {
 }  // namespace
 
 void bind_parts(py::module_& m) {
+  // The paths work took in this process (common/counters.h; tests of the settings that choose them).
+  m.def("_counters", [] {
+    py::dict d;
+    d["ipc_copy_engine_spans"] = counted(Counter::IpcCopyEngineSpans);
+    d["ipc_kernel_spans"] = counted(Counter::IpcKernelSpans);
+    d["fences"] = counted(Counter::Fences);
+    return d;
+  });
   // The control messages' wire format (tests/test_messages.py).
   m.def("_decode_message", &decode_message_fields);
   m.def("_decode_stage_message", &decode_stage_message);

@@ -1,9 +1,11 @@
 """The settings table (csrc/core/config.h): arguments, then TORCH_P2P_* variables, then the
-provider's defaults, then the table's. No engine is started: _C.Setup only resolves settings
-and queries the provider."""
+provider's defaults, then the table's. _C.Setup only resolves settings and queries the
+provider; an engine is started only for a setting that its rails apply."""
 import pytest
 
+import torch_p2p as p2p
 from torch_p2p import _C
+from conftest import engine_kwargs
 
 MiB = 1 << 20
 
@@ -82,3 +84,18 @@ def test_provider_profile_is_one_table():
     assert unknown["name"] == "" and unknown["remote"] and not any(
         unknown[k] for k in ("rdma", "auto_progress", "max_chunk", "peers_must_release", "target_progress",
                              "known_problem"))
+
+
+@pytest.mark.parametrize("provider, value, cuda_ipc", [
+    ("shm", None, True), ("shm", "0", False), ("shm", "1", True), ("tcp", None, False)])
+def test_hmem_device_only_setting(monkeypatch, provider, value, cuda_ipc):
+    """TORCH_P2P_HMEM_DEVICE_ONLY (shm): on by default, the rail registers CUDA memory
+    FI_HMEM_DEVICE_ONLY, so that shm moves it by CUDA IPC and the fabric route fences its
+    transfers; 0 leaves it to shm's host bounce buffers. The rail's decision is made for host
+    engines too, which shows it here; tests/test_cuda.py shows what it changes for GPU memory."""
+    if value is None:
+        monkeypatch.delenv("TORCH_P2P_HMEM_DEVICE_ONLY", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_P2P_HMEM_DEVICE_ONLY", value)
+    with p2p.Engine("cpu", **engine_kwargs(provider)) as e:
+        assert [r["cuda_ipc"] for r in e.rails] == [cuda_ipc] * len(e.rails)

@@ -9,6 +9,7 @@ import torch
 
 import helpers
 import torch_p2p as p2p
+from torch_p2p import _C
 from conftest import PEER_GPU, engine_kwargs
 from peer import Peer
 
@@ -287,3 +288,28 @@ def test_target_with_a_second_engine_takes_host_writes_into_gpu(first):
         remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (1 << 14,), fill=POISON, device=PEER_GPU))
         a.write_slices(src, remote).wait()
         assert torch.equal(b.call(helpers.fetch, "t"), src)
+
+
+@pytest.mark.skipif(not shm_has_hmem(), reason="this libfabric has no CUDA support for shm")
+@pytest.mark.parametrize("device_only", ["1", "0"])
+def test_hmem_device_only_setting(monkeypatch, device_only):
+    """TORCH_P2P_HMEM_DEVICE_ONLY (shm, GPU memory): on (the default) shm moves GPU memory by
+    CUDA IPC, whose RMA completes before the copy lands, so a transfer of GPU memory ends with
+    one Fence (routes/fabric/route.cpp confirms()); 0: shm's host bounce buffers, no Fence.
+    Every byte lands either way."""
+    monkeypatch.setenv("TORCH_P2P_HMEM_DEVICE_ONLY", device_only)
+    env = {"TORCH_P2P_HMEM_DEVICE_ONLY": device_only}
+    with Peer(env=env) as b, p2p.Engine("cuda:0", **engine_kwargs("shm", ipc=False)) as a:
+        if a.data_path != "direct":
+            pytest.skip(f"{a.provider} offers FI_HMEM but cannot register CUDA memory here")
+        address = b.call(helpers.start_engine, "shm", device=PEER_GPU, ipc=False)
+        assert a.route(address) == "direct"
+        assert a.rails[0]["cuda_ipc"] == (device_only == "1")
+        n = 4 << 20
+        remote = p2p.RemoteTensor.from_bytes(b.call(helpers.make_target, "t", (n,), fill=0.0, device=PEER_GPU))
+        src = random_like((n,), "cuda:0", 5)
+        a.register(src)
+        before = _C._counters()["fences"]
+        a.write_slices(src, remote).wait()
+        assert _C._counters()["fences"] - before == (1 if device_only == "1" else 0)
+        assert torch.equal(b.call(helpers.fetch, "t"), src.cpu())

@@ -271,6 +271,29 @@ def check_landed(b, want: torch.Tensor, name: str = "t"):
 
 
 @cuda
+def test_ipc_copy_engine_bytes_setting(ipc_pair, monkeypatch):
+    """TORCH_P2P_IPC_COPY_ENGINE_BYTES: IPC spans of at least this many bytes go to the copy
+    engines (cudaMemcpyAsync), shorter ones to the gather kernel (cuda/ipc_memory.cpp). One
+    4 MiB span: the kernel's under the default (16 MiB), the copy engines' under 1 MiB. The
+    initiator copies, so this process's counters tell."""
+    a, b, address = ipc_pair
+    n = 4 << 20
+    remote, src, want = source_and_target(a, b, n, 11)
+    monkeypatch.setenv("TORCH_P2P_IPC_COPY_ENGINE_BYTES", str(1 << 20))
+    with p2p.Engine("cuda:0", **engine_kwargs("tcp")) as c:
+        assert c.route(address) == "ipc"
+        c.register(src)
+        for engine, path in ((a, "ipc_kernel_spans"), (c, "ipc_copy_engine_spans")):
+            b.call(helpers.put, "t", torch.full((n,), helpers.POISON, dtype=torch.uint8))
+            before = _C._counters()
+            engine.write_slices([src], [remote]).wait()
+            after = _C._counters()
+            moved = {k: after[k] - before[k] for k in ("ipc_kernel_spans", "ipc_copy_engine_spans")}
+            assert moved == {k: int(k == path) for k in moved}, (engine is a, moved)
+            check_landed(b, want)
+
+
+@cuda
 def test_ipc_paged_random_both_sides(ipc_pair):
     a, b, _ = ipc_pair
     blocks, page = 4096, 4096

@@ -29,7 +29,7 @@ Rails::Rails(const Config& config, const fabric::Offer& offer, const cpu_set_t& 
     const size_t cq_size = 2 * (rs.depth + (i == 0 ? config.recv_buffers + config.send_buffers : 0)) + 64;
     const uint16_t port = config.port ? static_cast<uint16_t>(config.port + i) : 0;
     rs.rail = std::make_unique<fabric::Rail>(info, cq_size, port, offer.options);
-    facts_.push_back({name, info->fabric_attr->name, rs.depth, rs.rail->wait_fd() >= 0});
+    facts_.push_back({name, info->fabric_attr->name, rs.depth, rs.rail->wait_fd() >= 0, rs.rail->cuda_ipc()});
     total_depth += rs.depth;
     rails_.push_back(std::move(rs));
   }

@@ -31,6 +31,7 @@ struct RailFacts {
   std::string fabric;
   size_t tx_depth;
   bool wait_fd;
+  bool cuda_ipc;  // Rail::cuda_ipc(): shm moves GPU memory by CUDA IPC (TORCH_P2P_HMEM_DEVICE_ONLY)
 };
 
 // Where the ops of Rails end.

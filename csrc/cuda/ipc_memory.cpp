@@ -14,6 +14,7 @@
 #include <limits>
 #include <unordered_map>
 
+#include "common/counters.h"
 #include "common/log.h"
 #include "cuda/copy_kernels.h"
 #include "cuda/device.h"
@@ -241,9 +242,11 @@ class CudaMemory final : public IpcMemory {
   void queue_spans(const std::vector<core::CopySpan>& spans) {
     for (const core::CopySpan& s : spans) {
       if (s.len >= copy_engine_bytes_) {
+        count(Counter::IpcCopyEngineSpans);
         note(cudaMemcpyAsync(s.dst, s.src, s.len, cudaMemcpyDefault, stream_));
         continue;
       }
+      count(Counter::IpcKernelSpans);
       for (uint64_t off = 0; off < s.len; off += kKernelSpan) {
         if (spans_.used == kBlockSpans) launch_spans(false);
         if (!spans_.block) spans_.block = &take_pinned(kBlockSpans * sizeof(core::CopySpan));

@@ -125,10 +125,11 @@ void Peers::check(Peer& p, double deadline) {
 
 // A HELLO lost while the connection under it is torn down (tcp;ofi_rxm drops a connection
 // whose RMA the owner refused) is sent again after a pause (Liveness::hello_failed); any
-// other failure is final.
-void Peers::hello_failed(Peer& p, int err, int prov_errno, const Status& status) {
-  const auto tearing_down = [](int e) { return e == FI_ENOTCONN || e == EPIPE || e == FI_ECONNRESET || e == FI_ECONNABORTED; };
-  const bool transient = tearing_down(err) || (err == FI_ECANCELED && tearing_down(prov_errno));
+// other failure is final. tcp fails what the teardown flushed with FI_ECANCELED and a
+// prov_errno that need not name the cause (see classify() in worker.cpp).
+void Peers::hello_failed(Peer& p, int err, const Status& status) {
+  const bool transient = err == FI_ENOTCONN || err == EPIPE || err == FI_ECONNRESET || err == FI_ECONNABORTED ||
+                         err == FI_ECANCELED;
   const double t = now();
   switch (p.live.hello_failed(t, transient)) {
     case Liveness::Retry::Ignore:
@@ -272,8 +273,8 @@ void Peers::fail(Peer& p, Status why, PeerState state) {
 // One of our ops to p failed. That does not say whether p is gone: the owner may have refused an
 // RMA (and tcp;ofi_rxm then drops the connection), or a new process may have taken its address.
 // A HELLO finds out (check()); p is dead if that fails or goes unanswered.
-void Peers::op_failed(Peer& p, bool hello, int err, int prov_errno, const Status& status) {
-  if (hello) return hello_failed(p, err, prov_errno, status);
+void Peers::op_failed(Peer& p, bool hello, int err, const Status& status) {
+  if (hello) return hello_failed(p, err, status);
   check(p, now() + config_.peer_timeout_s);
 }
 

@@ -57,7 +57,7 @@ class Peers {
   void on_hello_ack(const MsgHeader& h, const HelloAck& m);
   void on_bye(Peer& p, bool closing);
   // One of our ops to p failed (hello: a HELLO): a check finds out whether p is still there.
-  void op_failed(Peer& p, bool hello, int err, int prov_errno, const Status& status);
+  void op_failed(Peer& p, bool hello, int err, const Status& status);
   void fail(Peer& p, Status why, PeerState state = PeerState::Dead);
 
   // Something now waits on p (a transfer, a job serving it, a message); end_work(): it is over,
@@ -88,7 +88,7 @@ class Peers {
   void revive(Peer& p);
   void send_hello(Peer& p);
   void check(Peer& p, double deadline);
-  void hello_failed(Peer& p, int err, int prov_errno, const Status& status);
+  void hello_failed(Peer& p, int err, const Status& status);
   void ready(Peer& p);
   void finish_disconnect(Peer& p);
   void check_processes();  // of the peers watch_process() watches

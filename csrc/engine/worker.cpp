@@ -62,11 +62,16 @@ bool is_connection_errno(int err) {
 }
 
 // What a failed op says about its peer. Providers report a refused key or range in different
-// ways (tcp: FI_ECANCELED with the errno of the cause in prov_errno), so only connection
-// errors count as the peer's; the rest is the owner refusing the access.
-ErrorKind classify(int err, int prov_errno) {
+// ways, so only connection errors count as the peer's; the rest is the owner refusing the
+// access. Either way the caller hears only after a check of the peer (Peers::op_failed): a
+// peer that does not answer is dead, whatever the op said.
+// NOTE: tcp (libfabric 1.17, tcpx_ep_disable) refuses an RMA by dropping the connection and
+// fails what was in flight on it with FI_ECANCELED and a prov_errno read from errno after its
+// own shutdown(): ENOTCONN when the owner's reset came first, else whatever errno held. So
+// FI_ECANCELED says nothing of the peer: it is the refusal of an owner that answers the check.
+ErrorKind classify(int err) {
   if (is_connection_errno(err)) return ErrorKind::Peer;
-  if (err == FI_ECANCELED) return is_connection_errno(prov_errno) ? ErrorKind::Peer : ErrorKind::Remote;
+  if (err == FI_ECANCELED) return ErrorKind::Remote;
   if (err == FI_EACCES || err == FI_EINVAL || err == FI_ENOKEY || err == FI_EKEYREJECTED || err == FI_EPERM)
     return ErrorKind::Remote;
   return ErrorKind::Generic;
@@ -271,10 +276,10 @@ void Worker::failed(Op* op, int err, int prov_errno, const std::string& message)
   }
   Peer* peer = op->peer;
   std::string who = peer ? cat(" to peer ", hex(peer->incarnation)) : std::string();
-  Status status = Status::error(classify(err, prov_errno), cat(op_name(op->kind), who, " failed: ", message));
+  Status status = Status::error(classify(err), cat(op_name(op->kind), who, " failed: ", message));
   const bool hello = op->hello, orphaned = op->orphaned;
   complete(op, status);
-  if (peer && !orphaned && !stopping_.load()) peers_.op_failed(*peer, hello, err, prov_errno, status);
+  if (peer && !orphaned && !stopping_.load()) peers_.op_failed(*peer, hello, err, status);
 }
 
 void Worker::complete(Op* op, const Status& status) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/clock.h"
+#include "common/counters.h"
 
 namespace p2p::routes::fabric {
 
@@ -118,6 +119,7 @@ bool Route::confirms(const Transfer& t) const {
 }
 
 void Route::confirm(Transfer& t) {
+  count(Counter::Fences);
   host_.post_control(*t.peer, encode_message(core::Fence{t.id}, host_.incarnation(), t.peer->incarnation));
 }
 
