@@ -23,7 +23,7 @@ def tokens(n: int, offset: int = 0) -> list[int]:
 def pair(tiny_model, instances):
     """(prefill, decode). The prefill instance also serves the reference requests, alone."""
     prefill = instances(tiny_model, enable_prefix_caching=False, **kv_config("kv_producer", 5711))
-    decode = instances(tiny_model, **kv_config("kv_consumer", 5721))
+    decode = instances(tiny_model, env={"TORCH_P2P_LOG": "info"}, **kv_config("kv_consumer", 5721))
     return prefill.ready(), decode.ready()
 
 
@@ -54,6 +54,8 @@ def test_disaggregated_tokens_match_one_instance(pair):
         assert prefill.grep(f"request {params['remote_request_id']}'s blocks freed: a decode engine pulled",
                             wait=5), prefill.tail()
     assert not decode.grep("TorchP2PConnector: loading request") and not prefill.grep("no decode engine pulled")
+    # The prefill side's caches are in shared memory (share_cpu_cache): the decode side maps them.
+    assert decode.grep("the cma route maps the shared memory of peer"), decode.tail()
 
 
 def test_prefill_killed_fails_decode_request_promptly(pair):
