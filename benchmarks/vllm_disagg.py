@@ -8,7 +8,7 @@ Per prompt length, medians over the repeats:
             timed around LLM.generate inside its instance
   load      in the decode worker, from the step that starts the request's load to the step
             that reports it done (benchmarks/_vllm_timed.py: one clock for both connectors)
-  pull      TorchP2PConnector's own log: the pull alone, issue to completion (NixlConnector
+  pull      TorchP2PConnector's own log: the pull alone, issued to seen done (NixlConnector
             logs no such time)
 
     <vllm-venv>/bin/python benchmarks/vllm_disagg.py [--lengths 64 512 1536] [--repeats 5]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from peer import Peer
+from torch_p2p.integrations.vllm.tp_mapping import Sources, sources
 from torch_p2p.integrations.vllm.transfer import KVTransfer, Pulled, fetch, tag
 
 PEER_GPU = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
@@ -85,7 +86,7 @@ def test_pull_frees_the_prefill_blocks(device, layout, token_major):
         try:
             remote, local = [3, 4, 5, 9, 17, 2], [0, 7, 8, 20]  # the first two are in "our prefix cache"
             p.call(hold, "req-1", 30.0)
-            transfer.load("d-1", "req-1", "127.0.0.1", port, "prefill", remote, local)
+            transfer.load("d-1", "req-1", [("127.0.0.1", port)], "prefill", remote, local)
             got = loaded(transfer)
             assert got.error is None and got.blocks == 4, got
             assert got.bytes == 4 * LAYERS * HEADS * TOKENS * 2 * DIM * 4
@@ -99,7 +100,7 @@ def test_pull_frees_the_prefill_blocks(device, layout, token_major):
             # A second request reuses the handshake; nobody pulls a third: its lease runs out.
             p.call(hold, "req-2", 30.0)
             p.call(hold, "req-3", 0.3)
-            transfer.load("d-2", "req-2", "127.0.0.1", port, "prefill", [1], [1])
+            transfer.load("d-2", "req-2", [("127.0.0.1", port)], "prefill", [1], [1])
             assert loaded(transfer).handshake_seconds == 0
             assert p.call(freed, 10) == {"req-2": True}
             assert p.call(freed, 10) == {"req-3": False}
@@ -113,16 +114,16 @@ def test_dead_prefill_worker_fails_the_load_promptly():
     try:
         with Peer() as p:
             port = p.call(prefill_worker, "cpu", "cpu", False)
-            transfer.load("d-1", "req-1", "127.0.0.1", port, "prefill", [1], [1])
+            transfer.load("d-1", "req-1", [("127.0.0.1", port)], "prefill", [1], [1])
             assert loaded(transfer).error is None
             os.kill(p.proc.pid, signal.SIGKILL)
             p.proc.join(10)
             killed = time.monotonic()
-            transfer.load("d-2", "req-2", "127.0.0.1", port, "prefill", [2, 3], [2, 3])
+            transfer.load("d-2", "req-2", [("127.0.0.1", port)], "prefill", [2, 3], [2, 3])
             got = loaded(transfer)
             assert got.error is not None and time.monotonic() - killed < 1.0, got
         # No one listens there any more: the handshake of a new engine fails at once too.
-        transfer.load("d-3", "req-3", "127.0.0.1", port, "another", [1], [1])
+        transfer.load("d-3", "req-3", [("127.0.0.1", port)], "another", [1], [1])
         got = loaded(transfer, timeout=5)
         assert isinstance(got.error, OSError), got
     finally:
@@ -138,7 +139,7 @@ def test_wrong_engine_and_layers_are_refused():
                                     (fewer, "prefill", "has layers")]:
             transfer = KVTransfer(mine, "cpu", engine_id="decode")
             try:
-                transfer.load("d", "r", "127.0.0.1", port, engine, [1], [1])
+                transfer.load("d", "r", [("127.0.0.1", port)], engine, [1], [1])
                 got = loaded(transfer)
                 assert isinstance(got.error, ValueError) and words in str(got.error), got
             finally:
@@ -146,13 +147,14 @@ def test_wrong_engine_and_layers_are_refused():
         transfer = KVTransfer(caches, "cpu", engine_id="decode")
         try:
             with pytest.raises(ValueError, match="2 blocks to fill from 1 remote blocks"):
-                transfer.load("d", "r", "127.0.0.1", port, "prefill", [1], [1, 2])
+                transfer.load("d", "r", [("127.0.0.1", port)], "prefill", [1], [1, 2])
         finally:
             transfer.close()
 
 
 def test_side_channel_and_tags():
     assert tag("req-1") == tag("req-1") != tag("req-2") and 0 <= tag("x") < 1 << 32
+    assert tag("req-1", readers=2) != tag("req-1")  # a prefill worker read by two decode workers
     with pytest.raises(OSError):
         from peer_helpers import free_port
         fetch("127.0.0.1", free_port(), timeout=2)
@@ -166,3 +168,70 @@ def test_side_channel_port_taken():
             KVTransfer(caches, "cpu", engine_id="b", port=first.side_channel.port)
     finally:
         first.close()
+
+
+# -- tensor parallelism of other degrees (heads sliced) --------------------------------------------
+
+def prefill_rank(state, lo: int, hi: int) -> int:
+    """A prefill worker holding KV heads [lo, hi) of vllm_caches(seed=1), in shared memory."""
+    state["caches"] = {n: t[:, lo:hi].contiguous() for n, t in vllm_caches("cpu", False, seed=1).items()}
+    state["transfer"] = KVTransfer(state["caches"], "cpu", engine_id="prefill", first_head=lo, port=0, share=True)
+    return state["transfer"].side_channel.port
+
+
+def test_tp_mapping():
+    assert sources(0, 1, 2, 4) == Sources([0, 1], 1)  # one decode worker pulls both halves
+    assert sources(1, 2, 4, 8) == Sources([2, 3], 1)
+    assert sources(1, 2, 1, 4) == Sources([0], 2)  # both decode workers read the one prefill worker
+    assert sources(3, 4, 2, 8) == Sources([1], 2)
+    assert sources(1, 2, 2, 4) == Sources([1], 1)
+    with pytest.raises(ValueError, match="one must divide the other"):
+        sources(0, 2, 3, 6)
+    with pytest.raises(ValueError, match="replicated"):
+        sources(0, 4, 1, 2)
+
+
+def test_decode_tp1_pulls_from_two_prefill_workers():
+    """Prefill TP 2, decode TP 1: the decode worker pulls each half of its heads from the
+    prefill worker that holds it, and both free their blocks."""
+    with Peer() as p0, Peer() as p1:
+        ports = [p0.call(prefill_rank, 0, HEADS // 2), p1.call(prefill_rank, HEADS // 2, HEADS)]
+        src = sources(0, 1, 2, HEADS)
+        caches = vllm_caches("cpu", False, seed=None)
+        transfer = KVTransfer(caches, "cpu", engine_id="decode")
+        try:
+            for p in (p0, p1):
+                p.call(hold, "req-1", 30.0)
+            transfer.load("d-1", "req-1", [("127.0.0.1", ports[r]) for r in src.ranks], "prefill", [3, 4, 5],
+                          [7, 1, 9], readers=src.readers)
+            got = loaded(transfer)
+            assert got.error is None, got
+            want = vllm_caches("cpu", False, seed=1)
+            for n in NAMES:
+                assert torch.equal(caches[n][[7, 1, 9]], want[n][[3, 4, 5]]), n
+            assert p0.call(freed, 10) == {"req-1": True} and p1.call(freed, 10) == {"req-1": True}
+        finally:
+            transfer.close()
+
+
+def test_two_decode_workers_pull_from_one_prefill_worker():
+    """Prefill TP 1, decode TP 2: each decode worker pulls its half of the heads; the prefill
+    worker frees the blocks only when both have."""
+    with Peer() as p:
+        port = p.call(prefill_rank, 0, HEADS)
+        p.call(hold, "req-1", 30.0)
+        want = vllm_caches("cpu", False, seed=1)
+        half = HEADS // 2
+        for rank in (0, 1):
+            src = sources(rank, 2, 1, HEADS)
+            caches = {n: torch.full((BLOCKS, half, TOKENS, 2 * DIM), -1.0) for n in NAMES}
+            transfer = KVTransfer(caches, "cpu", engine_id=f"decode-{rank}", first_head=rank * half)
+            try:
+                transfer.load("d-1", "req-1", [("127.0.0.1", port) for _ in src.ranks], "prefill", [3, 4], [5, 6],
+                              readers=src.readers)
+                assert loaded(transfer).error is None
+                for n in NAMES:
+                    assert torch.equal(caches[n][[5, 6]], want[n][[3, 4], rank * half:(rank + 1) * half]), n
+            finally:
+                transfer.close()
+            assert p.call(freed, 10 if rank else 0.5) == ({"req-1": True} if rank else {})

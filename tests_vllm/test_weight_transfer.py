@@ -39,45 +39,62 @@ def _state_dict(model_dir: str) -> dict:
     return load_file(os.path.join(model_dir, "model.safetensors"))
 
 
-def _update(server, engine) -> None:
-    server.pause()
-    engine.send_weights()
-    server.resume()
-
-
-@pytest.mark.timeout(1500)
-def test_trainer_pushes_two_versions_into_a_running_server(tmp_path, servers):
-    import torch
-    from transformers import LlamaForCausalLM
-    from vllm.distributed.weight_transfer.base import ModuleSource
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm.plugins import load_general_plugins
-
-    from torch_p2p.integrations.vllm.weight_transfer import TorchP2PTrainerInitInfo
-
-    start, second, third = (make_tiny_llama(str(tmp_path / f"m{seed}"), seed=seed) for seed in (0, 1, 2))
+def _served_and_reference(tmp_path, servers, start: str, target: str):
+    """An instance of `start` served with the torch_p2p backend and a reference instance of
+    `target`, both ready; with the first's tokens and the reference's (which must differ)."""
     served = servers(start, str(tmp_path / "served.log"), weight_backend="torch_p2p")
-    reference = servers(second, str(tmp_path / "ref1.log"))
+    reference = servers(target, str(tmp_path / "ref1.log"))
     deadline = time.monotonic() + START_TIMEOUT
     served.wait_ready(deadline)
     reference.wait_ready(deadline)
     before, expected = served.generate(PROMPTS, MAX_TOKENS), reference.generate(PROMPTS, MAX_TOKENS)
     assert [text for text, _ in before] != [text for text, _ in expected], \
         "the two weight sets must give other tokens, or the test proves little"
+    return served, reference, before, expected
 
-    # The trainer: a model whose parameters change in place, as an optimizer step changes them.
-    # The backend comes from the entry point, as in any trainer process.
+
+def _trainer(model_dir: str, dtype, served):
+    """The trainer: a model whose parameters change in place, as an optimizer step changes them,
+    and its torch_p2p engine (found through the entry point, as in any trainer process)."""
+    from transformers import LlamaForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
+
+    from torch_p2p.integrations.vllm.weight_transfer import TorchP2PTrainerInitInfo
+
     load_general_plugins()
-    trainer = LlamaForCausalLM.from_pretrained(start, dtype=torch.float32)
-    engine = WeightTransferTrainerFactory.trainer_init(
-        TorchP2PTrainerInitInfo(rank=0, timeout=60.0), client=HTTPVLLMWeightSyncClient(served.url, timeout=120),
-        source=ModuleSource(trainer))
+    trainer = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    engine = WeightTransferTrainerFactory.trainer_init(TorchP2PTrainerInitInfo(rank=0, timeout=60.0),
+                                                       client=_client(served), source=ModuleSource(trainer))
+    return trainer, engine
+
+
+def _client(server):
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    return HTTPVLLMWeightSyncClient(server.url, timeout=120)
+
+
+def _update(servers, engine) -> None:
+    for s in servers:
+        s.pause()
+    engine.send_weights()
+    for s in servers:
+        s.resume()
+
+
+@pytest.mark.timeout(1500)
+def test_trainer_pushes_two_versions_into_a_running_server(tmp_path, servers):
+    import torch
+
+    start, second, third = (make_tiny_llama(str(tmp_path / f"m{seed}"), seed=seed) for seed in (0, 1, 2))
+    served, reference, _, expected = _served_and_reference(tmp_path, servers, start, second)
+    trainer, engine = _trainer(start, torch.float32, served)
     try:
         total = sum(p.numel() * p.element_size() for p in trainer.parameters())
         with torch.no_grad():
             trainer.load_state_dict(_state_dict(second))
-        _update(served, engine)
+        _update([served], engine)
         assert served.generate(PROMPTS, MAX_TOKENS) == expected
         assert served.weight_version() == "1"
         (worker,) = engine.last_result.received
@@ -88,11 +105,45 @@ def test_trainer_pushes_two_versions_into_a_running_server(tmp_path, servers):
         reference = servers(third, str(tmp_path / "ref2.log"))
         with torch.no_grad():
             trainer.load_state_dict(_state_dict(third))
-        _update(served, engine)
+        _update([served], engine)
         reference.wait_ready(time.monotonic() + START_TIMEOUT)
         expected = reference.generate(PROMPTS, MAX_TOKENS)
         assert served.generate(PROMPTS, MAX_TOKENS) == expected
         assert served.weight_version() == "2"
         assert engine.last_result.received == [worker] and engine.last_result.version == 2
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(1500)
+def test_bfloat16_trainer_and_a_replica_that_joins_between_updates(tmp_path, servers):
+    """A bfloat16 trainer pushes into float32 instances (the source converts on the way); a
+    second instance started after the first update joins with connect() and gets the next."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    start, second = (make_tiny_llama(str(tmp_path / f"m{seed}"), seed=seed) for seed in (0, 1))
+    # What a float32 model holds after a bfloat16 push of `second`: its weights rounded to bfloat16.
+    rounded = str(tmp_path / "rounded")
+    shutil.copytree(second, rounded)
+    save_file({k: v.to(torch.bfloat16).float() for k, v in _state_dict(second).items()},
+              os.path.join(rounded, "model.safetensors"), metadata={"format": "pt"})
+    served, reference, before, expected = _served_and_reference(tmp_path, servers, start, rounded)
+    trainer, engine = _trainer(second, torch.bfloat16, served)
+    try:
+        assert {str(p.dtype) for p in trainer.parameters()} == {"torch.bfloat16"}
+        _update([served], engine)
+        assert served.generate(PROMPTS, MAX_TOKENS) == expected
+        reference.kill()  # two instances at most at once
+        late = servers(start, str(tmp_path / "late.log"), weight_backend="torch_p2p")
+        late.wait_ready(time.monotonic() + START_TIMEOUT)
+        assert late.generate(PROMPTS, MAX_TOKENS) == before  # started from the first weights
+        engine.connect(_client(late))
+        _update([served, late], engine)
+        assert late.generate(PROMPTS, MAX_TOKENS) == expected == served.generate(PROMPTS, MAX_TOKENS)
+        assert late.weight_version() == served.weight_version() == "2"
+        assert len(engine.last_result.received) == 2
     finally:
         engine.shutdown()

@@ -12,6 +12,12 @@ DEFAULTS = {
     "kv_lease_duration": ("TORCH_P2P_KV_LEASE", 30.0),
     # Seconds a handshake or a pull may take before the request's load fails.
     "transfer_timeout": ("TORCH_P2P_TRANSFER_TIMEOUT", 10.0),
+    # Prefill side, CPU caches: move them into shared memory so that decode workers of the same
+    # host copy them with memcpy rather than the kernel's cross-memory copy.
+    "share_cpu_cache": ("TORCH_P2P_SHARE_CPU_CACHE", True),
+    # Seconds a step that runs no forward waits for the loads it started, so that they are
+    # reported in that step rather than the next one.
+    "idle_load_wait": ("TORCH_P2P_IDLE_LOAD_WAIT", 0.02),
 }
 
 
@@ -21,6 +27,10 @@ def setting(kv_transfer_config, key: str):
     if value is None:
         value = os.environ.get(env, default)
     try:
+        if isinstance(default, bool) and isinstance(value, str):
+            if value.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(value)
+            return value.lower() in ("1", "true")
         return type(default)(value)
     except (TypeError, ValueError):
         raise ValueError(f"TorchP2PConnector: {key} (kv_connector_extra_config, or ${env}) must be a "

@@ -53,13 +53,15 @@ class TorchP2PConnector(KVConnectorBase_V1):
         self.worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        self.worker.start_load_kv(self._get_connector_metadata())
+        # vLLM's steps without a forward (only KV transfers to run) pass no attention metadata.
+        forward = getattr(forward_context, "attn_metadata", None) is not None
+        self.worker.start_load_kv(self._get_connector_metadata(), forward)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # loads finish before their request is scheduled (asynchronous loading)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        pass  # the decode side pulls
+        pass  # the decode side pulls: docs/vllm.md says why there is no push mode
 
     def wait_for_save(self) -> None:
         pass

@@ -23,15 +23,16 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ... import Engine, kv
+from ... import Engine, _shared, kv
 
 LAYOUTS = {"cpu": "blocks heads kv tokens dim", "cuda": "blocks heads tokens kv dim"}
 _HEADER = struct.Struct("!I")
 _MAX_INFO = 1 << 24
+_WAIT_STEP = 100e-6  # wait()'s sleeps: short next to a pull, and they free the GIL for the engine's threads
 
 
 def layer_view(cache: torch.Tensor, layout: str) -> torch.Tensor:
@@ -48,13 +49,27 @@ def layer_view(cache: torch.Tensor, layout: str) -> torch.Tensor:
     raise ValueError(f"unknown layout {layout!r}: use one of {sorted(LAYOUTS)}")
 
 
+def share_in_place(tensors) -> None:
+    """Moves the tensors' storages into shared memory; every view of them (the model's own)
+    follows, as ``Tensor.share_memory_()`` swaps a storage's memory in place."""
+    for t in tensors:
+        try:
+            t.share_memory_()  # a storage already shared is left as it is
+        except (RuntimeError, OSError) as e:
+            raise RuntimeError(f"moving the KV cache ({t.untyped_storage().nbytes()} bytes) into shared memory "
+                               f"failed ({e}): make /dev/shm larger, or turn share_cpu_cache off "
+                               "(transfers then take the kernel's cross-memory copy)") from e
+
+
 def layer_order(names) -> list[str]:
     """Layer names in model order (layers.10 after layers.2), the order both sides pair."""
     return sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
 
 
-def tag(request_id: str) -> int:
-    return zlib.crc32(request_id.encode())
+def tag(request_id: str, readers: int = 1) -> int:
+    """The notification a pull sends when `readers` decode workers read the same prefill
+    worker's blocks (tensor parallelism larger on the decode side): it frees them after all."""
+    return zlib.crc32(request_id.encode() if readers == 1 else f"{request_id}/{readers}".encode())
 
 
 def expand_blocks(ids, per_block: int) -> list[int]:
@@ -69,9 +84,62 @@ class Pulled:
     request_id: str
     blocks: int
     bytes: int
-    seconds: float  # the pull alone
+    seconds: float  # the pull alone: issued to noticed done by poll()
     handshake_seconds: float  # 0 once the peer's handle is known
     error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Load:
+    """A request's pulls, one per prefill worker that holds some of our heads (the decode side)."""
+    request_id: str
+    notify: int
+    sources: list[tuple[str, int]]
+    remote_engine_id: str
+    remote_blocks: list[int]
+    local_blocks: list[int]
+    start: float
+    handshake: float = 0.0
+    issued: float = 0.0
+    peers: list[kv.KVCacheHandle] = field(default_factory=list)
+    futures: list[torch.futures.Future] = field(default_factory=list)
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+
+def _failed(error: BaseException) -> torch.futures.Future:
+    f = torch.futures.Future()
+    f.set_exception(error)
+    return f
+
+
+def _first_of(groups: list[list], engine: Engine) -> torch.futures.Future:
+    """Completes when every future of one of `groups` (of `engine`'s futures) has succeeded,
+    cancelling the others' then, or fails with the last error once each group has failed."""
+    out, left, lock = torch.futures.Future(), [len(groups)], threading.Lock()
+
+    def one(group, f):
+        with lock:
+            left[0] -= 1
+            if out.done():
+                return
+            try:
+                f.value()
+            except BaseException as e:  # noqa: BLE001 - the caller's future carries it
+                if left[0] == 0:
+                    out.set_exception(e)
+                return
+            out.set_result(None)
+        for other in groups:
+            for g in other:
+                if other is not group and not g.done():
+                    engine.cancel(g)
+
+    for group in groups:
+        joined = _shared.all_of(group)
+        joined.add_done_callback(lambda f, group=group: one(group, f))
+    return out
 
 
 class SideChannel:
@@ -136,16 +204,21 @@ class KVTransfer:
     "cuda"; `first_head`: the model's KV head this worker's caches start at (tensor
     parallelism). With `port`, a side channel at host:port serves the handle (the prefill
     side). `timeout` bounds a handshake and a pull; `lease` is how long blocks awaiting a pull
-    are held before they are freed anyway.
+    are held before they are freed anyway. `share`: move host caches into shared memory, in
+    place, before registering them, so that same-host peers map them and copy with memcpy
+    instead of the kernel's cross-memory copy (the engine's cma route; the move copies the
+    caches once and holds twice their memory meanwhile).
     """
 
     def __init__(self, caches: dict[str, torch.Tensor], layout: str, *, engine_id: str, first_head: int = 0,
                  host: str = "127.0.0.1", port: int | None = None, timeout: float = 10.0, lease: float = 30.0,
-                 engine: Engine | None = None):
+                 engine: Engine | None = None, share: bool = False):
         if not caches:
             raise ValueError("no KV caches to register")
         self.names = layer_order(caches)
         first = caches[self.names[0]]
+        if share and first.device.type == "cpu":
+            share_in_place(caches.values())
         self.engine = engine or Engine(str(first.device))
         self._own_engine = engine is None
         self.cache = kv.KVCache(self.engine, [layer_view(caches[n], layout) for n in self.names], LAYOUTS[layout],
@@ -162,56 +235,83 @@ class KVTransfer:
             raise OSError(e.errno, f"TorchP2PConnector's side channel cannot listen on {host}:{port} "
                                    f"({e.strerror}): give each instance of a host its own side_channel_port") from e
         self._peers: dict[tuple[str, int], tuple[str, kv.KVCacheHandle]] = {}
-        # Handshakes leave the model's step: a slow or dead prefill host delays only its requests.
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="torch_p2p-load")
-        self._loaded: queue.SimpleQueue[Pulled] = queue.SimpleQueue()
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="torch_p2p-handshake")
+        # Pulls in flight, checked by poll(): noticed on vLLM's thread, not by a callback, whose
+        # thread would wait for the GIL (up to sys.getswitchinterval()) while vLLM's step runs.
+        self._pulls: list[_Load] = []
+        self._lock = threading.Lock()
+        self._failed_early: queue.SimpleQueue[Pulled] = queue.SimpleQueue()
         self._leases: dict[str, torch.futures.Future] = {}
         self._lease_lock = threading.Lock()
 
     # -- decode side -----------------------------------------------------------------------------
-    def load(self, request_id: str, remote_request_id: str, host: str, port: int, remote_engine_id: str,
-             remote_blocks, local_blocks) -> None:
+    def load(self, request_id: str, remote_request_id: str, sources: list[tuple[str, int]], remote_engine_id: str,
+             remote_blocks, local_blocks, *, readers: int = 1) -> None:
         """Pulls the prefill side's `remote_blocks` into `local_blocks` (the last
         len(local_blocks) of them: the first ones may be in our prefix cache) and tells it to
         free them. Reported by ``poll()``, failed or not, within `timeout` of a silent peer and
-        at once of a dead local one."""
+        at once of a dead local one.
+
+        `sources`: the side channels (host, port) of the prefill workers that hold this
+        worker's heads (one, or several where tensor parallelism differs: tp_mapping); each
+        pull moves the heads both hold. `readers`: how many decode workers read each of them
+        (their blocks are freed when all have)."""
         remote_blocks, local_blocks = list(remote_blocks), list(local_blocks)
         if len(local_blocks) > len(remote_blocks):
             raise ValueError(f"request {request_id}: {len(local_blocks)} blocks to fill from "
                              f"{len(remote_blocks)} remote blocks")
-        remote_blocks = remote_blocks[len(remote_blocks) - len(local_blocks):]
-        self._pool.submit(self._load, request_id, tag(remote_request_id), (host, int(port)), remote_engine_id,
-                          remote_blocks, local_blocks)
+        if not sources:
+            raise ValueError(f"request {request_id}: no prefill worker to pull from")
+        load = _Load(request_id, tag(remote_request_id, readers), [(h, int(p)) for h, p in sources], remote_engine_id,
+                     remote_blocks[len(remote_blocks) - len(local_blocks):], local_blocks, time.perf_counter())
+        known = [self._peers.get(where) for where in load.sources]
+        if all(k is not None and k[0] == remote_engine_id for k in known):
+            self._issue(load, [k[1] for k in known])  # on the caller's thread: no hop to another Python thread
+        else:
+            # A handshake leaves the model's step: a slow or dead prefill host delays only its requests.
+            self._pool.submit(self._handshake_then_issue, load)
 
-    def _load(self, request_id, notify, where, remote_engine_id, remote_blocks, local_blocks) -> None:
-        start = time.perf_counter()
-        nbytes = len(local_blocks) * self.cache.block_bytes
+    def _handshake_then_issue(self, load: "_Load") -> None:
         try:
-            peer, fetched = self._handshake(where, remote_engine_id)
-            handshake = time.perf_counter() - start if fetched else 0.0
-            begun = time.perf_counter()
-            fut = self.cache.pull(peer, remote_blocks, local_blocks, timeout=self.timeout)
+            peers = [self._handshake(where, load.remote_engine_id) for where in load.sources]
         except BaseException as e:  # reported as a failed load, never raised into vLLM's step
-            self._loaded.put(Pulled(request_id, len(local_blocks), nbytes, 0.0, time.perf_counter() - start, e))
+            self._failed_early.put(self._pulled(load, e))
             return
+        load.handshake = time.perf_counter() - load.start
+        self._issue(load, peers)
 
-        def done(f):
-            err = None
-            try:
+    def _issue(self, load: "_Load", peers: list[kv.KVCacheHandle]) -> None:
+        load.peers, load.issued = peers, time.perf_counter()
+        try:
+            for peer in peers:
+                load.futures.append(self.cache.pull(peer, load.remote_blocks, load.local_blocks, timeout=self.timeout))
+        except BaseException as e:
+            load.futures.append(_failed(e))  # reported once the pulls issued before it are done
+        with self._lock:
+            self._pulls.append(load)
+
+    def _finish(self, load: "_Load") -> "Pulled":
+        """A done load as a result; tells the prefill workers they may free the blocks, without
+        waiting for them to hear (a notice that fails leaves their blocks to the lease)."""
+        try:
+            for f in load.futures:
                 f.value()
-                # The blocks are here: tell the prefill side without waiting for it to hear (a
-                # notice that fails leaves its blocks to the lease).
-                self.cache.pull(peer, [], [], notify=notify, timeout=self.timeout)
-            except BaseException as e:
-                err = e
-            self._loaded.put(Pulled(request_id, len(local_blocks), nbytes, time.perf_counter() - begun, handshake, err))
-        fut.add_done_callback(done)
+            for peer in load.peers:
+                self.cache.pull(peer, [], [], notify=load.notify, timeout=self.timeout)
+        except BaseException as e:
+            return self._pulled(load, e)
+        return self._pulled(load, None)
 
-    def _handshake(self, where: tuple[str, int], remote_engine_id: str) -> tuple[kv.KVCacheHandle, bool]:
-        """The handle of the engine at `where`, and whether it was fetched now."""
+    def _pulled(self, load: "_Load", error: BaseException | None) -> "Pulled":
+        seconds = time.perf_counter() - load.issued if load.issued else 0.0
+        return Pulled(load.request_id, len(load.local_blocks), len(load.local_blocks) * self.cache.block_bytes,
+                      seconds, load.handshake, error)
+
+    def _handshake(self, where: tuple[str, int], remote_engine_id: str) -> kv.KVCacheHandle:
+        """The handle of the engine at `where`, fetched from its side channel."""
         known = self._peers.get(where)
         if known is not None and known[0] == remote_engine_id:
-            return known[1], False
+            return known[1]  # an earlier load's handshake finished meanwhile
         info = json.loads(fetch(*where, timeout=self.timeout))
         if info["engine_id"] != remote_engine_id:
             raise ValueError(f"{where[0]}:{where[1]} serves engine {info['engine_id']}, not {remote_engine_id}")
@@ -219,15 +319,30 @@ class KVTransfer:
             raise ValueError(f"engine {remote_engine_id} has layers {info['layers']}, this one {self.names}")
         peer = kv.KVCacheHandle.from_bytes(base64.b64decode(info["handle"]))
         self._peers[where] = (remote_engine_id, peer)
-        return peer, True
+        return peer
+
+    def wait(self, seconds: float) -> None:
+        """Waits until every pull issued so far is done, or `seconds` pass (for a caller with
+        nothing else to do: poll() then reports them without another round)."""
+        with self._lock:
+            pulls = list(self._pulls)
+        deadline = time.perf_counter() + seconds
+        for p in pulls:
+            while not p.done() and time.perf_counter() < deadline:
+                time.sleep(_WAIT_STEP)
 
     # -- prefill side ----------------------------------------------------------------------------
     def hold(self, request_id: str, lease: float | None = None) -> None:
-        """Holds a finished request's blocks until a decode worker's pull says it is done with
-        them, or `lease` (default: the object's) passes."""
-        fut = self.cache.notification(tag(request_id), timeout=self.lease if lease is None else lease)
+        """Holds a finished request's blocks until the decode workers' pulls say they are done
+        with them, or `lease` (default: the object's) passes. How many decode workers read them
+        is up to the decode engine's tensor parallelism: one waiter per count this worker's
+        heads allow (a reader takes at least one), the first to complete wins."""
+        lease = self.lease if lease is None else lease
+        heads = self.cache.heads[1] - self.cache.heads[0] if self.cache.heads else 1
+        groups = [[self.engine.notification(tag(request_id, k), timeout=lease) for _ in range(k)]
+                  for k in range(1, heads + 1) if heads % k == 0]
         with self._lease_lock:
-            self._leases[request_id] = fut
+            self._leases[request_id] = _first_of(groups, self.engine)
 
     # -- both ------------------------------------------------------------------------------------
     def poll(self) -> tuple[dict[str, bool], list[Pulled]]:
@@ -243,10 +358,15 @@ class KVTransfer:
                         freed[rid] = True
                     except Exception:
                         freed[rid] = False
-        loaded = []
+        done, pending = [], []
+        with self._lock:
+            for p in self._pulls:
+                (done if p.done() else pending).append(p)
+            self._pulls = pending
+        loaded = [self._finish(p) for p in done]
         while True:
             try:
-                loaded.append(self._loaded.get_nowait())
+                loaded.append(self._failed_early.get_nowait())
             except queue.Empty:
                 return freed, loaded
 

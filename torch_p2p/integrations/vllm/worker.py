@@ -6,6 +6,7 @@ from vllm.logger import init_logger
 
 from .config import engine_port, setting
 from .metadata import TorchP2PMetadata
+from .tp_mapping import sources
 from .transfer import KVTransfer, expand_blocks
 
 logger = init_logger("vllm.torch_p2p")  # under "vllm": the logger vLLM configures
@@ -18,12 +19,15 @@ class Worker:
         self.num_blocks = kv_cache_config.num_blocks
         self.tp_rank = _tp_rank()
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self.port = engine_port(vllm_config) + self.tp_rank
         self.transfer: KVTransfer | None = None
         self._per_block = 1
         self._loading: dict[str, list[int]] = {}  # request -> its local blocks
         self._failed: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._idle_wait = setting(self.config, "idle_load_wait")
+        self._wait_now = False  # this step started loads and runs no forward
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         first = next(iter(kv_caches.values()))
@@ -33,29 +37,31 @@ class Worker:
         # vLLM splits a scheduler block into kernel blocks where the attention kernel wants smaller ones.
         self._per_block = first.shape[0] // self.num_blocks
         heads = first.shape[1]
+        if heads * self.tp_size != self.kv_heads:
+            raise NotImplementedError(f"TorchP2PConnector: {self.kv_heads} KV heads over tensor parallelism "
+                                      f"{self.tp_size} are replicated ({heads} a worker); not supported")
         serve = self.config.is_kv_producer
         self.transfer = KVTransfer(
             kv_caches, "cpu" if first.device.type == "cpu" else "cuda", engine_id=self.engine_id,
             first_head=self.tp_rank * heads, host=setting(self.config, "side_channel_host"),
             port=self.port if serve else None, timeout=setting(self.config, "transfer_timeout"),
-            lease=setting(self.config, "kv_lease_duration"))
+            lease=setting(self.config, "kv_lease_duration"), share=serve and setting(self.config, "share_cpu_cache"))
         logger.info("TorchP2PConnector: %d layers registered (%s, %s)%s", len(kv_caches), self.transfer.cache,
                     self.transfer.engine.provider, f", side channel on port {self.port}" if serve else "")
 
-    def start_load_kv(self, meta: TorchP2PMetadata) -> None:
+    def start_load_kv(self, meta: TorchP2PMetadata, forward: bool) -> None:
+        """Starts the step's loads; `forward`: whether the step runs the model."""
         assert self.transfer is not None, "register_kv_caches comes first"
+        self._wait_now = bool(meta.loads) and not forward
         for load in meta.loads:
             local = expand_blocks(load.local_blocks, self._per_block)
             if load.local_blocks:
                 self._loading[load.request_id] = load.local_blocks
             try:
-                if load.remote_tp_size != self.tp_size:
-                    raise ValueError(f"prefill engine {load.remote_engine_id} runs tensor parallel "
-                                     f"{load.remote_tp_size}, this one {self.tp_size}: TorchP2PConnector "
-                                     "needs them equal")
-                self.transfer.load(load.request_id, load.remote_request_id, load.remote_host,
-                                   load.remote_port + self.tp_rank, load.remote_engine_id,
-                                   expand_blocks(load.remote_blocks, self._per_block), local)
+                src = sources(self.tp_rank, self.tp_size, load.remote_tp_size, self.kv_heads)
+                self.transfer.load(load.request_id, load.remote_request_id,
+                                   [(load.remote_host, load.remote_port + q) for q in src.ranks], load.remote_engine_id,
+                                   expand_blocks(load.remote_blocks, self._per_block), local, readers=src.readers)
             except Exception as e:
                 self._fail(load.request_id, e)
         for request_id, lease in meta.holds.items():
@@ -66,6 +72,10 @@ class Worker:
         them whose load failed)."""
         if self.transfer is None:
             return set(), set(), set()
+        if self._wait_now:
+            # Nothing else to run this step: its loads are reported now rather than a step later.
+            self._wait_now = False
+            self.transfer.wait(self._idle_wait)
         freed, loaded = self.transfer.poll()
         for request_id, pulled in freed.items():
             if pulled:
