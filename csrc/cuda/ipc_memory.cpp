@@ -240,13 +240,13 @@ class CudaMemory final : public IpcMemory {
 
   // Copy-engine copies go out at once; the rest fill descriptor blocks, launched when full.
   void queue_spans(const std::vector<core::CopySpan>& spans) {
+    uint64_t engine_spans = 0;
     for (const core::CopySpan& s : spans) {
       if (s.len >= copy_engine_bytes_) {
-        count(Counter::IpcCopyEngineSpans);
+        ++engine_spans;
         note(cudaMemcpyAsync(s.dst, s.src, s.len, cudaMemcpyDefault, stream_));
         continue;
       }
-      count(Counter::IpcKernelSpans);
       for (uint64_t off = 0; off < s.len; off += kKernelSpan) {
         if (spans_.used == kBlockSpans) launch_spans(false);
         if (!spans_.block) spans_.block = &take_pinned(kBlockSpans * sizeof(core::CopySpan));
@@ -254,6 +254,8 @@ class CudaMemory final : public IpcMemory {
             static_cast<char*>(s.dst) + off, static_cast<const char*>(s.src) + off, std::min(kKernelSpan, s.len - off)};
       }
     }
+    count(Counter::IpcCopyEngineSpans, engine_spans);
+    count(Counter::IpcKernelSpans, spans.size() - engine_spans);
   }
 
   void launch_spans(bool last) {

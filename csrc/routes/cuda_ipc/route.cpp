@@ -69,9 +69,9 @@ bool Route::asks(const EngineAddress& a, const IpcExport& x) const {
   return x.shared.kind == cuda::Export::Vmm && a.pid != static_cast<uint32_t>(getpid());
 }
 
-bool Route::map(const EngineAddress& a, const RemoteRegion& region) {
+bool Route::map(const EngineAddress& a, const RemoteRegion& region, const IpcExport& x) {
   try {
-    mappings_->map(a.incarnation, a.pid == static_cast<uint32_t>(getpid()), region, export_of(region));
+    mappings_->map(a.incarnation, a.pid == static_cast<uint32_t>(getpid()), region, x);
     return true;
   } catch (const Error& e) {
     if (e.kind() == ErrorKind::Value) throw;
@@ -92,7 +92,7 @@ bool Route::reaches(const EngineAddress& a, const RemoteRegion* region) {
     const IpcExport x = export_of(*region);
     if (x.shared.kind == cuda::Export::None) return false;
     if (asks(a, x)) return !refused_.count({a.incarnation, region->id});
-    return map(a, *region);
+    return map(a, *region, x);
   } catch (const Error&) {  // a handle that lies about its memory: its transfers fail
     return false;
   }
@@ -126,7 +126,7 @@ bool Route::take(Transfer& t) {
       const IpcExport x = export_of(*r);
       if (x.shared.kind == cuda::Export::None) return false;
       if (!asks(p.address, x)) {
-        if (!map(p.address, *r)) return false;
+        if (!map(p.address, *r, x)) return false;
         continue;
       }
       const RegionKey key{p.incarnation, r->id};

@@ -68,7 +68,7 @@ class Route final : public core::Route {
   bool asks(const core::EngineAddress& a, const IpcExport& x) const;
   // Maps `region` of peer `a`; false (said once) where the peer cannot be mapped at all.
   // Throws the Value error of a handle that lies about its memory.
-  bool map(const core::EngineAddress& a, const core::RemoteRegion& region);
+  bool map(const core::EngineAddress& a, const core::RemoteRegion& region, const IpcExport& x);
   // Queues t's copy (every region mapped); or ends it where a region cannot be had.
   void start(core::Transfer& t);
   // Owner side: a peer asks for VMM region `region`: passes its allocations, and answers.
