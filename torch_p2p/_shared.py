@@ -33,6 +33,12 @@ def done() -> torch.futures.Future:
     return f
 
 
+def failed(error: BaseException) -> torch.futures.Future:
+    f = torch.futures.Future()
+    f.set_exception(error)
+    return f
+
+
 def then(first: torch.futures.Future, start, out: torch.futures.Future) -> None:
     """Once `first` succeeds, starts the operation start() returns and completes `out` with
     it; the first failure (or start()'s exception) fails `out`."""

@@ -108,12 +108,6 @@ class _Load:
         return all(f.done() for f in self.futures)
 
 
-def _failed(error: BaseException) -> torch.futures.Future:
-    f = torch.futures.Future()
-    f.set_exception(error)
-    return f
-
-
 def _first_of(groups: list[list], engine: Engine) -> torch.futures.Future:
     """Completes when every future of one of `groups` (of `engine`'s futures) has succeeded,
     cancelling the others' then, or fails with the last error once each group has failed."""
@@ -286,7 +280,7 @@ class KVTransfer:
             for peer in peers:
                 load.futures.append(self.cache.pull(peer, load.remote_blocks, load.local_blocks, timeout=self.timeout))
         except BaseException as e:
-            load.futures.append(_failed(e))  # reported once the pulls issued before it are done
+            load.futures.append(_shared.failed(e))  # reported once the pulls issued before it are done
         with self._lock:
             self._pulls.append(load)
 
