@@ -17,6 +17,7 @@
 #include "core/transfer.h"
 #include "engine/remote_view.h"
 #include "routes/cuda_ipc/export.h"
+#include "routes/fabric/messages.h"
 #ifdef WITH_CUDA
 #include "cuda/vmm.h"
 #endif
@@ -94,7 +95,7 @@ TransferState state_named(const std::string& text) {
 
 // Transfer::next_step for a transfer in `state` with these facts, for tests.
 std::string transfer_next_step(const std::string& state, bool message, bool ok, bool held, bool acked,
-                               size_t pending, bool needs_fence) {
+                               size_t pending, bool needs_confirm) {
   Transfer t;
   t.state = state_named(state);
   t.kind = message ? TransferKind::Message : TransferKind::Write;
@@ -102,7 +103,7 @@ std::string transfer_next_step(const std::string& state, bool message, bool ok, 
   t.held = held;
   t.acked = acked;
   t.pending = pending;
-  return name(t.next_step(needs_fence));
+  return name(t.next_step(needs_confirm));
 }
 
 // Whether Transfer::enter allows the move, for tests.
@@ -213,7 +214,6 @@ void add_fields(py::dict& f, const RouteMessage& m) {
   f["route"] = m.route;
   f["body"] = bytes_of(m.body);
 }
-void add_fields(py::dict&, const KeepPolling&) {}
 
 // dst[dst_ids[i]] = src[src_ids[i]] for rows of two contiguous 2-D host tensors, one memcpy per
 // row on this thread: the single-core ceiling the same-host host route is measured against.
@@ -273,6 +273,14 @@ py::tuple decode_stage_message(const py::bytes& data) {
   return py::make_tuple(static_cast<int>(kind), fields, py::bytes(again.str()));
 }
 
+py::tuple decode_fabric_message(const py::bytes& data) {
+  const std::string bytes(data);
+  const routes::fabric::Message m = routes::fabric::read_message(bytes);
+  py::dict fields;
+  fields["transfer"] = m.transfer;
+  return py::make_tuple(static_cast<int>(m.kind), fields, py::bytes(routes::fabric::write_message(m)));
+}
+
 }  // namespace
 
 void bind_parts(py::module_& m) {
@@ -287,6 +295,7 @@ void bind_parts(py::module_& m) {
   // The control messages' wire format (tests/test_messages.py).
   m.def("_decode_message", &decode_message_fields);
   m.def("_decode_stage_message", &decode_stage_message);
+  m.def("_decode_fabric_message", &decode_fabric_message);
   m.def("_copy_rows", &copy_rows, py::arg("dst"), py::arg("dst_ids"), py::arg("src"), py::arg("src_ids"));
   m.def("_cma_copy", &cma_copy, py::arg("pid"), py::arg("spans"), py::arg("write"));
   // The striper (tests/test_striper.py).
@@ -295,7 +304,7 @@ void bind_parts(py::module_& m) {
   m.def("_slot_size", &slot_size);
   // The transfer state machine (csrc/core/transfer.h; tests/test_transfer_state.py).
   m.def("_transfer_next_step", &transfer_next_step, py::arg("state"), py::arg("message"), py::arg("ok"),
-        py::arg("held"), py::arg("acked"), py::arg("pending"), py::arg("needs_fence"));
+        py::arg("held"), py::arg("acked"), py::arg("pending"), py::arg("needs_confirm"));
   m.def("_transfer_may_enter", &transfer_may_enter);
 
   // One peer's liveness schedule (csrc/core/liveness.h) on a clock the caller

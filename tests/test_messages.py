@@ -34,11 +34,8 @@ CASES = {
     "notify": (7, struct.pack("<IB", 42, PEER_ERROR) + blob(b"gone"), {"id": 42, "kind": PEER_ERROR, "message": b"gone"}),
     "region_closed": (10, struct.pack("<Q", 12), {"id": 12}),
     "region_released": (11, struct.pack("<Q", 13), {"id": 13}),
-    "fence": (12, struct.pack("<Q", 14), {"id": 14}),
-    "fence_ack": (13, struct.pack("<Q", 15), {"id": 15}),
     "user_ack": (14, struct.pack("<I", 16), {"id": 16}),
     "route": (15, struct.pack("<B", 1) + blob(b"body"), {"route": 1, "body": b"body"}),
-    "keep_polling": (16, b"", {}),
 }
 
 
@@ -56,10 +53,12 @@ def test_each_message_reads_its_fields_and_writes_the_same_bytes(name):
     (header(99), "unknown message type"),
     (header(4), "unknown message type"),  # retired (Ping)
     (header(8) + STAGE, "unknown message type"),  # retired: the staged route's messages are Route ones
+    (header(12) + struct.pack("<Q", 1), "unknown message type"),  # retired: so are the fabric route's
+    (header(16), "unknown message type"),
     (header(7) + struct.pack("<IB", 1, 200) + blob(b""), "bad status"),
     (header(6) + struct.pack("<IQQ", 1, (1 << 30) + 1, 0) + blob(b""), "message too large"),
-    (header(12) + b"\x01\x02", "truncated"),
-    (struct.pack("<I", 0xDEADBEEF) + header(12)[4:] + struct.pack("<Q", 1), "bad magic"),
+    (header(10) + b"\x01\x02", "truncated"),
+    (struct.pack("<I", 0xDEADBEEF) + header(10)[4:] + struct.pack("<Q", 1), "bad magic"),
     (header(7) + struct.pack("<IB", 1, 0) + struct.pack("<I", 9000), "longer than allowed"),
 ])
 def test_malformed_messages_are_refused(data, why):
@@ -91,3 +90,29 @@ def test_each_staged_message_reads_its_fields_and_writes_the_same_bytes(name):
 def test_malformed_staged_messages_are_refused(data, why):
     with pytest.raises(ValueError, match=why):
         _C._decode_stage_message(data)
+
+
+# The fabric route's messages, the body of a Route message to it: a kind byte, then a transfer
+# id for a Fence and its answer.
+FABRIC_CASES = {
+    "fence": (1, struct.pack("<Q", 14), {"transfer": 14}),
+    "fence_ack": (2, struct.pack("<Q", 15), {"transfer": 15}),
+    "keep_polling": (3, b"", {"transfer": 0}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FABRIC_CASES))
+def test_each_fabric_message_reads_its_fields_and_writes_the_same_bytes(name):
+    kind, body, fields = FABRIC_CASES[name]
+    data = bytes([kind]) + body
+    assert _C._decode_fabric_message(data) == (kind, fields, data)
+
+
+@pytest.mark.parametrize("data, why", [
+    (bytes([1]) + b"\x01\x02", "truncated"),
+    (bytes([3, 0]), "trailing bytes"),
+    (bytes([9]) + struct.pack("<Q", 1), "unknown kind"),
+])
+def test_malformed_fabric_messages_are_refused(data, why):
+    with pytest.raises(ValueError, match=why):
+        _C._decode_fabric_message(data)

@@ -8,9 +8,9 @@ from torch_p2p import _C
 STATES = ["New", "WaitingForPeer", "Queued", "Running", "AwaitingAck", "Notifying", "Reported"]
 
 
-def step(state, message=False, ok=True, held=False, acked=False, pending=0, needs_fence=False):
+def step(state, message=False, ok=True, held=False, acked=False, pending=0, needs_confirm=False):
     return _C._transfer_next_step(state=state, message=message, ok=ok, held=held, acked=acked,
-                                  pending=pending, needs_fence=needs_fence)
+                                  pending=pending, needs_confirm=needs_confirm)
 
 
 def test_running_waits_for_its_ops_then_reports():
@@ -18,11 +18,11 @@ def test_running_waits_for_its_ops_then_reports():
     assert step("Running", pending=0) == "Report"
 
 
-def test_running_fences_when_the_provider_copies_asynchronously():
-    assert step("Running", pending=1, needs_fence=True) == "Wait"
-    assert step("Running", needs_fence=True) == "Fence"
-    assert step("AwaitingAck", needs_fence=True) == "Wait"
-    assert step("AwaitingAck", acked=True, needs_fence=True) == "Report"
+def test_running_asks_for_confirmation_when_its_route_needs_one():
+    assert step("Running", pending=1, needs_confirm=True) == "Wait"
+    assert step("Running", needs_confirm=True) == "Confirm"
+    assert step("AwaitingAck", needs_confirm=True) == "Wait"
+    assert step("AwaitingAck", acked=True, needs_confirm=True) == "Report"
 
 
 def test_a_message_waits_for_its_acknowledgement():

@@ -26,13 +26,10 @@ enum class MsgType : uint8_t {
   // 8, 9: retired (StageReq, StageAck); the staged route's messages travel as Route
   RegionClosed = 10,     // body: region id. The owner is deregistering it: refuse new transfers
   RegionReleased = 11,   // body: region id. Nothing of the sender's still flows into it
-  Fence = 12,     // body: transfer id. Answered once the CUDA copies the receiver's provider
-                  // queued for the sender's RMA have finished (shm CUDA IPC, see fence())
-  FenceAck = 13,  // body: transfer id
+  // 12, 13: retired (Fence, FenceAck); the fabric route's messages travel as Route
   UserAck = 14,   // body: message id. The receiver has the whole User message (on_user)
   Route = 15,     // body: route id, bytes. For that route of the receiver (core/route.h)
-  KeepPolling = 16,  // no body. The sender has RMA in flight that the receiver's progress serves
-                     // (Profile::target_progress): arriving, it keeps the receiver polling
+  // 16: retired (KeepPolling), as 12 and 13
 };
 
 // Every message starts with the sender's incarnation and the incarnation it is meant for, so a
@@ -152,7 +149,7 @@ struct StatusMessage {
 // A write with notify=tag (the id) ended with this status; all its bytes are there.
 using Notify = StatusMessage<MsgType::Notify, uint32_t>;
 
-// Four messages that name one id.
+// Two messages that name one id.
 template <MsgType T>
 struct IdMessage {
   static constexpr MsgType kType = T;
@@ -160,8 +157,6 @@ struct IdMessage {
   void write(ByteWriter& w) const { w.put(id); }
   static IdMessage read(ByteReader& r) { return {r.get<uint64_t>()}; }
 };
-using Fence = IdMessage<MsgType::Fence>;                    // transfer id
-using FenceAck = IdMessage<MsgType::FenceAck>;              // transfer id
 using RegionClosed = IdMessage<MsgType::RegionClosed>;      // region id
 using RegionReleased = IdMessage<MsgType::RegionReleased>;  // region id
 
@@ -176,14 +171,8 @@ struct RouteMessage {  // a route's own message, for the same route of the recei
   static RouteMessage read(ByteReader& r) { return {r.get<uint8_t>(), r.get_bytes(kMessageBytes)}; }
 };
 
-struct KeepPolling {  // see MsgType::KeepPolling
-  static constexpr MsgType kType = MsgType::KeepPolling;
-  void write(ByteWriter&) const {}
-  static KeepPolling read(ByteReader&) { return {}; }
-};
-
-using Message = std::variant<Hello, HelloAck, Bye, UserFragment, UserAck, Notify, Fence, FenceAck, RegionClosed,
-                             RegionReleased, RouteMessage, KeepPolling>;
+using Message = std::variant<Hello, HelloAck, Bye, UserFragment, UserAck, Notify, RegionClosed, RegionReleased,
+                             RouteMessage>;
 
 template <typename M>
 ByteWriter encode_message(const M& m, uint64_t from, uint64_t to) {

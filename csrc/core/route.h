@@ -52,9 +52,7 @@ class RouteHost {
   virtual ~RouteHost() = default;
   // Sends `body` to the same route of peer `p` (its Route::on_message).
   virtual void send(Peer& p, uint8_t route, std::string body) = 0;
-  // Sends a control message of the wire's own types (core/messages.h; Route::on_control).
-  virtual void post_control(Peer& p, ByteWriter&& w) = 0;
-  virtual uint64_t incarnation() const = 0;  // ours, for encode_message
+  virtual uint64_t incarnation() const = 0;  // ours
   // t is route `route`'s from now on (its work counted in t.pending): marks it so and answers
   // the streams waiting on its order (Route::stream_order). Before anything may finish t.
   virtual void started(Transfer& t, uint8_t route) = 0;
@@ -156,9 +154,6 @@ class Route {
   virtual bool idle() const = 0;
   // A message from the same route of peer `p`.
   virtual void on_message(Peer& p, std::string_view body) = 0;
-  // A control message of the wire's own types that the worker does not handle itself; true
-  // if the route took it. May throw an Error for a malformed one.
-  virtual bool on_control(Peer& p, Message& m) { return false; }
   // The worker's timers ran (about every 10 ms).
   virtual void tick() {}
   // Peer `p` failed: its transfers were failed; the route lets go of its state for them.

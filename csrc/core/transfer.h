@@ -36,7 +36,7 @@ enum class TransferState : uint8_t {
   WaitingForPeer,  // its peer is connecting or being checked (in Peer::waiting)
   Queued,          // in the generation queue, or parked there for a staging slot
   Running,         // every op or job exists (or the IPC copy is queued)
-  AwaitingAck,     // its ops are done; the peer's FenceAck, or a message's UserAck, is due
+  AwaitingAck,     // its ops are done; its route's confirmation, or a message's UserAck, is due
   Notifying,       // it succeeded; the future completes once the Notify to the receiver leaves
   Reported,        // the future has its result; freed once no op, job or queue refers to it
 };
@@ -46,7 +46,7 @@ const char* name(TransferState state);
 enum class TransferStep : uint8_t {
   Wait,      // nothing until more completes or arrives
   AwaitAck,  // a message is out: wait for the receiver's acknowledgement
-  Fence,     // send a Fence, and wait for its answer
+  Confirm,   // its route asks the peer to confirm it (Route::confirm), and waits
   Report,    // the result is known: finish()
 };
 const char* name(TransferStep step);
@@ -97,9 +97,9 @@ struct Transfer final : OpOwner, TransferCall {
 
   bool reported() const { return state == TransferState::Reported; }
   bool routed() const { return route != kNoRoute; }
-  // Decides advance()'s next move; needs_fence: the peer must confirm that its bytes landed
+  // Decides advance()'s next move; needs_confirm: the peer must confirm that its bytes landed
   // (Route::confirms).
-  TransferStep next_step(bool needs_fence) const;
+  TransferStep next_step(bool needs_confirm) const;
   // Moves to `to`; a move the diagram above does not allow is a bug (asserted).
   void enter(TransferState to);
   // The pages as byte runs after the plain runs, for the paths that move runs.

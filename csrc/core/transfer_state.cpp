@@ -22,7 +22,7 @@ const char* name(TransferStep step) {
   switch (step) {
     case TransferStep::Wait: return "Wait";
     case TransferStep::AwaitAck: return "AwaitAck";
-    case TransferStep::Fence: return "Fence";
+    case TransferStep::Confirm: return "Confirm";
     case TransferStep::Report: return "Report";
   }
   return "?";
@@ -71,7 +71,7 @@ void TransferPool::give(std::unique_ptr<Transfer> t) {
   if (spare_.size() < kSpare) spare_.push_back(std::move(t));
 }
 
-TransferStep Transfer::next_step(bool needs_fence) const {
+TransferStep Transfer::next_step(bool needs_confirm) const {
   using S = TransferState;
   if (state == S::Reported) return TransferStep::Wait;
   // Fail fast: what is still in flight drains in the background. A held failure waits for
@@ -81,7 +81,7 @@ TransferStep Transfer::next_step(bool needs_fence) const {
     case S::Running:
       if (pending > 0) return TransferStep::Wait;
       if (kind == TransferKind::Message && !acked) return TransferStep::AwaitAck;
-      return needs_fence ? TransferStep::Fence : TransferStep::Report;
+      return needs_confirm ? TransferStep::Confirm : TransferStep::Report;
     case S::AwaitingAck:
       return acked ? TransferStep::Report : TransferStep::Wait;
     case S::Notifying:

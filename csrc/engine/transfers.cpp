@@ -158,7 +158,7 @@ void Worker::advance(Transfer& t) {
     case TransferStep::AwaitAck:  // sent, not yet acknowledged (acknowledged())
       t.enter(TransferState::AwaitingAck);
       return;
-    case TransferStep::Fence:
+    case TransferStep::Confirm:
       t.enter(TransferState::AwaitingAck);  // a failing peer or the deadline fails it meanwhile
       route->confirm(t);
       return;

@@ -333,11 +333,6 @@ void Worker::on_message(const char* data, size_t len) {
     struct Dispatch {
       Worker& w;
       Peer& p;
-      Message& body;
-      void to_routes() {  // a type a route owns (the fabric route's fences)
-        for (auto& r : w.routes_)
-          if (r->on_control(p, body)) return;
-      }
       void operator()(const UserFragment& m) { w.on_user(p, m); }
       void operator()(const UserAck& m) {
         auto entry = p.unacked.find(m.id);
@@ -347,19 +342,16 @@ void Worker::on_message(const char* data, size_t len) {
         w.acknowledged(p, transfer);
       }
       void operator()(const Notify& m) { w.inbox_.notified(m); }
-      void operator()(const Fence&) { to_routes(); }
-      void operator()(const FenceAck&) { to_routes(); }
       void operator()(const RegionClosed& m) { w.on_region_closed(p, m.id); }
       void operator()(const RegionReleased& m) { w.regions_.released(m.id, p.incarnation); }
       void operator()(const RouteMessage& m) {
         if (m.route < w.routes_.size()) w.routes_[m.route]->on_message(p, m.body);
       }
-      void operator()(const KeepPolling&) { to_routes(); }
       void operator()(const Hello&) {}  // taken above
       void operator()(const HelloAck&) {}
       void operator()(const Bye&) {}
     };
-    std::visit(Dispatch{*this, p, m.body}, m.body);
+    std::visit(Dispatch{*this, p}, m.body);
   } catch (const Error& e) {
     P2P_LOG(Warn, "dropped a malformed control message: ", e.what());
   }

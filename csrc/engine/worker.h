@@ -105,7 +105,6 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
   // RouteHost (core/route.h): what the routes of the registry, and op owners, reach back for.
   void transfer_op_done(Transfer& t, const Status& status) override;
   void send(Peer& p, uint8_t route, std::string body) override;
-  void post_control(Peer& p, ByteWriter&& w) override { peers_.send(p, std::move(w)); }
   uint64_t incarnation() const override { return facts_.incarnation; }
   void started(Transfer& t, uint8_t route) override;
   void done(Transfer& t, const Status& status) override;

@@ -4,6 +4,7 @@
 
 #include "common/clock.h"
 #include "common/counters.h"
+#include "routes/fabric/messages.h"
 
 namespace p2p::routes::fabric {
 
@@ -30,7 +31,7 @@ bool Route::take(Transfer& t) {
 
 bool Route::poll() {
   fences_.poll(host_.copier(), [this](core::Peer* p, uint64_t transfer) {
-    if (!p->failed()) host_.post_control(*p, encode_message(core::FenceAck{transfer}, host_.incarnation(), p->incarnation));
+    if (!p->failed()) host_.send(*p, id_, write_message({kFenceAck, transfer}));
   });
   return generate();
 }
@@ -94,15 +95,11 @@ bool Route::generate_rma(Transfer& t, uint64_t chunk, core::RunCursor& at) {
       });
 }
 
-bool Route::on_control(core::Peer& p, core::Message& m) {
-  if (const auto* fence = std::get_if<core::Fence>(&m)) {
-    fences_.add(host_.copier(), &p, fence->id);
-  } else if (const auto* ack = std::get_if<core::FenceAck>(&m)) {
-    host_.acknowledged(p, ack->id);
-  } else if (!std::holds_alternative<core::KeepPolling>(m)) {  // its arrival was the point
-    return false;
-  }
-  return true;
+void Route::on_message(core::Peer& p, std::string_view body) {
+  const Message m = read_message(body);
+  if (m.kind == kFence) fences_.add(host_.copier(), &p, m.transfer);
+  if (m.kind == kFenceAck) host_.acknowledged(p, m.transfer);
+  // kKeepPolling: its arrival was the point
 }
 
 // NOTE: shm's CUDA IPC path (libfabric 2.6) completes an RMA once the target has queued its
@@ -120,7 +117,7 @@ bool Route::confirms(const Transfer& t) const {
 
 void Route::confirm(Transfer& t) {
   count(Counter::Fences);
-  host_.post_control(*t.peer, encode_message(core::Fence{t.id}, host_.incarnation(), t.peer->incarnation));
+  host_.send(*t.peer, id_, write_message({kFence, t.id}));
 }
 
 void Route::waiting(Transfer& t) {
@@ -139,7 +136,7 @@ void Route::keep_polling(Transfer& t) {
   double& last = kept_polling_at_[&p];
   if (at - last < kKeepPollingS) return;
   last = at;
-  host_.post_control(p, encode_message(core::KeepPolling{}, host_.incarnation(), p.incarnation));
+  host_.send(p, id_, write_message({kKeepPolling}));
 }
 
 }  // namespace p2p::routes::fabric

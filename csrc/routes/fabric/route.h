@@ -9,6 +9,7 @@
 //    copies its provider queued before it are done (fences.h).
 //  - target_progress (shm): the target serves our RMA only while it polls, so a transfer with
 //    RMA in flight sends the peer a KeepPolling message now and then (waiting()).
+// Both travel as the route's own messages (messages.h).
 //
 // Owned by the worker thread: every method runs there.
 #pragma once
@@ -32,8 +33,7 @@ class Route final : public core::Route {
   bool take(core::Transfer& t) override;
   bool poll() override;
   bool idle() const override;
-  void on_message(core::Peer&, std::string_view) override {}  // its messages are the wire's own
-  bool on_control(core::Peer& p, core::Message& m) override;
+  void on_message(core::Peer& p, std::string_view body) override;
   bool confirms(const core::Transfer& t) const override;
   void confirm(core::Transfer& t) override;
   void waiting(core::Transfer& t) override;
