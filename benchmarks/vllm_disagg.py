@@ -10,6 +10,8 @@ Per prompt length, medians over the repeats:
             that reports it done (benchmarks/_vllm_timed.py: one clock for both connectors)
   pull      TorchP2PConnector's own log: the pull alone, issued to seen done (NixlConnector
             logs no such time)
+  failed    requests that ended in error (each connector's decode engine reports its failed
+            loads): counted, left out of the medians
 
     <vllm-venv>/bin/python benchmarks/vllm_disagg.py [--lengths 64 512 1536] [--repeats 5]
 
@@ -61,17 +63,18 @@ def run(name: str, model: str, lengths: list[int], repeats: int, port: int) -> d
                 tokens = prompt(n, offset=i * repeats + r)  # no two alike: no prefix-cache hits
                 first = prefill.ask(tokens, 1, {"do_remote_decode": True}, timeout=300)
                 out = decode.ask(tokens, 1, first["kv_transfer_params"], timeout=300)
-                if out["finish_reason"] != "length":
-                    raise RuntimeError(f"{name}: the decode request ended with {out['finish_reason']}:\n{decode.tail()}")
-                ttft.append(first["seconds"] + out["seconds"])
+                if out["finish_reason"] == "length":
+                    ttft.append(first["seconds"] + out["seconds"])
+            # A failed request (NixlConnector's handshake times out now and then on 2 busy cores)
+            # is counted and left out of the medians.
             done = [line.split() for line in decode.grep("LOAD ") if re.match(r"LOAD \S+ [\d.]+ (True|False)$", line)]
-            done, seen = done[seen:], len(done)
-            if len(done) != repeats or any(d[3] == "True" for d in done):
-                raise RuntimeError(f"{name}: {len(done)} loads for {repeats} requests, or one failed:\n{decode.tail()}")
+            done, seen = [float(d[2]) for d in done[seen:] if d[3] == "False"], len(done)
+            if not ttft or not done:
+                raise RuntimeError(f"{name}: every request of {n} tokens failed:\n{decode.tail()}")
             pulls = [float(m.group(1)) / 1e3 for line in decode.grep("TorchP2PConnector: pulled")
                      if (m := re.search(r" in ([\d.]+) ms", line))]
-            rows[n] = (statistics.median(ttft), statistics.median(float(d[2]) for d in done),
-                       statistics.median(pulls[-repeats:]) if pulls else float("nan"))
+            rows[n] = (statistics.median(ttft), statistics.median(done),
+                       statistics.median(pulls[-len(ttft):]) if pulls else float("nan"), repeats - len(ttft))
         return rows
     finally:
         prefill.kill()
@@ -98,11 +101,12 @@ def main() -> None:
     print(f"\nLlama {args.layers} layers, hidden {args.hidden} (KV {kib:.0f} KiB a token, float32), "
           f"block 32, medians of {args.repeats}; ratio = torch_p2p / nixl")
     print(f"{'tokens':>7} {'KV MiB':>7} | {'TTFT torch_p2p':>14} {'TTFT nixl':>10} {'ratio':>6} | "
-          f"{'load torch_p2p':>14} {'load nixl':>10} {'ratio':>6} | {'pull torch_p2p':>14}")
+          f"{'load torch_p2p':>14} {'load nixl':>10} {'ratio':>6} | {'pull torch_p2p':>14} | failed (ours, nixl)")
     for n in args.lengths:
-        (t_ours, l_ours, pull), (t_nixl, l_nixl, _) = results["torch_p2p"][n], results["nixl"][n]
+        (t_ours, l_ours, pull, f_ours), (t_nixl, l_nixl, _, f_nixl) = results["torch_p2p"][n], results["nixl"][n]
         print(f"{n:>7} {n * kib / 1024:>7.1f} | {t_ours * 1e3:>11.1f} ms {t_nixl * 1e3:>7.1f} ms {t_ours / t_nixl:>6.2f} | "
-              f"{l_ours * 1e3:>11.2f} ms {l_nixl * 1e3:>7.2f} ms {l_ours / l_nixl:>6.2f} | {pull * 1e3:>11.2f} ms")
+              f"{l_ours * 1e3:>11.2f} ms {l_nixl * 1e3:>7.2f} ms {l_ours / l_nixl:>6.2f} | {pull * 1e3:>11.2f} ms | "
+              f"{f_ours}, {f_nixl} of {args.repeats}")
 
 
 if __name__ == "__main__":

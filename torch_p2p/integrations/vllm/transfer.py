@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import queue
 import re
 import socket
@@ -31,8 +32,8 @@ from ... import Engine, _shared, kv
 
 LAYOUTS = {"cpu": "blocks heads kv tokens dim", "cuda": "blocks heads tokens kv dim"}
 _HEADER = struct.Struct("!I")
+_log = logging.getLogger("vllm.torch_p2p")  # the logger the connector's worker half uses
 _MAX_INFO = 1 << 24
-_WAIT_STEP = 100e-6  # wait()'s sleeps: short next to a pull, and they free the GIL for the engine's threads
 
 
 def layer_view(cache: torch.Tensor, layout: str) -> torch.Tensor:
@@ -229,7 +230,7 @@ class KVTransfer:
             raise OSError(e.errno, f"TorchP2PConnector's side channel cannot listen on {host}:{port} "
                                    f"({e.strerror}): give each instance of a host its own side_channel_port") from e
         self._peers: dict[tuple[str, int], tuple[str, kv.KVCacheHandle]] = {}
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="torch_p2p-handshake")
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="torch_p2p-kv")
         # Pulls in flight, checked by poll(): noticed on vLLM's thread, not by a callback, whose
         # thread would wait for the GIL (up to sys.getswitchinterval()) while vLLM's step runs.
         self._pulls: list[_Load] = []
@@ -285,16 +286,23 @@ class KVTransfer:
             self._pulls.append(load)
 
     def _finish(self, load: "_Load") -> "Pulled":
-        """A done load as a result; tells the prefill workers they may free the blocks, without
-        waiting for them to hear (a notice that fails leaves their blocks to the lease)."""
+        """A done load as a result; the prefill workers are told they may free the blocks on a
+        thread of ours, off vLLM's step (a notice that fails leaves their blocks to the lease)."""
         try:
             for f in load.futures:
                 f.value()
-            for peer in load.peers:
-                self.cache.pull(peer, [], [], notify=load.notify, timeout=self.timeout)
         except BaseException as e:
             return self._pulled(load, e)
+        self._pool.submit(self._release, load)
         return self._pulled(load, None)
+
+    def _release(self, load: "_Load") -> None:
+        for peer in load.peers:
+            try:
+                self.cache.pull(peer, [], [], notify=load.notify, timeout=self.timeout)
+            except Exception as e:  # noqa: BLE001 - the blocks arrived; the prefill side's lease frees them
+                _log.warning("TorchP2PConnector: telling the prefill side that request %s's blocks may be freed "
+                             "failed (%s: %s): they are freed when its lease ends", load.request_id, type(e).__name__, e)
 
     def _pulled(self, load: "_Load", error: BaseException | None) -> "Pulled":
         seconds = time.perf_counter() - load.issued if load.issued else 0.0
@@ -319,11 +327,14 @@ class KVTransfer:
         """Waits until every pull issued so far is done, or `seconds` pass (for a caller with
         nothing else to do: poll() then reports them without another round)."""
         with self._lock:
-            pulls = list(self._pulls)
-        deadline = time.perf_counter() + seconds
-        for p in pulls:
-            while not p.done() and time.perf_counter() < deadline:
-                time.sleep(_WAIT_STEP)
+            pending = [f for p in self._pulls for f in p.futures if not f.done()]
+        if not pending:
+            return
+        # Woken by the last completion: the caller sleeps without the GIL, which the engine's
+        # completions need, and hears at once (a sleep-and-look loop added up to 0.4 ms a pull).
+        done = threading.Event()
+        _shared.all_of(pending).add_done_callback(lambda _: done.set())
+        done.wait(seconds)
 
     # -- prefill side ----------------------------------------------------------------------------
     def hold(self, request_id: str, lease: float | None = None) -> None:
