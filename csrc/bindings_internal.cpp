@@ -19,6 +19,8 @@
 #include "routes/cuda_ipc/export.h"
 #include "routes/fabric/messages.h"
 #ifdef WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+
 #include "cuda/vmm.h"
 #endif
 #include "routes/staged/messages.h"
@@ -459,8 +461,10 @@ void bind_wire(py::module_& m) {
     return d;
   });
 #ifdef WITH_CUDA
-  // How many VMM mappings lie under [ptr, ptr + nbytes), and why none where there are none.
-  m.def("_vmm_layout", [](uint64_t ptr, uint64_t nbytes) {
+  // How many VMM mappings of `device` lie under [ptr, ptr + nbytes), and why none where there
+  // are none.
+  m.def("_vmm_layout", [](uint64_t ptr, uint64_t nbytes, int device) {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));  // the driver asks the current context
     std::string why;
     const size_t n = cuda::vmm_layout(ptr, nbytes, why).size();
     return py::make_tuple(n, why);

@@ -68,7 +68,7 @@ def grow_then(shape, dtype, device: str) -> torch.Tensor:
 
 
 def mappings(t: torch.Tensor) -> int:
-    n, why = _C._vmm_layout(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    n, why = _C._vmm_layout(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t.device.index)
     assert n > 0, why
     return n
 

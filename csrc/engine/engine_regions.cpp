@@ -5,6 +5,8 @@
 #include "engine/engine.h"
 
 #ifdef WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+
 #include "cuda/device.h"
 #endif
 
@@ -67,7 +69,11 @@ std::pair<uint64_t, std::shared_ptr<RemoteView>> Engine::register_tensor(const a
   const int device = tensor.is_cuda() ? tensor.get_device() : -1;
   Worker::RegionSpec spec{ptr, nbytes, device, bits, storage.unsafeGetStorageImpl()};
 #ifdef WITH_CUDA
-  if (device >= 0) spec.vmm = cuda::is_vmm_memory(ptr);
+  if (device >= 0) {
+    // The driver looks pointers up in the current context: the caller's may be another GPU's.
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    spec.vmm = cuda::is_vmm_memory(ptr);
+  }
 #endif
   std::shared_ptr<RemoteRegion> region;
   try {
