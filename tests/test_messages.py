@@ -66,53 +66,36 @@ def test_malformed_messages_are_refused(data, why):
         _C._decode_message(data)
 
 
-# The staged route's messages, the body of a Route message to it: a kind byte, then the fields.
-STAGE_CASES = {
-    "stage_request": (3, STAGE, {"request": 21, "dir": 1, "region": 5, "bytes": 96, "base": [0xA0, 0xA1],
-                                 "key": [0xB0, 0xB1], "slot": 0xC0, "runs": [(0, 64), (4096, 32)]}),
-    "stage_ack": (4, struct.pack("<QB", 21, 0) + blob(b""), {"id": 21, "kind": 0, "message": b""}),
+# Route messages' bodies: a kind byte, then the fields. The staged route's request and answer;
+# the fabric route's Fence and FenceAck (a transfer id) and KeepPolling (nothing).
+ROUTE_CASES = {
+    "stage_request": (_C._decode_stage_message, 3, STAGE,
+                      {"request": 21, "dir": 1, "region": 5, "bytes": 96, "base": [0xA0, 0xA1], "key": [0xB0, 0xB1],
+                       "slot": 0xC0, "runs": [(0, 64), (4096, 32)]}),
+    "stage_ack": (_C._decode_stage_message, 4, struct.pack("<QB", 21, 0) + blob(b""),
+                  {"id": 21, "kind": 0, "message": b""}),
+    "fence": (_C._decode_fabric_message, 1, struct.pack("<Q", 14), {"transfer": 14}),
+    "fence_ack": (_C._decode_fabric_message, 2, struct.pack("<Q", 15), {"transfer": 15}),
+    "keep_polling": (_C._decode_fabric_message, 3, b"", {"transfer": 0}),
 }
 
 
-@pytest.mark.parametrize("name", sorted(STAGE_CASES))
-def test_each_staged_message_reads_its_fields_and_writes_the_same_bytes(name):
-    kind, body, fields = STAGE_CASES[name]
+@pytest.mark.parametrize("name", sorted(ROUTE_CASES))
+def test_each_route_message_reads_its_fields_and_writes_the_same_bytes(name):
+    decode, kind, body, fields = ROUTE_CASES[name]
     data = bytes([kind]) + body
-    assert _C._decode_stage_message(data) == (kind, fields, data)
+    assert decode(data) == (kind, fields, data)
 
 
-@pytest.mark.parametrize("data, why", [
-    (bytes([3]) + struct.pack("<QBQQH", 1, 2, 0, 0, 0), "bad stage request"),
-    (bytes([4]) + struct.pack("<QB", 1, 200) + blob(b""), "bad status"),
-    (bytes([3]) + STAGE + b"\x00", "trailing bytes"),
-    (bytes([9]) + STAGE, "not a staged request"),
+@pytest.mark.parametrize("decode, data, why", [
+    (_C._decode_stage_message, bytes([3]) + struct.pack("<QBQQH", 1, 2, 0, 0, 0), "bad stage request"),
+    (_C._decode_stage_message, bytes([4]) + struct.pack("<QB", 1, 200) + blob(b""), "bad status"),
+    (_C._decode_stage_message, bytes([3]) + STAGE + b"\x00", "trailing bytes"),
+    (_C._decode_stage_message, bytes([9]) + STAGE, "not a staged request"),
+    (_C._decode_fabric_message, bytes([1]) + b"\x01\x02", "truncated"),
+    (_C._decode_fabric_message, bytes([3, 0]), "trailing bytes"),
+    (_C._decode_fabric_message, bytes([9]) + struct.pack("<Q", 1), "unknown kind"),
 ])
-def test_malformed_staged_messages_are_refused(data, why):
+def test_malformed_route_messages_are_refused(decode, data, why):
     with pytest.raises(ValueError, match=why):
-        _C._decode_stage_message(data)
-
-
-# The fabric route's messages, the body of a Route message to it: a kind byte, then a transfer
-# id for a Fence and its answer.
-FABRIC_CASES = {
-    "fence": (1, struct.pack("<Q", 14), {"transfer": 14}),
-    "fence_ack": (2, struct.pack("<Q", 15), {"transfer": 15}),
-    "keep_polling": (3, b"", {"transfer": 0}),
-}
-
-
-@pytest.mark.parametrize("name", sorted(FABRIC_CASES))
-def test_each_fabric_message_reads_its_fields_and_writes_the_same_bytes(name):
-    kind, body, fields = FABRIC_CASES[name]
-    data = bytes([kind]) + body
-    assert _C._decode_fabric_message(data) == (kind, fields, data)
-
-
-@pytest.mark.parametrize("data, why", [
-    (bytes([1]) + b"\x01\x02", "truncated"),
-    (bytes([3, 0]), "trailing bytes"),
-    (bytes([9]) + struct.pack("<Q", 1), "unknown kind"),
-])
-def test_malformed_fabric_messages_are_refused(data, why):
-    with pytest.raises(ValueError, match=why):
-        _C._decode_fabric_message(data)
+        decode(data)
