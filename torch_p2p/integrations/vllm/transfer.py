@@ -24,6 +24,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_jobs
 from dataclasses import dataclass, field
 
 import torch
@@ -137,6 +138,14 @@ def _first_of(groups: list[list], engine: Engine) -> torch.futures.Future:
     return out
 
 
+def _warn_if_untold(told: torch.futures.Future, request_id: str) -> None:
+    try:
+        told.value()
+    except Exception as e:  # noqa: BLE001 - the blocks arrived; the prefill side's lease frees them
+        _log.warning("TorchP2PConnector: telling the prefill side that request %s's blocks may be freed failed "
+                     "(%s: %s): they are freed when its lease ends", request_id, type(e).__name__, e)
+
+
 class SideChannel:
     """A TCP listener that hands `info` (bytes) to whoever connects, then closes: one
     round trip, no state between connections."""
@@ -231,6 +240,7 @@ class KVTransfer:
                                    f"({e.strerror}): give each instance of a host its own side_channel_port") from e
         self._peers: dict[tuple[str, int], tuple[str, kv.KVCacheHandle]] = {}
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="torch_p2p-kv")
+        self._releases: list = []  # the free notices' jobs on _pool: close() lets them go out
         # Pulls in flight, checked by poll(): noticed on vLLM's thread, not by a callback, whose
         # thread would wait for the GIL (up to sys.getswitchinterval()) while vLLM's step runs.
         self._pulls: list[_Load] = []
@@ -293,16 +303,17 @@ class KVTransfer:
                 f.value()
         except BaseException as e:
             return self._pulled(load, e)
-        self._pool.submit(self._release, load)
+        self._releases = [job for job in self._releases if not job.done()]
+        self._releases.append(self._pool.submit(self._release, load))
         return self._pulled(load, None)
 
     def _release(self, load: "_Load") -> None:
         for peer in load.peers:
             try:
-                self.cache.pull(peer, [], [], notify=load.notify, timeout=self.timeout)
-            except Exception as e:  # noqa: BLE001 - the blocks arrived; the prefill side's lease frees them
-                _log.warning("TorchP2PConnector: telling the prefill side that request %s's blocks may be freed "
-                             "failed (%s: %s): they are freed when its lease ends", load.request_id, type(e).__name__, e)
+                told = self.cache.pull(peer, [], [], notify=load.notify, timeout=self.timeout)
+            except Exception as e:  # noqa: BLE001 - reported below, like a notice that fails later
+                told = _shared.failed(e)
+            told.add_done_callback(lambda f, rid=load.request_id: _warn_if_untold(f, rid))
 
     def _pulled(self, load: "_Load", error: BaseException | None) -> "Pulled":
         seconds = time.perf_counter() - load.issued if load.issued else 0.0
@@ -378,6 +389,7 @@ class KVTransfer:
     def close(self) -> None:
         if self.side_channel is not None:
             self.side_channel.close()
+        wait_for_jobs(self._releases, timeout=self.timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.cache.close()
         if self._own_engine:
