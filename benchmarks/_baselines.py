@@ -334,7 +334,10 @@ def measure_page_kernel(page_bytes: int, mine: list, theirs: list, send: bool, d
         _sync(peer)
         return time.perf_counter() - t
 
-    return _timed(batch, seconds, len(mine) * page_bytes)
+    try:
+        return _timed(batch, seconds, len(mine) * page_bytes)
+    except Exception as e:  # noqa: BLE001 - Triton's compile or launch refused: say why, skip
+        raise BaselineUnavailable(f"the page kernel did not run: {type(e).__name__}: {e}") from None
 
 
 class BaselineUnavailable(RuntimeError):
