@@ -26,7 +26,7 @@ if not _vllm_installed():
     collect_ignore_glob = ["test_*.py"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(HERE)  # the checkout
 START_TIMEOUT = 400
 
 
@@ -73,6 +73,8 @@ class Instance:
 
     def ask(self, tokens: list[int], max_tokens: int, kv_transfer_params: dict | None = None,
             timeout: float = 60) -> dict:
+        """{"tokens", "logprobs" (of each chosen token), "finish_reason", "kv_transfer_params",
+        "seconds"}."""
         self.proc.stdin.write(json.dumps(dict(tokens=tokens, max_tokens=max_tokens,
                                               kv_transfer_params=kv_transfer_params)) + "\n")
         self.proc.stdin.flush()
@@ -104,6 +106,14 @@ class Instance:
 def tiny_model(tmp_path_factory):
     from tiny_model import make_tiny_llama
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), seed=0)
+
+
+@pytest.fixture(scope="session")
+def sharp_model(tmp_path_factory):
+    """The tiny Llama with weights large enough that attention picks positions (near-uniform
+    attention would average over moved blocks as over the right ones)."""
+    from tiny_model import make_tiny_llama
+    return make_tiny_llama(str(tmp_path_factory.mktemp("sharp-llama")), seed=0, init_range=0.5)
 
 
 def kv_config(role: str, port: int, **config) -> dict:
