@@ -88,6 +88,7 @@ class Pulled:
     seconds: float  # the pull alone: issued to noticed done by poll()
     handshake_seconds: float  # 0 once the peer's handle is known
     error: BaseException | None = None
+    check_seconds: float = 0.0  # the hold check's read(s), issued to done (inside `seconds`)
 
 
 @dataclass(eq=False)
@@ -108,6 +109,7 @@ class _Load:
     peers: list["_Peer"] = field(default_factory=list)
     futures: list[torch.futures.Future] = field(default_factory=list)
     checks: list[int] = field(default_factory=list)  # scratch slots the hold checks read into
+    check_seconds: float = 0.0  # the longest hold check's read
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
@@ -349,8 +351,12 @@ class KVTransfer:
         self._scratch[i] = 0
 
         def read():
-            return self.engine.read_slices([pages(self._scratch, [i])], [pages(peer.holds, [load.hold[0]])],
-                                           timeout=self.timeout)
+            start = time.perf_counter()
+            f = self.engine.read_slices([pages(self._scratch, [i])], [pages(peer.holds, [load.hold[0]])],
+                                        timeout=self.timeout)
+            f.add_done_callback(lambda _: setattr(load, "check_seconds",
+                                                  max(load.check_seconds, time.perf_counter() - start)))
+            return f
         out = torch.futures.Future()
         _shared.then(data, read, out)
         return out
@@ -394,7 +400,7 @@ class KVTransfer:
             load.checks = []
         seconds = time.perf_counter() - load.issued if load.issued else 0.0
         return Pulled(load.request_id, len(load.local_blocks), len(load.local_blocks) * self.cache.block_bytes,
-                      seconds, load.handshake, error)
+                      seconds, load.handshake, error, load.check_seconds)
 
     def _handshake(self, where: tuple[str, int], remote_engine_id: str) -> _Peer:
         """The prefill worker at `where`, as its side channel describes it."""

@@ -103,8 +103,8 @@ class Worker:
                 continue  # notify-only: nothing was waiting for it
             done.add(p.request_id)
             logger.info("TorchP2PConnector: pulled %d blocks (%d bytes) of request %s in %.3f ms "
-                        "(handshake %.3f ms)", p.blocks, p.bytes, p.request_id, p.seconds * 1e3,
-                        p.handshake_seconds * 1e3)
+                        "(hold check %.3f ms, handshake %.3f ms)", p.blocks, p.bytes, p.request_id, p.seconds * 1e3,
+                        p.check_seconds * 1e3, p.handshake_seconds * 1e3)
         failed, self._failed = self._failed, set()
         return set(freed), done | failed, failed
 
