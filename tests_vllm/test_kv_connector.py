@@ -1,7 +1,7 @@
 """TorchP2PConnector in real vLLM: a prefill instance (kv_producer) and decode instances
 (kv_consumer), each a process, configured only through kv_transfer_config.
 
-The prefill instance has a small cache (33 blocks: one max-length request) and a short lease, so
+The prefill instance has a small cache (33 blocks and the null block: one max-length request) and a short lease, so
 that a request's blocks are taken by the next long prompt once its lease ends. The model's
 weights are large enough that attention picks positions: blocks moved to the wrong place change
 the logprobs, which the tests compare."""
@@ -32,13 +32,13 @@ def tokens(n: int, offset: int = 0) -> list[int]:
 @pytest.fixture(scope="module")
 def trio(sharp_model, instances):
     """(prefill, decode, mismatched decode), started side by side. The prefill instance also
-    serves the reference requests, alone. The mismatched one uses blocks of 16 tokens and
-    recomputes what it fails to load."""
-    prefill = instances(sharp_model, enable_prefix_caching=False, max_model_len=MAX_LEN, num_gpu_blocks_override=33,
+    serves the reference requests, alone. The mismatched one uses blocks of 64 tokens (the CPU
+    backend takes multiples of 32) and recomputes what it fails to load."""
+    prefill = instances(sharp_model, enable_prefix_caching=False, max_model_len=MAX_LEN, num_gpu_blocks_override=34,
                         **kv_config("kv_producer", 5711, kv_lease_duration=LEASE))
     decode = instances(sharp_model, env={"TORCH_P2P_LOG": "info"}, max_model_len=MAX_LEN,
                        **kv_config("kv_consumer", 5721))
-    mismatched = instances(sharp_model, max_model_len=MAX_LEN, block_size=16,
+    mismatched = instances(sharp_model, max_model_len=MAX_LEN, block_size=64,
                            **kv_config("kv_consumer", 5731, kv_load_failure_policy="recompute"))
     return prefill.ready(), decode.ready(), mismatched.ready()
 
@@ -111,12 +111,13 @@ def test_load_after_the_lease_fails_or_recomputes(trio):
     rid = params["remote_request_id"]
     assert prefill.grep(f"no decode engine pulled request {rid}'s blocks within the lease", wait=LEASE + 30), \
         prefill.tail()
-    prefill.ask(tokens(MAX_LEN - 24, offset=71), 1)  # takes all 32 blocks: the request's are overwritten
+    prefill.ask(tokens(MAX_LEN - 4, offset=71), 1)  # takes 32 of the 33 blocks: the request's are overwritten
     # A router that drops the expiry time (or a decode host whose clock is behind): the pull
     # happens, and the hold check refuses what it read.
     late = {k: v for k, v in params.items() if k != "remote_blocks_expiry_time"}
     out = decode.ask(prompt, MAX_TOKENS, late)
-    assert out["finish_reason"] == "error", (out, alone)
+    assert out["finish_reason"] == "error" or out["tokens"] == alone["tokens"], ("other tokens", out, alone)
+    assert out["finish_reason"] == "error", (out, alone)  # the hold check failed the load
     assert decode.grep("no longer held the blocks once they were read", wait=5), decode.tail()
     out = decode.ask(prompt, MAX_TOKENS, params)
     assert decode.grep(f"is computed here: the prefill engine's lease on its blocks ended", wait=5)
@@ -130,7 +131,7 @@ def test_incompatible_decode_is_refused_and_recomputes(trio):
     prompt = tokens(100, offset=80)
     alone = prefill.ask(prompt, MAX_TOKENS)
     out = mismatched.ask(prompt, MAX_TOKENS, prefill_for_decode(prefill, prompt))
-    assert mismatched.grep("is incompatible with this one: block_size 16 here, 32 there", wait=5), mismatched.tail()
+    assert mismatched.grep("is incompatible with this one: block_size 64 here, 32 there", wait=5), mismatched.tail()
     assert out["finish_reason"] == "length" and out["tokens"] == alone["tokens"], (out, alone)
 
 
