@@ -162,13 +162,16 @@ class TorchP2PWeightTransferEngine(WeightTransferEngine[TorchP2PInitInfo, TorchP
         pass  # update_weights closed its reload already
 
     def shutdown(self) -> None:
-        if self._dest is not None:
-            # Without waiting for the leader to confirm the leave: a new trainer's init comes
-            # here, and a dead leader would hold it for the engine's peer_timeout. The engine
-            # closes next, which a leader that is alive hears of: its next push drops us.
-            self._dest.close(timeout=0)
+        # The engine first: its close deregisters the buffers at once and fails what is in
+        # flight. The destination closed first would wait for its leader's answer to the leave,
+        # then for the leader's release of the buffers (on one host it copied into them), and
+        # a leader killed without shutdown() gives neither: the next trainer's init would wait
+        # the engine's peer_timeout (10 s). A leader still alive hears of the close and drops
+        # this worker at its next push.
         if self._engine is not None:
             self._engine.close()
+        if self._dest is not None:
+            self._dest.close(timeout=0)  # stops its thread; the closed engine sends nothing
         self._dest, self._engine, self._buffers = None, None, {}
 
     def _require_init(self) -> pw.WeightDestination:
