@@ -114,5 +114,7 @@ def test_kv_flags_a_missed_tail_target():
               and len(line.split()) == 10]
     assert len(stream) == 1, out
     ratio, mark = stream[0].split()[-2:]
-    assert mark == ("ok" if float(ratio) < 0.1 else "MISSED"), stream[0]
-    assert re.search(r"^  tail/layer .*target < 0\.1", out, re.MULTILINE), out
+    assert mark == ("met" if float(ratio) < 0.1 else "missed"), stream[0]
+    assert re.search(r"^  tail/layer .*target: < 0\.1", out, re.MULTILINE), out
+    # A missed target is not a failure, and the output says so (the exit status is 0: run() checks).
+    assert ("not a failure" in out) == (mark == "missed"), out
