@@ -35,9 +35,17 @@ def ray_cluster():
 
     import torch_p2p.integrations.ray as p2p_ray
 
-    # Ray starts an idle worker per CPU it is told of: two, and actors that ask for none.
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=1 << 30, log_to_driver=False,
-             runtime_env=worker_env())
+    # Ray starts an idle worker per CPU it is told of: two, and actors that ask for none. It
+    # gives its raylet 30 s to come up, which a loaded 2-core machine can miss: a second try.
+    for attempt in (1, 2):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=1 << 30, log_to_driver=False,
+                     runtime_env=worker_env())
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
     p2p_ray.register()  # before any actor is created
     try:
         yield ray

@@ -99,7 +99,8 @@ class Node:
         """The transport's counts in this process (zeros before its first use) and its RSS."""
         from ray.experimental.rdt.util import get_tensor_transport_manager, transport_manager_info
 
-        counts = {"storages": 0, "engine_regions": 0, "objects": 0, "fetches": 0}
+        counts = dict.fromkeys(["storages", "engine_regions", "objects", "fetches", "pool_idle", "pool_idle_bytes",
+                                "pool_leased"], 0)
         if "TORCH_P2P" in transport_manager_info:
             counts = get_tensor_transport_manager("TORCH_P2P").counts()
         return dict(counts, rss=rss_bytes())

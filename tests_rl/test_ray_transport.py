@@ -58,10 +58,11 @@ def test_1000_transfers_leave_nothing_registered(pair):
             assert ray.get([b.numbered_check.remote(a.numbered.remote(n, 16384)) for n in numbers]) == list(numbers)
 
     def settled():
-        # Ray frees an object on its owner (garbage_collect) after the last reference goes.
+        # Ray frees an object on its owner (garbage_collect) after the last reference goes; a
+        # receive buffer goes back to the pool when the tensors on it die, and stays registered.
         counts = ray.get([a.counts.remote(), b.counts.remote()])
-        return counts if all(c["storages"] == c["engine_regions"] == c["objects"] == c["fetches"] == 0
-                             for c in counts) else None
+        return counts if all(c["storages"] == c["objects"] == c["fetches"] == c["pool_leased"] == 0
+                             and c["engine_regions"] == c["pool_idle"] for c in counts) else None
 
     transfers(0, 100)  # engines, connections and allocator pools reach their steady state
     before = eventually(settled)
@@ -71,6 +72,7 @@ def test_1000_transfers_leave_nothing_registered(pair):
     assert after, ray.get([a.counts.remote(), b.counts.remote()])
     for was, now in zip(before, after):
         assert now["rss"] - was["rss"] < 64 << 20, (was, now)
+        assert now["pool_idle_bytes"] - was["pool_idle_bytes"] < 64 << 20, (was, now)
 
 
 def _stopped_owner_fetch(reader, seed: int):

@@ -64,7 +64,7 @@ class Registrations:
         self._closed = threading.Condition(self._lock)
         self._engines: dict[str, Engine] = {}
         self._table: dict[tuple[str, int], _Entry] = {}  # (device, storage address) -> entry
-        self._unused: queue.SimpleQueue = queue.SimpleQueue()
+        self._later: queue.SimpleQueue = queue.SimpleQueue()  # deregistrations, run by _closer
         self._closer: threading.Thread | None = None
 
     def engine(self, device: torch.device) -> Engine:
@@ -103,11 +103,15 @@ class Registrations:
                     continue
                 entry.users -= 1
                 if entry.users == 0:
-                    self._unused.put((key, entry))
-                    if self._closer is None:
-                        self._closer = threading.Thread(target=self._close_unused, name="torch_p2p-ray-deregister",
-                                                        daemon=True)
-                        self._closer.start()
+                    self.close_later(lambda key=key, entry=entry: self._close_unused(key, entry))
+
+    def close_later(self, close) -> None:
+        """Runs close() on this object's deregistration thread, after what came before it."""
+        with self._lock:
+            self._later.put(close)
+            if self._closer is None:
+                self._closer = threading.Thread(target=self._close, name="torch_p2p-ray-deregister", daemon=True)
+                self._closer.start()
 
     def counts(self) -> dict[str, int]:
         """What is registered now: storages in the table, regions the engines hold."""
@@ -115,19 +119,23 @@ class Registrations:
             return {"storages": len(self._table),
                     "engine_regions": sum(len(e._regions) for e in self._engines.values())}
 
-    def _close_unused(self) -> None:
+    def _close(self) -> None:
         while True:
-            key, entry = self._unused.get()
-            with self._lock:
-                if entry.users or entry.closing or self._table.get(key) is not entry:
-                    continue  # used again meanwhile, or queued twice
-                entry.closing = True
+            close = self._later.get()
             try:
-                entry.region.close()
+                close()
             except Exception as e:  # noqa: BLE001 - nobody waits for this thread: say it
                 log.warning("TORCH_P2P: deregistering a storage failed: %r", e)
-            finally:
-                with self._lock:
-                    if self._table.get(key) is entry:
-                        del self._table[key]
-                    self._closed.notify_all()
+
+    def _close_unused(self, key, entry: _Entry) -> None:
+        with self._lock:
+            if entry.users or entry.closing or self._table.get(key) is not entry:
+                return  # used again meanwhile
+            entry.closing = True
+        try:
+            entry.region.close()
+        finally:
+            with self._lock:
+                if self._table.get(key) is entry:
+                    del self._table[key]
+                self._closed.notify_all()

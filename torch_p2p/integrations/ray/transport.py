@@ -29,6 +29,7 @@ from ray.experimental.rdt.tensor_transport_manager import (CommunicatorMetadata,
 
 from ... import RemoteTensor, errors, wait
 from . import NAME
+from .receive_pool import ReceivePool
 from .registrations import Registrations, local_bytes, remote_bytes
 
 # Aborts that came before their fetch started, remembered so that the fetch fails; bounded,
@@ -53,6 +54,7 @@ class TorchP2PFetchRequest(FetchRequest):
     reads: list = field(default_factory=list)  # (engine, future)
     aborted: bool = False
     keys: list = field(default_factory=list)
+    buffer: Any = None  # the pool's buffer the reads fill, if they fill one
     transport: Any = None
 
     def close(self, cancel: bool) -> None:
@@ -60,6 +62,8 @@ class TorchP2PFetchRequest(FetchRequest):
         if transport is None:
             return
         if cancel:
+            if self.buffer is not None:
+                self.buffer.spoiled = True
             for engine, future in self.reads:
                 if not future.done():
                     engine.cancel(future)
@@ -81,6 +85,7 @@ def _has_torch_p2p(actor_self) -> bool:
 class TorchP2PTransport(TensorTransportManager):
     def __init__(self):
         self._registrations = Registrations()
+        self._pool = ReceivePool(self._registrations.close_later)
         # Reentrant: a request dropped unwaited closes itself from __del__, whichever thread
         # the collector runs on, perhaps one holding the lock.
         self._lock = threading.RLock()
@@ -153,20 +158,28 @@ class TorchP2PTransport(TensorTransportManager):
         meta = tensor_transport_metadata
         if not isinstance(meta, TorchP2PMetadata):
             raise TypeError(f"TORCH_P2P cannot read an object described by {type(meta).__name__}")
+        # Host memory comes from the pool (registered and resident already); target buffers
+        # and GPU memory (the caching allocator's, resident too) are registered for the read.
+        by_device: dict[torch.device, tuple[list, list]] = {}  # local views, handles
+        pooled = not target_buffers and meta.tensor_device == "cpu"
         if target_buffers:
             tensors = list(target_buffers)
+        elif pooled:
+            cpu = torch.device("cpu")
+            tensors, local, buffer = self._pool.tensors(self._registrations.engine(cpu), meta.tensor_meta)
+            if local:
+                by_device[cpu] = (local, [h for h in meta.handles if h is not None])
         else:
             tensors = [torch.empty(shape, dtype=dtype, device=meta.tensor_device) for shape, dtype in meta.tensor_meta]
-        request = TorchP2PFetchRequest(obj_id=obj_id, tensors=tensors)
+        request = TorchP2PFetchRequest(obj_id=obj_id, tensors=tensors, buffer=buffer if pooled else None)
         with self._lock:
             if self._aborted.pop(obj_id, None) is not None:
                 raise _transfer_error(obj_id, "it was aborted before it started")
             self._fetches.setdefault(obj_id, []).append(request)
         request.transport = self
         try:
-            by_device: dict[torch.device, tuple[list, list]] = {}
             for t, handle in zip(tensors, meta.handles):
-                if handle is None:
+                if handle is None or pooled:
                     continue
                 key, region = self._registrations.acquire(t)
                 request.keys.append(key)
@@ -231,7 +244,7 @@ class TorchP2PTransport(TensorTransportManager):
         fetches in flight (tests check that none of them grows)."""
         with self._lock:
             owned, fetches = len(self._owned), sum(len(r) for r in self._fetches.values())
-        return dict(self._registrations.counts(), objects=owned, fetches=fetches)
+        return dict(self._registrations.counts(), **self._pool.counts(), objects=owned, fetches=fetches)
 
     def _forget(self, request: TorchP2PFetchRequest) -> None:
         with self._lock:
