@@ -6,10 +6,11 @@ Ray makes one instance per process and calls it:
   RemoteTensor handles (each names the owner's engine address; the metadata is what Ray ships
   to receivers); ``garbage_collect`` lets the registrations go once the ObjectRef is out of
   scope;
-- on the receiver (an actor, or the driver's ``ray.get``): ``fetch_multiple_tensors``
-  allocates the tensors (or takes the target buffers), registers them and reads the owner's
-  bytes with one ``read_slices`` per device; ``wait_fetch_complete`` waits for it;
-  ``abort_transport`` cancels it.
+- on the receiver (an actor, or the driver's ``ray.get``): ``fetch_multiple_tensors`` takes
+  host tensors from the receive pool (registered already), or allocates GPU tensors (or takes
+  the target buffers) and registers them, and reads the owner's bytes with one
+  ``read_slices`` per device; ``wait_fetch_complete`` waits for it; ``abort_transport``
+  cancels it.
 The engine picks the route per owner: cma or CUDA IPC on one host, the fabric across hosts.
 Every wait is bounded: a read fails after Ray's RDT fetch timeout at most, and sooner (the
 engine's peer_timeout, or at once on the cma route) when the owner dies.
