@@ -187,7 +187,9 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
         if lost:
             raise RuntimeError(f"weights version {version} (global_steps {global_steps}): rollout ranks dropped "
                                f"during the push: {lost}")
-        return {"torch_p2p/update_s": time.perf_counter() - start, "torch_p2p/bytes_sent": result.bytes_sent}
+        # verl merges the trainer ranks' dicts: per-rank keys keep each rank's bytes.
+        return {"torch_p2p/update_s": time.perf_counter() - start,
+                f"torch_p2p/bytes_sent/rank{self.rank}": result.bytes_sent}
 
     def _start_source(self, staging: Staging) -> None:
         shards = pw.whole(staging.owned)
