@@ -92,7 +92,7 @@ def test_trainer_killed_mid_update_fails_receivers(cluster):
     workers = [w for r in replicas for w in r.workers]
     rollout = RayWorkerGroup(worker_handles=workers, ray_cls_with_init=RayClassWithInitArgs(cls=_worker_cls))
     mgr.build_process_group(rollout)  # what update_weights does before moving anything
-    ray.get(trainers.set_delay(0.5))  # each tensor takes the trainer 0.5 s to produce
+    trainers.set_delay(0.5)  # each tensor takes the trainer 0.5 s to produce
     trainer_refs = trainers.update_weights(global_steps=5)
     rollout_refs = rollout.update_weights(global_steps=5)
     time.sleep(2.0)
