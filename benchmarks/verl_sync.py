@@ -136,11 +136,15 @@ def main() -> int:
     model_bytes = sum(t.numel() * t.element_size() for t in vh.state_dict(0, scale).values())
     counts = [int(n) for n in args.replicas.split(",")]
     backends = [b.strip() for b in args.backends.split(",")]
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")  # a loaded 2-core machine
-    os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
     path = os.pathsep.join([ROOT, TESTS, HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False, object_store_memory=4 * model_bytes + (1 << 30),
-             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+    env = {"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}}
+    if os.environ.get("RAY_ADDRESS"):  # a running cluster
+        ray.init(log_to_driver=False, runtime_env=env)
+    else:
+        os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")  # a loaded 2-core machine
+        os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
+        ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=4 * model_bytes + (1 << 30), runtime_env=env)
     print(f"verl_sync: state dict {model_bytes / 2**20:.0f} MiB, 1 trainer rank, replicas of 1 rank, "
           f"{args.updates} timed updates per row (median); nixl bucket {args.bucket_mib} MiB", flush=True)
     results: dict[tuple[str, int], float] = {}

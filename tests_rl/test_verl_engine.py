@@ -26,14 +26,17 @@ KILL_BOUND_S = 15.0  # a rollout rank fails this soon after the trainer dies
 def cluster():
     started = not ray.is_initialized()
     if started:
-        # On a loaded 2-core machine the raylet may take more than Ray's default 60 s to register.
-        os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
-        os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
-        # Logical CPUs: verl's resource pools reserve one per worker; the box has 2 cores.
         here = os.path.dirname(os.path.abspath(__file__))
         path = os.pathsep.join([os.path.dirname(here), here] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+        env = {"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}}
+        if os.environ.get("RAY_ADDRESS"):  # a running cluster
+            ray.init(log_to_driver=False, runtime_env=env)
+        else:
+            # On a loaded 2-core machine the raylet may take more than Ray's default 60 s to
+            # register. Logical CPUs: verl's resource pools reserve one per worker.
+            os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
+            os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
+            ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, runtime_env=env)
     config = vh.config(timeout=60.0, join_timeout=60.0)
     trainers = vh.trainer_group(config)
     replicas = [vh.Replica(i, config) for i in range(2)]
