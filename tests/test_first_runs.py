@@ -13,6 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+import bw  # noqa: E402
 import weights  # noqa: E402
 
 
@@ -84,6 +85,20 @@ def test_bw_on_host_memory_names_the_cma_route_and_its_copy_threads():
     for word in ("MiB/call", "views/s", "ratio", "x paged", "%line"):
         assert re.search(rf"^  {re.escape(word)}\s", out, re.MULTILINE), f"{word} is not explained:\n{out}"
     assert "100%" not in err and "0.000Mops" not in err, err
+
+
+def test_bw_says_why_small_calls_trail_memcpy():
+    """16 x 4 KiB calls at 0.2 x memcpy: a note gives the row's time per call against memcpy's
+    for the same bytes, and names the engine's fixed cost per call; rows at 0.5 x or more, or
+    of more than 1 MiB a call, get none."""
+    row = dict(ok=True, op="write", layout="paged", page_bytes=4096, pages=16, seconds=1.0, calls=8000,
+               baselines={"memcpy": 20.0}, ratios={"memcpy": 0.2})
+    note = bw.small_call_note(argparse.Namespace(window=8), [row])
+    assert note.startswith("note: 1 row(s) of at most 1MiB a call are under 0.5 x memcpy"), note
+    assert "write paged 4KiB x16: 125.0 us a call (8 in flight) where memcpy copies its 64KiB in 26.2 us" in note
+    assert "fixed cost per call" in note
+    big = dict(row, page_bytes=1 << 20, pages=256)
+    assert bw.small_call_note(argparse.Namespace(window=8), [dict(row, ratios={"memcpy": 0.6}), big]) is None
 
 
 def test_help_explains_the_columns():
