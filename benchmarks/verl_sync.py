@@ -72,8 +72,7 @@ class Setup:
     def __init__(self, vh, backend: str, scale: int, bucket_mib: int):
         name, module = BACKENDS.get(backend, BACKENDS["torch_p2p"])
         self.vh = vh
-        self.config = vh.config(name, module, tp=1)
-        self.config.checkpoint_engine.update_weights_bucket_megabytes = bucket_mib
+        self.config = vh.config(name, module, tp=1, bucket_mib=bucket_mib)
         self.trainers = vh.trainer_group(self.config, world=1, scale=scale)
         self.replicas = [vh.Replica(i, self.config) for i in range(3)]
 

@@ -46,8 +46,9 @@ def digest(t: torch.Tensor) -> str:
     return f"{t.dtype}{list(t.shape)}:" + hashlib.sha256(raw).hexdigest()
 
 
-def config(backend: str = "torch_p2p", module: str = MODULE, tp: int = 2, **engine_kwargs) -> RolloutConfig:
-    ce = CheckpointEngineConfig(backend=backend, custom_backend_module=module,
+def config(backend: str = "torch_p2p", module: str = MODULE, tp: int = 2, bucket_mib: int = 2048,
+           **engine_kwargs) -> RolloutConfig:
+    ce = CheckpointEngineConfig(backend=backend, custom_backend_module=module, update_weights_bucket_megabytes=bucket_mib,
                                 engine_kwargs={backend: {"device": "cpu", **engine_kwargs}})
     return RolloutConfig(name="vllm", tensor_model_parallel_size=tp, checkpoint_engine=ce)
 

@@ -220,8 +220,9 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
     # -- rollout ranks -----------------------------------------------------------------------------
     @torch.no_grad()
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
-        """Yields (name, tensor) for every tensor of the update, views of this rank's buffers
-        (valid until the next update)."""
+        """Yields (name, tensor) for every tensor of the update: this rank's registered buffers,
+        valid until the next update and read-only (the relay to the next rollout rank may
+        still be reading them)."""
         if self.role != "rollout":
             raise RuntimeError("receive_weights on a worker that init_process_group made a trainer rank")
         if self.dest is None:
