@@ -71,6 +71,8 @@ def main() -> None:
     import torch_p2p.integrations.ray as p2p_ray
 
     path = os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    # On a loaded machine the raylet may wait long for its agents to say their ports.
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
     for attempt in (1, 2, 3):  # Ray gives its raylet 30 s to come up: a loaded machine may miss it
         try:
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
