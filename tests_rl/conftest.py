@@ -37,6 +37,8 @@ def ray_cluster():
 
     # Ray starts an idle worker per CPU it is told of: two, and actors that ask for none. It
     # gives its raylet 30 s to come up, which a loaded 2-core machine can miss: a second try.
+    # On a loaded machine the raylet may wait long for its agents to say their ports.
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
     for attempt in (1, 2):
         try:
             ray.init(num_cpus=2, include_dashboard=False, object_store_memory=1 << 30, log_to_driver=False,
