@@ -28,9 +28,10 @@ def worker_env(**extra: str) -> dict:
     return {"env_vars": dict(PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster with TORCH_P2P registered in the driver."""
+    """A local Ray cluster with TORCH_P2P registered in the driver, for one module: the verl
+    tests start their own, with the CPUs that verl's resource pools reserve."""
     import ray
 
     import torch_p2p.integrations.ray as p2p_ray
