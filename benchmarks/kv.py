@@ -76,7 +76,9 @@ columns:
   +push ms      the same forward with each layer pushed right after it (KVCache.stream)
   tail ms       end of that forward -> the decode side's notification for the last layer
                 (time.perf_counter in both processes: CLOCK_MONOTONIC, one host)
-  tail/layer    tail ms / layer ms, target < {TAIL_TARGET}: rows above it are marked MISSED"""
+  tail/layer    tail ms / layer ms; target: < {TAIL_TARGET}, the push of the last layer ending within a
+                tenth of a layer's forward. A performance target, not a check: a "missed" row
+                completed without error, and only failed rows set the exit status"""
 CHUNK_TOKENS = 4096  # the stand-in forward's GEMMs go this many tokens at a time
 
 
@@ -530,7 +532,7 @@ class Driver:
         layer = alone / preset.layers
         row.update(ok=True, layer_ms=1e3 * layer, prefill_ms=1e3 * alone, streamed_ms=1e3 * took,
                    tail_ms=1e3 * tail, tail_per_layer=tail / layer, gemm=forward.what)
-        missed = "" if row["tail_per_layer"] < TAIL_TARGET else f", above the target of {TAIL_TARGET}: MISSED"
+        missed = "" if row["tail_per_layer"] < TAIL_TARGET else f", above the target of {TAIL_TARGET}"
         self.progress.end(text=f"layer {row['layer_ms']:.2f} ms, prefill {row['prefill_ms']:.1f} ms, with pushes "
                                f"{row['streamed_ms']:.1f} ms, tail {row['tail_ms']:.3f} ms "
                                f"({row['tail_per_layer']:.3f} of a layer{missed})")
@@ -586,12 +588,12 @@ def tables(rows: list[dict]) -> str:
     streams = [r for r in rows if r["kind"] == "stream"]
     if streams:
         head = ["model", "tokens", "route", "MiB", "layer ms", "prefill ms", "+push ms", "tail ms", "tail/layer",
-                f"< {TAIL_TARGET}"]
+                "target"]
         lines = [head] + [[r["model"], str(r["tokens"]), r["route"], f"{r['bytes'] / 2**20:.1f}",
                            fmt(r["layer_ms"], ".3f"), fmt(r["prefill_ms"], ".2f"), fmt(r["streamed_ms"], ".2f"),
                            fmt(r["tail_ms"], ".3f"), fmt(r["tail_per_layer"], ".3f"),
-                           "-" if r["tail_per_layer"] is None else "ok" if r["tail_per_layer"] < TAIL_TARGET
-                           else "MISSED"] for r in streams]
+                           "-" if r["tail_per_layer"] is None else "met" if r["tail_per_layer"] < TAIL_TARGET
+                           else "missed"] for r in streams]
         out.append(aligned(lines, 4))
     return "\n\n".join(out)
 
@@ -641,6 +643,11 @@ def report(args, rows: list[dict]) -> int:
     failed = [r for r in rows if not r["ok"]]
     for r in failed:
         print(f"! {r['kind']} {r['model']} {r['tokens']} {r.get('op', '')} {r['route']}: {r['error']}")
+    missed = [r for r in rows if r["kind"] == "stream" and r["ok"] and r["tail_per_layer"] >= TAIL_TARGET]
+    if missed:
+        print(f"note: {len(missed)} streaming row(s) missed the tail target (< {TAIL_TARGET} of a layer): the last "
+              f"layer's push ended later than that after the prefill. They completed without error: a missed "
+              f"target is not a failure, and the exit status stays 0.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)

@@ -9,9 +9,13 @@ Per prompt length, medians over the repeats:
   load      in the decode worker, from the step that starts the request's load to the step
             that reports it done (benchmarks/_vllm_timed.py: one clock for both connectors)
   pull      TorchP2PConnector's own log: the pull alone, issued to seen done (NixlConnector
-            logs no such time)
+            logs no such time), and inside it the hold check (the read that tells whether the
+            prefill side still held the blocks once they were read)
+  memcpy    the load's bytes copied once by torch in this process: the floor of a same-host load
   failed    requests that ended in error (each connector's decode engine reports its failed
             loads): counted, left out of the medians
+Then the prefill instance is killed with a request held and the decode instance asked to load
+it: seconds from the kill to the decode request's end, and its finish reason.
 
     <vllm-venv>/bin/python benchmarks/vllm_disagg.py [--lengths 64 512 1536] [--repeats 5]
 
@@ -25,6 +29,9 @@ import re
 import statistics
 import sys
 import tempfile
+import time
+
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -71,10 +78,18 @@ def run(name: str, model: str, lengths: list[int], repeats: int, port: int) -> d
             done, seen = [float(d[2]) for d in done[seen:] if d[3] == "False"], len(done)
             if not ttft or not done:
                 raise RuntimeError(f"{name}: every request of {n} tokens failed:\n{decode.tail()}")
-            pulls = [float(m.group(1)) / 1e3 for line in decode.grep("TorchP2PConnector: pulled")
-                     if (m := re.search(r" in ([\d.]+) ms", line))]
+            pulls = [(float(m.group(1)) / 1e3, float(m.group(2)) / 1e3) for line in decode.grep("TorchP2PConnector: pulled")
+                     if (m := re.search(r" in ([\d.]+) ms \(hold check ([\d.]+) ms", line))][-len(ttft):]
             rows[n] = (statistics.median(ttft), statistics.median(done),
-                       statistics.median(pulls[-len(ttft):]) if pulls else float("nan"), repeats - len(ttft))
+                       statistics.median(p for p, _ in pulls) if pulls else float("nan"),
+                       statistics.median(c for _, c in pulls) if pulls else float("nan"), repeats - len(ttft))
+        # A request held, then the prefill instance killed before the decode side loads it.
+        tokens = prompt(lengths[0], offset=999)
+        held = prefill.ask(tokens, 1, {"do_remote_decode": True}, timeout=300)["kv_transfer_params"]
+        prefill.kill()
+        killed = time.monotonic()
+        out = decode.ask(tokens, 1, held, timeout=120)
+        rows["kill"] = (time.monotonic() - killed, out["finish_reason"])
         return rows
     finally:
         prefill.kill()
@@ -101,12 +116,28 @@ def main() -> None:
     print(f"\nLlama {args.layers} layers, hidden {args.hidden} (KV {kib:.0f} KiB a token, float32), "
           f"block 32, medians of {args.repeats}; ratio = torch_p2p / nixl")
     print(f"{'tokens':>7} {'KV MiB':>7} | {'TTFT torch_p2p':>14} {'TTFT nixl':>10} {'ratio':>6} | "
-          f"{'load torch_p2p':>14} {'load nixl':>10} {'ratio':>6} | {'pull torch_p2p':>14} | failed (ours, nixl)")
+          f"{'load torch_p2p':>14} {'load nixl':>10} {'ratio':>6} | {'memcpy':>9} | {'pull torch_p2p':>14} "
+          f"{'hold check':>10} | failed (ours, nixl)")
     for n in args.lengths:
-        (t_ours, l_ours, pull, f_ours), (t_nixl, l_nixl, _, f_nixl) = results["torch_p2p"][n], results["nixl"][n]
+        (t_ours, l_ours, pull, check, f_ours), (t_nixl, l_nixl, _, _, f_nixl) = results["torch_p2p"][n], results["nixl"][n]
+        copy = memcpy_seconds(int(-(-n // 32) * 32 * kib * 1024))
         print(f"{n:>7} {n * kib / 1024:>7.1f} | {t_ours * 1e3:>11.1f} ms {t_nixl * 1e3:>7.1f} ms {t_ours / t_nixl:>6.2f} | "
-              f"{l_ours * 1e3:>11.2f} ms {l_nixl * 1e3:>7.2f} ms {l_ours / l_nixl:>6.2f} | {pull * 1e3:>11.2f} ms | "
-              f"{f_ours}, {f_nixl} of {args.repeats}")
+              f"{l_ours * 1e3:>11.2f} ms {l_nixl * 1e3:>7.2f} ms {l_ours / l_nixl:>6.2f} | {copy * 1e3:>6.3f} ms | "
+              f"{pull * 1e3:>11.2f} ms {check * 1e3:>7.3f} ms | {f_ours}, {f_nixl} of {args.repeats}")
+    for name in CONNECTORS:
+        seconds, reason = results[name]["kill"]
+        print(f"prefill killed, {name}: the decode request ended {seconds:.2f} s after the kill ({reason})")
+
+
+def memcpy_seconds(nbytes: int, repeats: int = 20) -> float:
+    """Median time of one torch copy of `nbytes` (warm buffers)."""
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":

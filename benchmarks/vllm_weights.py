@@ -14,8 +14,9 @@ process is the trainer (transformers' Llama, fp32). After one untimed update eac
 timed update changes the trainer's weights in place and moves them:
 
   torch_p2p: TorchP2PTrainerWeightTransferEngine.send_weights(): one push into the worker's
-             registered buffers, then start/update/finish over HTTP (load_weights inside
-             vLLM's layerwise reload). "push" is the push alone.
+             registered buffers, then start/update/finish over HTTP (update_weights runs
+             load_weights inside a layerwise reload it opens and closes). "push" is the push
+             alone.
   safetensors: save_file() of the state dict into a fresh directory (page cache: no disk
              wait counted beyond what the OS charges), then reload_weights(weights_path=dir).
 

@@ -313,7 +313,10 @@ class Peers:
         errors = []
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), 1):
             if proc.exitcode:
-                said = conn.recv()[1] if conn.poll() else f"exit code {proc.exitcode}"
+                try:
+                    said = conn.recv()[1] if conn.poll() else f"exit code {proc.exitcode}"
+                except (EOFError, OSError):  # it died before its reason was whole: the code is all there is
+                    said = f"exit code {proc.exitcode}"
                 errors.append(f"destination {rank} failed on the way out: {said}")
         return errors
 
@@ -340,8 +343,7 @@ def run(args) -> tuple[list[dict], list[str]]:
     peers = Peers(args)
     rows = []
     try:
-        for r in range(1, max(args.dests) + 1):
-            peers.answer(r)  # started, engine open
+        addresses = [peers.answer(r) for r in range(1, max(args.dests) + 1)]  # started, engine open
         engine = open_engine(args, device)
         for chunk in args.chunk:
             for window in args.window:
@@ -351,6 +353,8 @@ def run(args) -> tuple[list[dict], list[str]]:
                     for n in args.dests:
                         rows.append(engine_row(args, peers, source, n, model_bytes, want, chunk, window, fanout))
                     source.close()
+        # After the pushes: a same-host route that failed to map a peer has handed it on by now.
+        args.routes = sorted({engine.route(a) for a in addresses})  # the title names what carried the bytes
         engine.close()
         baseline_rows(args, peers, tensors, dtype, rows)
     finally:
@@ -545,6 +549,20 @@ def parse_args(argv=None):
     return args
 
 
+def route_text(args) -> str:
+    """The routes the source's engine takes to the destinations: the same-host routes (cma for
+    host memory, ipc for GPUs) use no provider, so the provider is named only where the fabric
+    carries the bytes."""
+    routes = getattr(args, "routes", [])
+    fabric = [r for r in routes if r in ("direct", "staged")]
+    text = f"route {', '.join(routes) or 'unknown'}"
+    if fabric:
+        text += f" over provider {args.provider or 'auto'}, {args.rails or 'default'} rails"
+    else:
+        text += " (same host: no provider)"
+    return text + (", no IPC" if args.no_ipc else "")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import tempfile
@@ -553,8 +571,7 @@ def main(argv=None) -> int:
         args.store = os.path.join(tmp, "store")
         rows, errors = run(args)
     title = (f"{args.model} {args.dtype}, source {args.source_dtype or args.dtype} on {args.device}, "
-             f"provider {args.provider or 'auto'}{', no IPC' if args.no_ipc else ''}, "
-             f"{args.rails or 'default'} rails, median of {args.updates}")
+             f"{route_text(args)}, median of {args.updates}")
     print("# torch_p2p.weights: " + title)
     print(table(rows))
     print(LEGEND)

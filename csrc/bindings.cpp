@@ -1,7 +1,10 @@
-// The only file that knows pybind11: wraps engine::Engine and engine::RemoteView as
-// torch_p2p._C, and turns p2p::Error into the Python exception its kind names.
-#include <torch/extension.h>
-#include <torch/csrc/jit/python/pybind_utils.h>
+// Wraps engine::Engine and engine::RemoteView as torch_p2p._C, and turns p2p::Error into the
+// Python exception its kind names (with bindings_internal.cpp, the only files that know pybind11).
+// torch's pieces this file uses, not <torch/extension.h> (the whole C++ frontend: nn, optim,
+// data), which a 2-core build pays for in every file that includes it.
+#include <torch/csrc/autograd/python_variable.h>  // THPVariable_Check, THPVariable_Unpack
+#include <torch/csrc/jit/python/pybind_utils.h>   // PythonFutureWrapper: torch.futures.Future
+#include <torch/csrc/utils/pybind.h>               // pybind11 with torch's casters (at::Tensor, IntArrayRef)
 #include <structmember.h>  // PyMemberDef, T_OBJECT_EX
 
 #include "bindings_internal.h"

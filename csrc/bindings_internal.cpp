@@ -1,6 +1,6 @@
 #include "bindings_internal.h"
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's casters (at::Tensor); not all of torch/extension.h
 
 #include <cstring>
 
@@ -219,7 +219,7 @@ void add_fields(py::dict& f, const RouteMessage& m) {
 
 // dst[dst_ids[i]] = src[src_ids[i]] for rows of two contiguous 2-D host tensors, one memcpy per
 // row on this thread: the single-core ceiling the same-host host route is measured against.
-void copy_rows(torch::Tensor dst, const std::vector<int64_t>& dst_ids, torch::Tensor src,
+void copy_rows(at::Tensor dst, const std::vector<int64_t>& dst_ids, at::Tensor src,
                const std::vector<int64_t>& src_ids) {
   P2P_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.is_contiguous() && src.is_contiguous() && !dst.is_cuda() &&
                 !src.is_cuda() && dst.size(1) == src.size(1) && dst.dtype() == src.dtype() &&

@@ -33,6 +33,7 @@ def aws_report(host, *, hmem=True, version="1.22", env=None, provider="efa"):
     report = doctor.collect(env=env or {}, offers=offers, gpu_pcis=gpu_pcis, sysfs=fs.root,
                             peer_access=lambda i, j: True, allowed_cpus=set(range(96)))
     report["libfabric"] = version
+    report["cuda_build"] = True  # the fixtures are GPU hosts, with a build that has CUDA
     return report, nics_of
 
 
@@ -53,6 +54,22 @@ def test_runs_here_and_prints_json():
     assert report["default_provider"] in ("tcp", os.environ.get("TORCH_P2P_PROVIDER"))
     assert {"from": "cpu", "to": "cpu", "route": "cma"} in report["routes"]
     assert {"from": "cpu", "to": "another host", "route": f"{tcp['provider']}, direct"} in report["routes"]
+
+
+def test_text_names_the_nics_and_the_rails_a_host_engine_opens(monkeypatch):
+    """The text a newcomer reads: each provider's NICs by name, the rails a host engine opens
+    on the default provider (loopback is left out beside a real NIC, and says so), and GPU
+    memory registration only in a build with CUDA."""
+    nics = [{"domain": "eth0", "pci": None, "speed_bps": None}, {"domain": "lo", "pci": None, "speed_bps": None}]
+    monkeypatch.setattr(doctor.topology, "default_tcp_rails", lambda: 1)  # as on a host of under 8 cores
+    offers = {p: ABSENT for p in doctor.PROVIDERS}
+    offers["tcp"] = {**offer("tcp;ofi_rxm", []), "hmem": False, "dmabuf": False, "nics": nics}
+    report = doctor.collect(env={}, offers=offers, gpu_pcis=[])
+    for cuda in (False, True):
+        text = doctor.render({**report, "cuda_build": cuda}, [])
+        assert "tcp;ofi_rxm (2 NICs: eth0, lo)" in text
+        assert "host engines on tcp: cpu -> 1 rail [eth0] (all NICs but lo, which never leaves the host)" in text
+        assert ("GPU memory registers: cuda staged; vmm staged" in text) == cuda
 
 
 @pytest.mark.parametrize("provider, cma, route", [("tcp", "1", "cma"), ("shm", "1", "cma"), ("tcp", "0", "direct"),

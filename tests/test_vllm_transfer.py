@@ -1,7 +1,8 @@
 """torch_p2p.integrations.vllm.transfer, the part of TorchP2PConnector that moves bytes, without
 vLLM: caches laid out as vLLM's attention backends hold them, a prefill worker in a child
 process, the decode worker here. On CPU (the CPU backend's layout) and on CUDA (the CUDA
-backends' layout, block-major and token-major strides)."""
+backends' layout, block-major and token-major strides). A prefill worker's hold table is a
+plain tensor here (the scheduler that writes it in vLLM is this test)."""
 from __future__ import annotations
 
 import os
@@ -13,11 +14,13 @@ import torch
 
 from peer import Peer
 from torch_p2p.integrations.vllm.tp_mapping import Sources, sources
-from torch_p2p.integrations.vllm.transfer import KVTransfer, Pulled, fetch, tag
+from torch_p2p.integrations.vllm.transfer import KVTransfer, Pulled, StaleBlocks, compat_differences, fetch
 
 PEER_GPU = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 LAYERS, BLOCKS, HEADS, TOKENS, DIM = 3, 24, 4, 16, 64
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 10)]  # model order is not string order
+SLOTS = 8
+COMPAT = dict(model="tiny", dtype="torch.float32", block_size=TOKENS)
 
 
 def vllm_caches(device: str, token_major: bool, seed: int | None) -> dict:
@@ -34,14 +37,24 @@ def vllm_caches(device: str, token_major: bool, seed: int | None) -> dict:
 
 # -- the prefill worker (a Peer child) -----------------------------------------------------------
 
-def prefill_worker(state, device: str, layout: str, token_major: bool) -> int:
+def prefill_worker(state, device: str, layout: str, token_major: bool, with_holds: bool = True) -> int:
     state["caches"] = vllm_caches(device, token_major, seed=1)
-    state["transfer"] = KVTransfer(state["caches"], layout, engine_id="prefill", port=0)
+    state["holds"] = torch.zeros(SLOTS, 1, dtype=torch.int64) if with_holds else None
+    state["transfer"] = KVTransfer(state["caches"], layout, engine_id="prefill", port=0, holds=state["holds"],
+                                   compat=COMPAT)
     return state["transfer"].side_channel.port
 
 
-def hold(state, request_id: str, lease: float) -> None:
+def hold(state, request_id: str, lease: float, slot: int = 0, token: int = 0) -> tuple[int, int]:
+    """What vLLM's scheduler and worker do for a finished prefill request: a hold slot and
+    token, then the lease."""
+    state["holds"][slot] = token
     state["transfer"].hold(request_id, lease)
+    return slot, token
+
+
+def end_hold(state, slot: int) -> None:
+    state["holds"][slot] = 0
 
 
 def freed(state, timeout: float) -> dict:
@@ -82,11 +95,11 @@ def test_pull_frees_the_prefill_blocks(device, layout, token_major):
     with Peer() as p:
         port = p.call(prefill_worker, peer_device, layout, token_major)
         caches = vllm_caches(device, token_major, seed=None)
-        transfer = KVTransfer(caches, layout, engine_id="decode")
+        transfer = KVTransfer(caches, layout, engine_id="decode", compat=COMPAT)
         try:
             remote, local = [3, 4, 5, 9, 17, 2], [0, 7, 8, 20]  # the first two are in "our prefix cache"
-            p.call(hold, "req-1", 30.0)
-            transfer.load("d-1", "req-1", [("127.0.0.1", port)], "prefill", remote, local)
+            held = p.call(hold, "req-1", 30.0, 3, 1001)
+            transfer.load("d-1", "req-1", [("127.0.0.1", port)], "prefill", remote, local, hold=held)
             got = loaded(transfer)
             assert got.error is None and got.blocks == 4, got
             assert got.bytes == 4 * LAYERS * HEADS * TOKENS * 2 * DIM * 4
@@ -98,9 +111,9 @@ def test_pull_frees_the_prefill_blocks(device, layout, token_major):
             assert all((caches[n][untouched] == -1).all() for n in NAMES)
 
             # A second request reuses the handshake; nobody pulls a third: its lease runs out.
-            p.call(hold, "req-2", 30.0)
-            p.call(hold, "req-3", 0.3)
-            transfer.load("d-2", "req-2", [("127.0.0.1", port)], "prefill", [1], [1])
+            held = p.call(hold, "req-2", 30.0, 4, 1002)
+            p.call(hold, "req-3", 0.3, 5, 1003)
+            transfer.load("d-2", "req-2", [("127.0.0.1", port)], "prefill", [1], [1], hold=held)
             assert loaded(transfer).handshake_seconds == 0
             assert p.call(freed, 10) == {"req-2": True}
             assert p.call(freed, 10) == {"req-3": False}
@@ -110,7 +123,7 @@ def test_pull_frees_the_prefill_blocks(device, layout, token_major):
 
 def test_dead_prefill_worker_fails_the_load_promptly():
     caches = vllm_caches("cpu", False, seed=None)
-    transfer = KVTransfer(caches, "cpu", engine_id="decode", timeout=10)
+    transfer = KVTransfer(caches, "cpu", engine_id="decode", timeout=10, compat=COMPAT)
     try:
         with Peer() as p:
             port = p.call(prefill_worker, "cpu", "cpu", False)
@@ -137,24 +150,123 @@ def test_wrong_engine_and_layers_are_refused():
         fewer = {n: caches[n] for n in NAMES[:2]}
         for mine, engine, words in [(caches, "someone-else", "serves engine prefill"),
                                     (fewer, "prefill", "has layers")]:
-            transfer = KVTransfer(mine, "cpu", engine_id="decode")
+            transfer = KVTransfer(mine, "cpu", engine_id="decode", compat=COMPAT)
             try:
                 transfer.load("d", "r", [("127.0.0.1", port)], engine, [1], [1])
                 got = loaded(transfer)
                 assert isinstance(got.error, ValueError) and words in str(got.error), got
             finally:
                 transfer.close()
-        transfer = KVTransfer(caches, "cpu", engine_id="decode")
+        transfer = KVTransfer(caches, "cpu", engine_id="decode", compat=COMPAT)
         try:
-            with pytest.raises(ValueError, match="2 blocks to fill from 1 remote blocks"):
-                transfer.load("d", "r", [("127.0.0.1", port)], "prefill", [1], [1, 2])
+            transfer.load("d", "r", [("127.0.0.1", port)], "prefill", [1], [1, 2])
+            got = loaded(transfer)
+            assert isinstance(got.error, ValueError) and "2 blocks to fill from 1 remote blocks" in str(got.error)
         finally:
             transfer.close()
 
 
-def test_side_channel_and_tags():
-    assert tag("req-1") == tag("req-1") != tag("req-2") and 0 <= tag("x") < 1 << 32
-    assert tag("req-1", readers=2) != tag("req-1")  # a prefill worker read by two decode workers
+def test_a_pull_of_blocks_no_longer_held_fails():
+    """The prefill side ended the request's hold (its lease ran out, the blocks may hold another
+    request's KV by now) or restarted (a fresh table): the load fails, whatever it read."""
+    with Peer() as p:
+        port = p.call(prefill_worker, "cpu", "cpu", False)
+        transfer = KVTransfer(vllm_caches("cpu", False, seed=None), "cpu", engine_id="decode", compat=COMPAT)
+        try:
+            held = p.call(hold, "req-1", 30.0, 1, 41)
+            p.call(end_hold, 1)
+            transfer.load("d-1", "req-1", [("127.0.0.1", port)], "prefill", [3, 4], [5, 6], hold=held)
+            got = loaded(transfer)
+            assert isinstance(got.error, StaleBlocks) and "hold slot 1 holds 0, not 41" in str(got.error), got
+            # The slot went to a newer request meanwhile: still not ours.
+            p.call(hold, "req-2", 30.0, 1, 42)
+            transfer.load("d-1b", "req-1", [("127.0.0.1", port)], "prefill", [3, 4], [5, 6], hold=held)
+            assert isinstance(loaded(transfer).error, StaleBlocks)
+            # A token of an earlier instance: this one's table never held it.
+            transfer.load("d-2", "req-0", [("127.0.0.1", port)], "prefill", [3], [5], hold=(2, 7))
+            assert isinstance(loaded(transfer).error, StaleBlocks)
+            # The request's own hold, though the worker's lease began after the pull (vLLM tells the
+            # worker a step later): kept, and freed once the lease begins.
+            p.call(hold, "req-3", 30.0, 3, 43)
+            transfer.load("d-3", "req-3", [("127.0.0.1", port)], "prefill", [3], [5], hold=(3, 43))
+            assert loaded(transfer).error is None
+            assert p.call(freed, 10) == {"req-3": True}
+            with pytest.raises(ValueError, match="hold slot 99 is outside"):
+                transfer.load("d-4", "req-4", [("127.0.0.1", port)], "prefill", [3], [5], hold=(99, 1))
+                raise loaded(transfer).error
+        finally:
+            transfer.close()
+
+
+def test_incompatible_peers_are_refused():
+    """A peer of another block size (dtype, model, ...), another tensor parallelism than the
+    request names, or no hold table: the load fails naming the difference, nothing is read."""
+    with Peer() as p, Peer() as bare:
+        port = p.call(prefill_worker, "cpu", "cpu", False)
+        bare_port = bare.call(prefill_worker, "cpu", "cpu", False, with_holds=False)
+        cases = [(dict(COMPAT, block_size=32), port, {}, "block_size 32 here, 16 there"),
+                 (dict(COMPAT, dtype="torch.bfloat16", model="other"), port, {},
+                  "dtype 'torch.bfloat16' here, 'torch.float32' there; model 'other' here, 'tiny' there"),
+                 (COMPAT, port, dict(remote_tp=2), "tensor parallelism 2; engine prefill runs 1"),
+                 (COMPAT, bare_port, {}, "serves no hold table")]
+        for compat, where, extra, words in cases:
+            caches = vllm_caches("cpu", False, seed=None)
+            transfer = KVTransfer(caches, "cpu", engine_id="decode", compat=compat)
+            try:
+                transfer.load("d", "r", [("127.0.0.1", where)], "prefill", [1], [1], hold=(0, 5), **extra)
+                got = loaded(transfer)
+                assert isinstance(got.error, ValueError) and words in str(got.error), got
+                assert (caches[NAMES[0]] == -1).all()
+            finally:
+                transfer.close()
+    assert compat_differences({"a": 1}, {"a": 1}) == []
+
+
+def test_wait_then_close_lets_the_release_out():
+    """wait() returns once the pulls are done, so one poll() reports them; close() right after
+    still sends the release notice (the prefill side frees the blocks then, not at the lease)."""
+    with Peer() as p:
+        port = p.call(prefill_worker, "cpu", "cpu", False)
+        transfer = KVTransfer(vllm_caches("cpu", False, seed=None), "cpu", engine_id="decode", compat=COMPAT)
+        closed = False
+        try:
+            transfer.wait(0.01)  # nothing in flight: returns at once
+            held = p.call(hold, "req-1", 30.0, 0, 9)
+            transfer.load("d-1", "req-1", [("127.0.0.1", port)], "prefill", [1, 2], [3, 4], hold=held)
+            transfer.wait(10)
+            _, done = transfer.poll()
+            assert [d.error for d in done] == [None]
+            transfer.close()
+            closed = True
+            assert p.call(freed, 10) == {"req-1": True}
+        finally:
+            if not closed:
+                transfer.close()
+
+
+class _Config:
+    def __init__(self, **extra):
+        self.extra = extra
+
+    def get_from_extra_config(self, key, default):
+        return self.extra.get(key, default)
+
+
+def test_settings(monkeypatch):
+    from torch_p2p.integrations.vllm.config import setting
+    assert setting(_Config(), "kv_lease_duration") == 30.0
+    monkeypatch.setenv("TORCH_P2P_KV_LEASE", "2.5")
+    assert setting(_Config(), "kv_lease_duration") == 2.5
+    assert setting(_Config(kv_lease_duration=4), "kv_lease_duration") == 4.0  # the config wins
+    monkeypatch.setenv("TORCH_P2P_SHARE_CPU_CACHE", "false")
+    assert setting(_Config(), "share_cpu_cache") is False
+    with pytest.raises(ValueError, match=r"share_cpu_cache .*\$TORCH_P2P_SHARE_CPU_CACHE.* must be a bool, not 'maybe'"):
+        setting(_Config(share_cpu_cache="maybe"), "share_cpu_cache")
+    with pytest.raises(ValueError, match="transfer_timeout .* must be a float, not 'soon'"):
+        setting(_Config(transfer_timeout="soon"), "transfer_timeout")
+
+
+def test_side_channel_refused():
     with pytest.raises(OSError):
         from peer_helpers import free_port
         fetch("127.0.0.1", free_port(), timeout=2)
@@ -175,7 +287,9 @@ def test_side_channel_port_taken():
 def prefill_rank(state, lo: int, hi: int) -> int:
     """A prefill worker holding KV heads [lo, hi) of vllm_caches(seed=1), in shared memory."""
     state["caches"] = {n: t[:, lo:hi].contiguous() for n, t in vllm_caches("cpu", False, seed=1).items()}
-    state["transfer"] = KVTransfer(state["caches"], "cpu", engine_id="prefill", first_head=lo, port=0, share=True)
+    state["holds"] = torch.zeros(SLOTS, 1, dtype=torch.int64)
+    state["transfer"] = KVTransfer(state["caches"], "cpu", engine_id="prefill", first_head=lo, port=0, share=True,
+                                   holds=state["holds"], tp_size=2 if hi - lo < HEADS else 1)
     return state["transfer"].side_channel.port
 
 
@@ -201,9 +315,9 @@ def test_decode_tp1_pulls_from_two_prefill_workers():
         transfer = KVTransfer(caches, "cpu", engine_id="decode")
         try:
             for p in (p0, p1):
-                p.call(hold, "req-1", 30.0)
+                held = p.call(hold, "req-1", 30.0, 2, 77)
             transfer.load("d-1", "req-1", [("127.0.0.1", ports[r]) for r in src.ranks], "prefill", [3, 4, 5],
-                          [7, 1, 9], readers=src.readers)
+                          [7, 1, 9], readers=src.readers, hold=held, remote_tp=2)
             got = loaded(transfer)
             assert got.error is None, got
             want = vllm_caches("cpu", False, seed=1)
@@ -219,7 +333,7 @@ def test_two_decode_workers_pull_from_one_prefill_worker():
     worker frees the blocks only when both have."""
     with Peer() as p:
         port = p.call(prefill_rank, 0, HEADS)
-        p.call(hold, "req-1", 30.0)
+        held = p.call(hold, "req-1", 30.0, 1, 55)
         want = vllm_caches("cpu", False, seed=1)
         half = HEADS // 2
         for rank in (0, 1):
@@ -228,7 +342,7 @@ def test_two_decode_workers_pull_from_one_prefill_worker():
             transfer = KVTransfer(caches, "cpu", engine_id=f"decode-{rank}", first_head=rank * half)
             try:
                 transfer.load("d-1", "req-1", [("127.0.0.1", port) for _ in src.ranks], "prefill", [3, 4], [5, 6],
-                              readers=src.readers)
+                              readers=src.readers, hold=held, remote_tp=1)
                 assert loaded(transfer).error is None
                 for n in NAMES:
                     assert torch.equal(caches[n][[5, 6]], want[n][[3, 4], rank * half:(rank + 1) * half]), n

@@ -26,7 +26,8 @@ if not _vllm_installed():
     collect_ignore_glob = ["test_*.py"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(HERE)  # the checkout
+sys.path.insert(0, ROOT)  # the tests import this checkout's torch_p2p, as the instances do
 START_TIMEOUT = 400
 
 
@@ -73,6 +74,8 @@ class Instance:
 
     def ask(self, tokens: list[int], max_tokens: int, kv_transfer_params: dict | None = None,
             timeout: float = 60) -> dict:
+        """{"tokens", "logprobs" (of each chosen token), "finish_reason", "kv_transfer_params",
+        "seconds"}."""
         self.proc.stdin.write(json.dumps(dict(tokens=tokens, max_tokens=max_tokens,
                                               kv_transfer_params=kv_transfer_params)) + "\n")
         self.proc.stdin.flush()
@@ -91,13 +94,20 @@ class Instance:
         return "\n".join(self.log[-n:])
 
     def kill(self) -> None:
-        """Kills the instance and every process it started (its session)."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """Kills the instance and every process it started (its session); returns once none of
+        them is left (at most 30 s)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)  # anyone of the group left?
+            except ProcessLookupError:
+                return
+            time.sleep(0.02)
 
 
 @pytest.fixture(scope="session")
@@ -106,10 +116,22 @@ def tiny_model(tmp_path_factory):
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), seed=0)
 
 
-def kv_config(role: str, port: int, **config) -> dict:
-    """LLM arguments naming TorchP2PConnector (found through the entry point) as `role`."""
+@pytest.fixture(scope="session")
+def sharp_model(tmp_path_factory):
+    """The tiny Llama with weights large enough that attention picks positions (near-uniform
+    attention would average over moved blocks as over the right ones)."""
+    from tiny_model import make_tiny_llama
+    return make_tiny_llama(str(tmp_path_factory.mktemp("sharp-llama")), seed=0, init_range=0.5)
+
+
+def kv_config(role: str, port: int, *, kv_lease_duration: float | None = None, **config) -> dict:
+    """LLM arguments naming TorchP2PConnector (found through the entry point) as `role`;
+    `config`: more KVTransferConfig fields (kv_load_failure_policy, ...)."""
+    extra = dict(side_channel_port=port)
+    if kv_lease_duration is not None:
+        extra["kv_lease_duration"] = kv_lease_duration
     return dict(kv_transfer_config=dict(kv_connector="TorchP2PConnector", kv_role=role,
-                                        kv_connector_extra_config=dict(side_channel_port=port), **config))
+                                        kv_connector_extra_config=extra, **config))
 
 
 @pytest.fixture(scope="module")

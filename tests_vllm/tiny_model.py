@@ -8,9 +8,9 @@ WORDS = [f"w{i}" for i in range(250)]
 
 
 def make_tiny_llama(path: str, *, seed: int = 0, layers: int = 2, hidden: int = 128,
-                    heads: int = 4, kv_heads: int = 2, max_positions: int = 2048) -> str:
+                    heads: int = 4, kv_heads: int = 2, max_positions: int = 2048, init_range: float = 0.02) -> str:
     """Writes a model directory (config, safetensors weights, tokenizer) at `path` and returns
-    it. The same seed gives the same weights."""
+    it. The same seed gives the same weights; `init_range` is their standard deviation."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -25,7 +25,7 @@ def make_tiny_llama(path: str, *, seed: int = 0, layers: int = 2, hidden: int = 
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-                         torch_dtype="float32")
+                         torch_dtype="float32", initializer_range=init_range)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     os.makedirs(path, exist_ok=True)

@@ -14,7 +14,7 @@ import time
 
 import requests
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 # Two servers starting together take about 40 s on 2 idle cores; minutes on busy ones.
 START_TIMEOUT = 480.0
 

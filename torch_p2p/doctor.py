@@ -71,6 +71,19 @@ def gpu_registration(provider: str, offer: dict[str, Any]) -> dict[str, tuple[st
             for kind, memory in (("cuda", "cuda"), ("vmm", "cuda_vmm"))}
 
 
+def host_plan(provider: str | None, offer: dict[str, Any] | None) -> str | None:
+    """The rails a host-memory engine opens on `provider` (as Engine does it): its NICs but
+    loopback, and on tcp one rail per 4 cores (topology.default_tcp_rails)."""
+    if offer is None:
+        return None
+    nics = [topology.Nic(n["domain"], n.get("pci"), n.get("speed_bps")) for n in offer.get("nics", [])]
+    rails_from_cores = _C.provider_profile(provider)["rails_from_cores"]
+    try:
+        return topology.plan(nics, "cpu", min_rails=topology.default_tcp_rails() if rails_from_cores else 1).reason
+    except ValueError as e:
+        return f"no plan ({e})"
+
+
 def ptrace_scope() -> int:
     """Yama's kernel.yama.ptrace_scope (0 without Yama): 2 and 3 keep the cma route off."""
     try:
@@ -141,7 +154,7 @@ def collect(*, env: dict[str, str] | None = None, offers: dict[str, dict] | None
         "routes": routes(len(gpu_pcis), peer_access, offer, env, scope),
         "ptrace": ptrace_consent(scope, env),
         "settings": settings(env),
-        "tcp_rails": topology.default_tcp_rails(),
+        "host_plan": host_plan(chosen, offer),
     }
 
 
@@ -224,19 +237,22 @@ def render(report: dict[str, Any], warnings: list[dict[str, str]]) -> str:
         if "error" in o:
             lines.append(f"  {name:6} not available ({o['error']})")
             continue
+        domains = ", ".join(dict.fromkeys(n["domain"] for n in o["nics"]))
         lines.append(
-            f"  {name:6} {o['provider']} ({len(o['nics'])} NIC{'s' * (len(o['nics']) != 1)}): "
+            f"  {name:6} {o['provider']} ({len(o['nics'])} NIC{'s' * (len(o['nics']) != 1)}: {domains}): "
             f"FI_HMEM {'yes' if o['hmem'] else 'no'}, dma-buf {'yes' if o['dmabuf'] else 'no'}, "
             f"delivery-complete {'yes' if o['delivery_complete'] else 'no'}, "
             f"progress {'provider threads' if o['auto_progress'] else 'engine thread'}")
-        lines.append("         GPU memory registers: " + "; ".join(
-            f"{kind} {how}" for kind, (how, _) in gpu_registration(name, o).items()))
+        if report["cuda_build"]:  # a build without CUDA takes no GPU memory at all
+            lines.append("         GPU memory registers: " + "; ".join(
+                f"{kind} {how}" for kind, (how, _) in gpu_registration(name, o).items()))
         lines.append(
             f"         iov {o['iov_limit']}, rma iov {o['rma_iov_limit']}, max msg {_size(o['max_msg_size'])}, "
             f"inject {o['inject_size']}, cq data {o['cq_data_size']} B, key {o['mr_key_size']} B, "
             f"mr_mode {'|'.join(o['mr_mode']) or '0'}")
-    lines += ["", f"default provider: {report['default_provider'] or 'none'} "
-                  f"(host engines on tcp open {report['tcp_rails']} rail(s) here)"]
+    lines += ["", f"default provider: {report['default_provider'] or 'none'}"]
+    if report["host_plan"]:
+        lines.append(f"host engines on {report['default_provider']}: {report['host_plan']}")
     if report["gpus"]:
         lines.append("GPUs:")
         for g in report["gpus"]:

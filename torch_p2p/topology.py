@@ -163,7 +163,9 @@ def plan(
     candidates = _candidates(nics, domains, domains_src)
     gpu_paths: list[str | None] = []
     if ordinal is None:
-        chosen, why = candidates, "all NICs"
+        left_out = sorted({n.domain for n in nics} - {n.domain for n in candidates}) if domains is None else []
+        chosen, why = candidates, f"all NICs but {', '.join(left_out)}, which never leaves the host" if left_out \
+            else "all NICs"
     else:
         gpu_pcis = gpu_pci_addresses() if gpu_pcis is None else gpu_pcis
         gpu_paths = [_pci_path(sysfs, b) for b in gpu_pcis]

@@ -6,7 +6,7 @@
 
 #include "common/error.h"
 
-namespace p2p {
+namespace p2p::core {
 
 std::string host_identity() {
   char boot[64] = {0};
@@ -21,4 +21,4 @@ std::string host_identity() {
   return cat(id, "/", static_cast<uint64_t>(ns.st_ino));
 }
 
-}  // namespace p2p
+}  // namespace p2p::core

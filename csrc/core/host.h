@@ -3,10 +3,10 @@
 
 #include <string>
 
-namespace p2p {
+namespace p2p::core {
 
 // "boot id/pid namespace": processes that share it can map each other's CUDA memory by IPC
 // and watch each other by pid. Empty if unknown.
 std::string host_identity();
 
-}  // namespace p2p
+}  // namespace p2p::core

@@ -154,7 +154,7 @@ class Route {
   virtual bool idle() const = 0;
   // A message from the same route of peer `p`.
   virtual void on_message(Peer& p, std::string_view body) = 0;
-  // The worker's timers ran (about every 10 ms).
+  // The worker's timers ran (about every 5 ms: Worker::run's next_tick_).
   virtual void tick() {}
   // Peer `p` failed: its transfers were failed; the route lets go of its state for them.
   virtual void peer_failed(Peer& p) = 0;

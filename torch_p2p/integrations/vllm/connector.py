@@ -45,6 +45,9 @@ class TorchP2PConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> TorchP2PMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 

@@ -18,6 +18,7 @@ class Load:
     remote_blocks: list[int]
     local_blocks: list[int]
     remote_tp_size: int
+    hold: tuple[int, int]  # (slot, token) in the prefill workers' hold tables: holds.py
 
 
 @dataclass

@@ -8,12 +8,14 @@ tokens, 2 x head dim] (any strides). ``LAYOUTS`` names where K and V sit inside 
 backend reads each head's block as all K rows then all V rows, CUDA backends keep a token's K
 and V side by side.
 
-Request ids become notification tags through CRC-32: both sides compute the tag from the
-prefill side's request id, so nothing but the ids crosses between them.
+A decode worker keeps what it pulled only if the prefill side still held the blocks for its
+request once the data had landed: it then reads the request's slot of the prefill worker's hold
+table (holds.py) and compares it with the token the request's kv_transfer_params carry. It then
+tells the prefill worker, in one message carrying how many decode workers read it, that it may
+free the blocks.
 """
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import queue
@@ -22,19 +24,22 @@ import socket
 import struct
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_jobs
 from dataclasses import dataclass, field
 
 import torch
 
-from ... import Engine, _shared, kv
+from ... import Engine, _shared, kv, pages
+from ...errors import ClosedError
+from ...errors import TimeoutError as P2PTimeout
+from ...remote import RemoteTensor
 
 LAYOUTS = {"cpu": "blocks heads kv tokens dim", "cuda": "blocks heads tokens kv dim"}
 _HEADER = struct.Struct("!I")
 _log = logging.getLogger("vllm.torch_p2p")  # the logger the connector's worker half uses
 _MAX_INFO = 1 << 24
+_CHECKS = 4096  # hold checks in flight at once (a slot each of a registered scratch tensor)
 
 
 def layer_view(cache: torch.Tensor, layout: str) -> torch.Tensor:
@@ -68,12 +73,6 @@ def layer_order(names) -> list[str]:
     return sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
 
 
-def tag(request_id: str, readers: int = 1) -> int:
-    """The notification a pull sends when `readers` decode workers read the same prefill
-    worker's blocks (tensor parallelism larger on the decode side): it frees them after all."""
-    return zlib.crc32(request_id.encode() if readers == 1 else f"{request_id}/{readers}".encode())
-
-
 def expand_blocks(ids, per_block: int) -> list[int]:
     """Scheduler block ids as the cache tensor's blocks, where a kernel block is smaller than
     the scheduler's (`per_block` kernel blocks each)."""
@@ -89,53 +88,51 @@ class Pulled:
     seconds: float  # the pull alone: issued to noticed done by poll()
     handshake_seconds: float  # 0 once the peer's handle is known
     error: BaseException | None = None
+    check_seconds: float = 0.0  # the hold check's read(s), issued to done (inside `seconds`)
 
 
 @dataclass(eq=False)
 class _Load:
     """A request's pulls, one per prefill worker that holds some of our heads (the decode side)."""
     request_id: str
-    notify: int
+    remote_request_id: str
+    readers: int
     sources: list[tuple[str, int]]
     remote_engine_id: str
+    remote_tp: int | None
+    hold: tuple[int, int] | None  # (slot, token) in the prefill workers' hold tables
     remote_blocks: list[int]
     local_blocks: list[int]
     start: float
     handshake: float = 0.0
     issued: float = 0.0
-    peers: list[kv.KVCacheHandle] = field(default_factory=list)
+    peers: list["_Peer"] = field(default_factory=list)
     futures: list[torch.futures.Future] = field(default_factory=list)
+    checks: list[int] = field(default_factory=list)  # scratch slots the hold checks read into
+    check_seconds: float = 0.0  # the longest hold check's read
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
 
 
-def _first_of(groups: list[list], engine: Engine) -> torch.futures.Future:
-    """Completes when every future of one of `groups` (of `engine`'s futures) has succeeded,
-    cancelling the others' then, or fails with the last error once each group has failed."""
-    out, left, lock = torch.futures.Future(), [len(groups)], threading.Lock()
+@dataclass
+class _Peer:
+    """A prefill worker as its side channel describes it."""
+    engine_id: str
+    cache: kv.KVCacheHandle
+    holds: RemoteTensor | None
+    tp_size: int
 
-    def one(group, f):
-        with lock:
-            left[0] -= 1
-            if out.done():
-                return
-            try:
-                f.value()
-            except BaseException as e:  # noqa: BLE001 - the caller's future carries it
-                if left[0] == 0:
-                    out.set_exception(e)
-                return
-            out.set_result(None)
-        for other in groups:
-            for g in other:
-                if other is not group and not g.done():
-                    engine.cancel(g)
 
-    for group in groups:
-        joined = _shared.all_of(group)
-        joined.add_done_callback(lambda f, group=group: one(group, f))
-    return out
+class StaleBlocks(RuntimeError):
+    """The prefill side no longer held the blocks when a pull had read them (its lease ended,
+    or it restarted): what was read is not the request's KV."""
+
+
+def compat_differences(mine: dict, theirs: dict) -> list[str]:
+    """The facts two engines must share (model, dtype, block size, ...) that differ, in words."""
+    return [f"{k} {mine.get(k)!r} here, {theirs.get(k)!r} there" for k in sorted(set(mine) | set(theirs))
+            if mine.get(k) != theirs.get(k)]
 
 
 def _warn_if_untold(told: torch.futures.Future, request_id: str) -> None:
@@ -207,16 +204,21 @@ class KVTransfer:
     `caches`: layer name -> cache tensor (see the module's docstring); `layout`: "cpu" or
     "cuda"; `first_head`: the model's KV head this worker's caches start at (tensor
     parallelism). With `port`, a side channel at host:port serves the handle (the prefill
-    side). `timeout` bounds a handshake and a pull; `lease` is how long blocks awaiting a pull
-    are held before they are freed anyway. `share`: move host caches into shared memory, in
-    place, before registering them, so that same-host peers map them and copy with memcpy
-    instead of the kernel's cross-memory copy (the engine's cma route; the move copies the
-    caches once and holds twice their memory meanwhile).
+    side), and release notices arrive in the engine's inbox (give it an engine of its own).
+    `holds`: the prefill side's hold table (holds.create), served read-only with the handle.
+    `compat`: what a peer must share (model, dtype, block size, ...): a handshake with a peer
+    whose facts differ fails, naming them. `tp_size`: this engine's tensor parallelism, which a
+    load's `remote_tp` must name. `timeout` bounds a handshake and a pull; `lease` is how long
+    blocks awaiting a pull are held before they are freed anyway. `share`: move host caches
+    into shared memory, in place, before registering them, so that same-host peers map them
+    and copy with memcpy instead of the kernel's cross-memory copy (the engine's cma route; the
+    move copies the caches once and holds twice their memory meanwhile).
     """
 
     def __init__(self, caches: dict[str, torch.Tensor], layout: str, *, engine_id: str, first_head: int = 0,
                  host: str = "127.0.0.1", port: int | None = None, timeout: float = 10.0, lease: float = 30.0,
-                 engine: Engine | None = None, share: bool = False):
+                 engine: Engine | None = None, share: bool = False, holds: torch.Tensor | None = None,
+                 compat: dict | None = None, tp_size: int = 1):
         if not caches:
             raise ValueError("no KV caches to register")
         self.names = layer_order(caches)
@@ -225,33 +227,54 @@ class KVTransfer:
             share_in_place(caches.values())
         self.engine = engine or Engine(str(first.device))
         self._own_engine = engine is None
-        self.cache = kv.KVCache(self.engine, [layer_view(caches[n], layout) for n in self.names], LAYOUTS[layout],
-                                first_head=first_head)
-        self.engine_id, self.timeout, self.lease = engine_id, timeout, lease
-        self.info = json.dumps(dict(engine_id=engine_id, layers=self.names,
-                                    handle=base64.b64encode(self.cache.handle.to_bytes()).decode())).encode()
+        self.engine_id, self.timeout, self.lease, self.compat = engine_id, timeout, lease, dict(compat or {})
+        self._regions = []
+        self.cache = None
         try:
-            self.side_channel = SideChannel(host, port, self.info) if port is not None else None
-        except OSError as e:
-            self.cache.close()
-            if self._own_engine:
-                self.engine.close()
-            raise OSError(e.errno, f"TorchP2PConnector's side channel cannot listen on {host}:{port} "
-                                   f"({e.strerror}): give each instance of a host its own side_channel_port") from e
-        self._peers: dict[tuple[str, int], tuple[str, kv.KVCacheHandle]] = {}
+            self.cache = kv.KVCache(self.engine, [layer_view(caches[n], layout) for n in self.names],
+                                    LAYOUTS[layout], first_head=first_head)
+            # Where hold checks land (host memory: read without a device sync), one int64 a check.
+            self._scratch = torch.zeros(_CHECKS, 1, dtype=torch.int64)
+            self._regions.append(self.engine.register(self._scratch))
+            served = None
+            if holds is not None:
+                self._regions.append(self.engine.register(holds, "r"))
+                served = _shared.b64(self._regions[-1].remote.to_bytes())
+            self.info = json.dumps(dict(engine_id=engine_id, layers=self.names, compat=self.compat, tp_size=tp_size,
+                                        holds=served, handle=_shared.b64(self.cache.handle.to_bytes()))).encode()
+            try:
+                self.side_channel = SideChannel(host, port, self.info) if port is not None else None
+            except OSError as e:
+                raise OSError(e.errno, f"TorchP2PConnector's side channel cannot listen on {host}:{port} "
+                                       f"({e.strerror}): give each instance of a host its own side_channel_port") from e
+        except BaseException:
+            self._close_memory()
+            raise
+        self._peers: dict[tuple[str, int], _Peer] = {}
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="torch_p2p-kv")
-        self._releases: list = []  # the free notices' jobs on _pool: close() lets them go out
+        self._releases: list = []  # the release notices' jobs on _pool: close() lets them go out
+        self._handshakes: list = []  # loads waiting for a handshake on _pool: wait() waits for them too
         # Pulls in flight, checked by poll(): noticed on vLLM's thread, not by a callback, whose
         # thread would wait for the GIL (up to sys.getswitchinterval()) while vLLM's step runs.
         self._pulls: list[_Load] = []
         self._lock = threading.Lock()
+        self._free_checks = list(range(_CHECKS))
         self._failed_early: queue.SimpleQueue[Pulled] = queue.SimpleQueue()
-        self._leases: dict[str, torch.futures.Future] = {}
+        # The prefill side: request -> when its lease ends (time.monotonic()), and the release
+        # notices heard so far: request -> [notices, readers they announced, first heard].
+        self._leases: dict[str, float] = {}
+        self._released: dict[str, list] = {}
         self._lease_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._inbox = None
+        if port is not None:
+            self._inbox = threading.Thread(target=self._receive, name="torch_p2p-kv-inbox", daemon=True)
+            self._inbox.start()
 
     # -- decode side -----------------------------------------------------------------------------
     def load(self, request_id: str, remote_request_id: str, sources: list[tuple[str, int]], remote_engine_id: str,
-             remote_blocks, local_blocks, *, readers: int = 1) -> None:
+             remote_blocks, local_blocks, *, readers: int = 1, hold: tuple[int, int] | None = None,
+             remote_tp: int | None = None) -> None:
         """Pulls the prefill side's `remote_blocks` into `local_blocks` (the last
         len(local_blocks) of them: the first ones may be in our prefix cache) and tells it to
         free them. Reported by ``poll()``, failed or not, within `timeout` of a silent peer and
@@ -260,21 +283,24 @@ class KVTransfer:
         `sources`: the side channels (host, port) of the prefill workers that hold this
         worker's heads (one, or several where tensor parallelism differs: tp_mapping); each
         pull moves the heads both hold. `readers`: how many decode workers read each of them
-        (their blocks are freed when all have)."""
+        (their blocks are freed when all have). `hold`: the (slot, token) of the request's
+        kv_transfer_params: once the data has landed, each prefill worker's hold table must
+        still hold the token there, or the load fails with StaleBlocks. `remote_tp`: the
+        prefill engine's tensor parallelism as the request names it."""
         remote_blocks, local_blocks = list(remote_blocks), list(local_blocks)
-        if len(local_blocks) > len(remote_blocks):
-            raise ValueError(f"request {request_id}: {len(local_blocks)} blocks to fill from "
-                             f"{len(remote_blocks)} remote blocks")
         if not sources:
             raise ValueError(f"request {request_id}: no prefill worker to pull from")
-        load = _Load(request_id, tag(remote_request_id, readers), [(h, int(p)) for h, p in sources], remote_engine_id,
-                     remote_blocks[len(remote_blocks) - len(local_blocks):], local_blocks, time.perf_counter())
+        load = _Load(request_id, remote_request_id, readers, [(h, int(p)) for h, p in sources], remote_engine_id,
+                     remote_tp, None if hold is None else (int(hold[0]), int(hold[1])),
+                     remote_blocks[max(0, len(remote_blocks) - len(local_blocks)):], local_blocks, time.perf_counter())
         known = [self._peers.get(where) for where in load.sources]
-        if all(k is not None and k[0] == remote_engine_id for k in known):
-            self._issue(load, [k[1] for k in known])  # on the caller's thread: no hop to another Python thread
+        if all(k is not None and k.engine_id == remote_engine_id for k in known):
+            self._issue(load, known)  # on the caller's thread: no hop to another Python thread
         else:
             # A handshake leaves the model's step: a slow or dead prefill host delays only its requests.
-            self._pool.submit(self._handshake_then_issue, load)
+            with self._lock:
+                self._handshakes = [job for job in self._handshakes if not job.done()]
+                self._handshakes.append(self._pool.submit(self._handshake_then_issue, load))
 
     def _handshake_then_issue(self, load: "_Load") -> None:
         try:
@@ -285,15 +311,55 @@ class KVTransfer:
         load.handshake = time.perf_counter() - load.start
         self._issue(load, peers)
 
-    def _issue(self, load: "_Load", peers: list[kv.KVCacheHandle]) -> None:
+    def _issue(self, load: "_Load", peers: list[_Peer]) -> None:
         load.peers, load.issued = peers, time.perf_counter()
         try:
             for peer in peers:
-                load.futures.append(self.cache.pull(peer, load.remote_blocks, load.local_blocks, timeout=self.timeout))
+                self._check_peer(peer, load)
+            for peer in peers:
+                data = self.cache.pull(peer.cache, load.remote_blocks, load.local_blocks, timeout=self.timeout)
+                checked = load.hold is not None and load.local_blocks
+                load.futures.append(self._then_check(load, peer, data) if checked else data)
         except BaseException as e:
             load.futures.append(_shared.failed(e))  # reported once the pulls issued before it are done
         with self._lock:
             self._pulls.append(load)
+
+    def _check_peer(self, peer: _Peer, load: "_Load") -> None:
+        """After the handshake (which names an incompatible peer first): can this load use it?"""
+        if len(load.local_blocks) > len(load.remote_blocks):
+            raise ValueError(f"request {load.request_id}: {len(load.local_blocks)} blocks to fill from "
+                             f"{len(load.remote_blocks)} remote blocks")
+        if load.remote_tp is not None and peer.tp_size != load.remote_tp:
+            raise ValueError(f"request {load.request_id} names a prefill engine of tensor parallelism {load.remote_tp}; "
+                             f"engine {peer.engine_id} runs {peer.tp_size}: nothing was read")
+        if load.hold is not None and load.local_blocks:
+            if peer.holds is None:
+                raise ValueError(f"prefill engine {peer.engine_id} serves no hold table: what a pull reads could not "
+                                 "be checked, so nothing was read")
+            if not 0 <= load.hold[0] < peer.holds.shape[0]:
+                raise ValueError(f"request {load.request_id}: hold slot {load.hold[0]} is outside engine "
+                                 f"{peer.engine_id}'s table of {peer.holds.shape[0]}")
+
+    def _then_check(self, load: "_Load", peer: _Peer, data: torch.futures.Future) -> torch.futures.Future:
+        """`data`, then (issued once it has completed) the read of the request's hold slot."""
+        with self._lock:
+            if not self._free_checks:
+                raise RuntimeError(f"more than {_CHECKS} loads in flight")
+            i = self._free_checks.pop()
+        load.checks.append(i)
+        self._scratch[i] = 0
+
+        def read():
+            start = time.perf_counter()
+            f = self.engine.read_slices([pages(self._scratch, [i])], [pages(peer.holds, [load.hold[0]])],
+                                        timeout=self.timeout)
+            f.add_done_callback(lambda _: setattr(load, "check_seconds",
+                                                  max(load.check_seconds, time.perf_counter() - start)))
+            return f
+        out = torch.futures.Future()
+        _shared.then(data, read, out)
+        return out
 
     def _finish(self, load: "_Load") -> "Pulled":
         """A done load as a result; the prefill workers are told they may free the blocks on a
@@ -301,42 +367,69 @@ class KVTransfer:
         try:
             for f in load.futures:
                 f.value()
+            self._check_holds(load)
         except BaseException as e:
             return self._pulled(load, e)
         self._releases = [job for job in self._releases if not job.done()]
         self._releases.append(self._pool.submit(self._release, load))
         return self._pulled(load, None)
 
+    def _check_holds(self, load: "_Load") -> None:
+        if not load.checks:
+            return
+        slot, token = load.hold
+        for peer, i in zip(load.peers, load.checks):
+            seen = int(self._scratch[i, 0])
+            if seen != token:
+                raise StaleBlocks(f"request {load.request_id}: prefill engine {peer.engine_id} no longer held the "
+                                  f"blocks once they were read (hold slot {slot} holds {seen}, not {token}: its lease "
+                                  "ended or it restarted); what was read is discarded")
+
     def _release(self, load: "_Load") -> None:
+        notice = json.dumps(dict(release=load.remote_request_id, readers=load.readers)).encode()
         for peer in load.peers:
             try:
-                told = self.cache.pull(peer, [], [], notify=load.notify, timeout=self.timeout)
+                told = self.engine.send(peer.cache.owner, notice, timeout=self.timeout)
             except Exception as e:  # noqa: BLE001 - reported below, like a notice that fails later
                 told = _shared.failed(e)
             told.add_done_callback(lambda f, rid=load.request_id: _warn_if_untold(f, rid))
 
     def _pulled(self, load: "_Load", error: BaseException | None) -> "Pulled":
+        with self._lock:
+            self._free_checks.extend(load.checks)
+            load.checks = []
         seconds = time.perf_counter() - load.issued if load.issued else 0.0
         return Pulled(load.request_id, len(load.local_blocks), len(load.local_blocks) * self.cache.block_bytes,
-                      seconds, load.handshake, error)
+                      seconds, load.handshake, error, load.check_seconds)
 
-    def _handshake(self, where: tuple[str, int], remote_engine_id: str) -> kv.KVCacheHandle:
-        """The handle of the engine at `where`, fetched from its side channel."""
+    def _handshake(self, where: tuple[str, int], remote_engine_id: str) -> _Peer:
+        """The prefill worker at `where`, as its side channel describes it."""
         known = self._peers.get(where)
-        if known is not None and known[0] == remote_engine_id:
-            return known[1]  # an earlier load's handshake finished meanwhile
+        if known is not None and known.engine_id == remote_engine_id:
+            return known  # an earlier load's handshake finished meanwhile
         info = json.loads(fetch(*where, timeout=self.timeout))
         if info["engine_id"] != remote_engine_id:
             raise ValueError(f"{where[0]}:{where[1]} serves engine {info['engine_id']}, not {remote_engine_id}")
         if info["layers"] != self.names:
             raise ValueError(f"engine {remote_engine_id} has layers {info['layers']}, this one {self.names}")
-        peer = kv.KVCacheHandle.from_bytes(base64.b64decode(info["handle"]))
-        self._peers[where] = (remote_engine_id, peer)
+        differ = compat_differences(self.compat, info.get("compat") or {})
+        if differ:
+            raise ValueError(f"prefill engine {remote_engine_id} at {where[0]}:{where[1]} is incompatible with this "
+                             f"one: {'; '.join(differ)}. Nothing was read")
+        holds = info.get("holds")
+        peer = _Peer(remote_engine_id, kv.KVCacheHandle.from_bytes(_shared.unb64(info["handle"])),
+                     None if holds is None else RemoteTensor.from_bytes(_shared.unb64(holds)), int(info["tp_size"]))
+        self._peers[where] = peer
         return peer
 
     def wait(self, seconds: float) -> None:
-        """Waits until every pull issued so far is done, or `seconds` pass (for a caller with
-        nothing else to do: poll() then reports them without another round)."""
+        """Waits until every load started so far (its handshake, then its pulls) is done, or
+        `seconds` pass (for a caller with nothing else to do: poll() then reports them without
+        another round)."""
+        deadline = time.monotonic() + seconds
+        with self._lock:
+            handshakes = list(self._handshakes)
+        wait_for_jobs(handshakes, timeout=seconds)
         with self._lock:
             pending = [f for p in self._pulls for f in p.futures if not f.done()]
         if not pending:
@@ -345,35 +438,58 @@ class KVTransfer:
         # completions need, and hears at once (a sleep-and-look loop added up to 0.4 ms a pull).
         done = threading.Event()
         _shared.all_of(pending).add_done_callback(lambda _: done.set())
-        done.wait(seconds)
+        done.wait(max(0.0, deadline - time.monotonic()))
 
     # -- prefill side ----------------------------------------------------------------------------
     def hold(self, request_id: str, lease: float | None = None) -> None:
-        """Holds a finished request's blocks until the decode workers' pulls say they are done
-        with them, or `lease` (default: the object's) passes. How many decode workers read them
-        is up to the decode engine's tensor parallelism: one waiter per count this worker's
-        heads allow (a reader takes at least one), the first to complete wins."""
+        """Holds a finished request's blocks until every decode worker that reads them has said
+        so (each release notice says how many read this worker), or `lease` (default: the
+        object's) passes."""
         lease = self.lease if lease is None else lease
-        heads = self.cache.heads[1] - self.cache.heads[0] if self.cache.heads else 1
-        groups = [[self.engine.notification(tag(request_id, k), timeout=lease) for _ in range(k)]
-                  for k in range(1, heads + 1) if heads % k == 0]
         with self._lease_lock:
-            self._leases[request_id] = _first_of(groups, self.engine)
+            self._leases[request_id] = time.monotonic() + lease
+
+    def _receive(self) -> None:
+        """The prefill side's inbox: the decode workers' release notices, counted by request."""
+        while not self._closing.is_set():
+            try:
+                _, payload = self.engine.recv(timeout=0.5).wait()
+            except P2PTimeout:
+                continue
+            except Exception as e:  # noqa: BLE001 - closed, or a peer's error: logged, not raised
+                if self._closing.is_set() or isinstance(e, ClosedError):
+                    return
+                _log.warning("TorchP2PConnector: receiving a release notice failed (%s: %s)", type(e).__name__, e)
+                continue
+            try:
+                notice = json.loads(payload)
+                request_id, readers = str(notice["release"]), max(1, int(notice["readers"]))
+            except (ValueError, KeyError, TypeError):
+                _log.warning("TorchP2PConnector: ignored a message that is no release notice (%d bytes)", len(payload))
+                continue
+            with self._lease_lock:
+                seen = self._released.setdefault(request_id, [0, readers, time.monotonic()])
+                seen[0], seen[1] = seen[0] + 1, max(seen[1], readers)
 
     # -- both ------------------------------------------------------------------------------------
     def poll(self) -> tuple[dict[str, bool], list[Pulled]]:
         """(requests whose blocks may be freed -> whether a pull released them (False: the lease
         ran out), loads finished since the last call)."""
-        freed = {}
+        freed, now = {}, time.monotonic()
         with self._lease_lock:
-            for rid, fut in list(self._leases.items()):
-                if fut.done():
-                    del self._leases[rid]
-                    try:
-                        fut.value()
-                        freed[rid] = True
-                    except Exception:
-                        freed[rid] = False
+            for rid, deadline in list(self._leases.items()):
+                seen = self._released.get(rid)
+                if seen is not None and seen[0] >= seen[1]:
+                    freed[rid] = True
+                elif now >= deadline:
+                    freed[rid] = False
+                else:
+                    continue
+                del self._leases[rid]
+                self._released.pop(rid, None)
+            # A notice for a request never held here (aborted before its hold began) is dropped.
+            for rid in [r for r, s in self._released.items() if r not in self._leases and now - s[2] > self.lease]:
+                del self._released[rid]
         done, pending = [], []
         with self._lock:
             for p in self._pulls:
@@ -387,10 +503,19 @@ class KVTransfer:
                 return freed, loaded
 
     def close(self) -> None:
+        self._closing.set()
         if self.side_channel is not None:
             self.side_channel.close()
         wait_for_jobs(self._releases, timeout=self.timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.cache.close()
+        if self._inbox is not None:
+            self._inbox.join(timeout=2)
+        self._close_memory()
+
+    def _close_memory(self) -> None:
+        while self._regions:
+            self._regions.pop().close()
+        if self.cache is not None:
+            self.cache.close()
         if self._own_engine:
             self.engine.close()

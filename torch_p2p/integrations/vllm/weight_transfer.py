@@ -4,21 +4,23 @@
 Inference side (``TorchP2PWeightTransferEngine``, one per vLLM worker): at
 ``init_weight_transfer_engine`` the worker allocates one receive buffer per trainer tensor (HF
 names and shapes, in the model's dtype), registers them once and joins the trainer's leader,
-whose address rides the init info; the plan is computed then, once. Every update is one push
-into those buffers followed by vLLM's own ``load_weights`` inside a layerwise reload: vLLM fuses
-q/k/v and gate/up, pads vocabularies, slices for tensor parallelism and (on CPU) prepacks the
-linear weights after loading, so its loader is the one exact way into the parameters.
+whose address rides the init info; the plan is computed then, once. Pushes land in those
+buffers, never in the model. ``update_weights`` waits until the version asked for has fully
+arrived, then loads it with vLLM's own ``load_weights`` inside a layerwise reload that it opens
+and closes itself: vLLM fuses q/k/v and gate/up, pads vocabularies, slices for tensor
+parallelism and (on CPU) prepacks the linear weights after loading, so its loader is the one
+exact way into the parameters. ``start_weight_update`` and ``finish_weight_update`` touch
+nothing: the model changes only inside one worker call, which a trainer's death cannot cut
+(docs/vllm.md, "A trainer that dies").
 
-Trainer side (``TorchP2PTrainerWeightTransferEngine``, built by vLLM's
-``WeightTransferTrainerFactory.trainer_init``): rank 0 registers the tensors its WeightSource
-yields and leads; each ``send_weights`` pushes them as the next version, then drives
-start/update/finish through the client. Replicas started later join with ``connect(client)``.
+Trainer side: ``TorchP2PTrainerWeightTransferEngine`` (built by vLLM's
+``WeightTransferTrainerFactory.trainer_init``) is a front over weight_trainer.WeightTrainer,
+which a trainer without vLLM uses directly.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Any, ClassVar
 
 import torch
@@ -28,6 +30,8 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
 
 import torch_p2p
 import torch_p2p.weights as pw
+
+from .weight_trainer import WeightTrainer
 
 BACKEND = "torch_p2p"
 
@@ -122,10 +126,9 @@ class TorchP2PWeightTransferEngine(WeightTransferEngine[TorchP2PInitInfo, TorchP
             raise
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
+        # Nothing to open: a reload opened here would leave the model's parameters on the meta
+        # device until finish, and a trainer that dies in between never calls finish.
         self._require_init()
-        initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU.
@@ -134,26 +137,41 @@ class TorchP2PWeightTransferEngine(WeightTransferEngine[TorchP2PInitInfo, TorchP
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: TorchP2PUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                             initialize_layerwise_reload)
+
         dest = self._require_init()
+        # Until every byte of the version is here the model is not touched: a trainer that
+        # dies mid-push fails this wait (its timeout), and the model keeps the old weights.
         version = torch_p2p.wait(dest.wait_for(update_info.version), update_info.timeout)
-        if version != update_info.version:
-            # The buffers hold a later push: loading them would not be the version asked for.
-            raise RuntimeError(f"asked to load version {update_info.version}, but version {version} has "
-                               f"arrived since: the trainer pushes again before each update ends")
-        self.model.load_weights(self._buffers.items())
+        arriving, _, _ = dest.progress
+        if version != update_info.version or arriving != version:
+            # The buffers hold (part of) another push: not the version asked for.
+            raise RuntimeError(f"asked to load version {update_info.version}, but the receive buffers hold version "
+                               f"{version} and version {arriving} is arriving (None: this worker was dropped "
+                               f"from the push group): the trainer pushes only after an update ends")
+        initialize_layerwise_reload(self.model)
+        try:
+            self.model.load_weights(self._buffers.items())
+        finally:
+            finalize_layerwise_reload(self.model, self.model_config)
         self.loaded_version = version
         self.bytes_received += sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
+        pass  # update_weights closed its reload already
 
     def shutdown(self) -> None:
-        if self._dest is not None:
-            self._dest.close()
+        # The engine first: its close deregisters the buffers at once and fails what is in
+        # flight. The destination closed first would wait for its leader's answer to the leave,
+        # then for the leader's release of the buffers (on one host it copied into them), and
+        # a leader killed without shutdown() gives neither: the next trainer's init would wait
+        # the engine's peer_timeout (10 s). A leader still alive hears of the close and drops
+        # this worker at its next push.
         if self._engine is not None:
             self._engine.close()
+        if self._dest is not None:
+            self._dest.close(timeout=0)  # stops its thread; the closed engine sends nothing
         self._dest, self._engine, self._buffers = None, None, {}
 
     def _require_init(self) -> pw.WeightDestination:
@@ -176,43 +194,24 @@ class TorchP2PTrainerInitInfo(TrainerInitInfo):
 
 
 class TorchP2PTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchP2PTrainerInitInfo]):
-    """Rank 0 (the sender) owns an Engine and the leading WeightSource over the tensors the
-    source yields; other ranks only iterate the source each round, so that collectives inside
-    it (FSDP's full_tensor) stay in step. Not thread-safe: one caller drives it."""
+    """vLLM's trainer-side API over WeightTrainer. Rank 0 (the sender) owns the WeightTrainer
+    over the tensors the source yields; other ranks only iterate the source each round, so
+    that collectives inside it (FSDP's full_tensor) stay in step. Not thread-safe."""
 
     init_info_cls = TorchP2PTrainerInitInfo
 
     def __init__(self, init_info: TorchP2PTrainerInitInfo, *, client, source):
         super().__init__(client=client, source=source, is_sender=init_info.is_sender)
         self.info = init_info
-        self.clients = [client]
-        self.version = 0
-        self.last_result: pw.PushResult | None = None
-        self.push_seconds = 0.0  # the last push, start to every byte at every worker
-        self._engine = self._source = None
+        self.trainer: WeightTrainer | None = None
         tensors = self._materialize()
-        if not self.is_sender:
-            return
-        devices = {t.device for t in tensors.values()}
-        if len(devices) != 1:
-            raise ValueError(f"the source's tensors must be on one device, not {sorted(map(str, devices))}")
-        # The tensors the source yields are registered as they are: a source over live
-        # parameters (vLLM's ModuleSource) costs no copy; a source that materializes new
-        # tensors each round (FSDP) is copied into the first round's ones (_materialize).
-        self._tensors = {n: t.detach() for n, t in tensors.items()}
-        self._engine = torch_p2p.Engine(str(devices.pop()), provider=init_info.provider)
-        try:
-            self._source = pw.WeightSource(self._engine, pw.whole(self._tensors), chunk_bytes=init_info.chunk_bytes,
-                                           timeout=init_info.timeout)
-            self.init_info_for_workers = dataclasses.asdict(TorchP2PInitInfo(
-                leader=self._source.address.hex(), names=list(self._tensors),
-                dtype_names=[str(t.dtype).removeprefix("torch.") for t in self._tensors.values()],
-                shapes=[list(t.shape) for t in self._tensors.values()], timeout=init_info.join_timeout,
-                provider=init_info.provider))
-            client.init_weight_transfer_engine(self.init_info_for_workers)
-        except BaseException:
-            self.shutdown()
-            raise
+        if self.is_sender:
+            # The tensors the source yields are registered as they are: a source over live
+            # parameters (vLLM's ModuleSource) costs no copy; a source that materializes new
+            # tensors each round (FSDP) is copied into the first round's ones (send_weights).
+            self.trainer = WeightTrainer(tensors, [client], timeout=init_info.timeout,
+                                         join_timeout=init_info.join_timeout, provider=init_info.provider,
+                                         chunk_bytes=init_info.chunk_bytes)
 
     @classmethod
     def trainer_init(cls, init_info: TorchP2PTrainerInitInfo, *, client, source=None):
@@ -223,39 +222,30 @@ class TorchP2PTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchP2PTr
     def connect(self, client) -> None:
         """Adds a vLLM instance started after trainer_init: its workers join now and receive
         every later send_weights. Sender only."""
-        self._require_sender()
-        client.init_weight_transfer_engine(self.init_info_for_workers)
-        self.clients.append(client)
+        self._require_sender().connect(client)
 
     def send_weights(self) -> None:
         """Pushes the source's current tensors as the next version to every worker, then has
         every instance load it (start, update, finish; weight_version = the version)."""
         tensors = self._materialize()
-        if not self.is_sender:
-            return
-        for name, t in tensors.items():
-            if t.data_ptr() != self._tensors[name].data_ptr():
-                self._tensors[name].copy_(t)
-        version = self.version + 1
-        start = time.perf_counter()
-        result = torch_p2p.wait(self._source.push(version), self.info.timeout)
-        if result.dropped:
-            raise RuntimeError(f"weights version {version}: workers dropped during the push: {result.dropped}")
-        self.push_seconds = time.perf_counter() - start
-        for client in self.clients:
-            client.start_weight_update()
-        for client in self.clients:
-            client.update_weights({"version": version, "timeout": self.info.timeout})
-        for client in self.clients:
-            client.finish_weight_update(weight_version=str(version))
-        self.version, self.last_result = version, result
+        if self.is_sender:
+            self._require_sender().send_weights(tensors)
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version if self.trainer is not None else 0
+
+    @property
+    def last_result(self) -> pw.PushResult | None:
+        return self.trainer.last_result if self.trainer is not None else None
+
+    @property
+    def push_seconds(self) -> float:
+        return self.trainer.push_seconds if self.trainer is not None else 0.0
 
     def shutdown(self) -> None:
-        if self._source is not None:
-            self._source.close()
-        if self._engine is not None:
-            self._engine.close()
-        self._source = self._engine = None
+        if self.trainer is not None:
+            self.trainer.shutdown()
 
     def _materialize(self) -> dict[str, torch.Tensor]:
         """One pass over the source, on every rank, checked against its metadata()."""
@@ -264,10 +254,9 @@ class TorchP2PTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchP2PTr
         if list(tensors) != expected:
             raise ValueError(f"the WeightSource yielded {len(tensors)} tensors that differ from its metadata() "
                              f"({len(expected)}): {sorted(set(tensors) ^ set(expected))[:5]}")
-        if self.is_sender and self._source is not None and set(tensors) != set(self._tensors):
-            raise ValueError("the WeightSource yields other names than at trainer_init")
         return tensors
 
-    def _require_sender(self) -> None:
-        if not self.is_sender or self._source is None:
+    def _require_sender(self) -> WeightTrainer:
+        if self.trainer is None:
             raise RuntimeError("only the sender (rank 0) after trainer_init drives the workers")
+        return self.trainer

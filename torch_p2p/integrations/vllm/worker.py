@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from vllm.logger import init_logger
 
+from . import holds
 from .config import engine_port, setting
 from .metadata import TorchP2PMetadata
 from .tp_mapping import sources
@@ -20,6 +21,11 @@ class Worker:
         self.tp_rank = _tp_rank()
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        model, cache = vllm_config.model_config, vllm_config.cache_config
+        # What a peer must share for our blocks to mean the same there (the handshake compares).
+        self.compat = dict(model=model.model, dtype=str(model.dtype), cache_dtype=str(cache.cache_dtype),
+                           block_size=cache.block_size, kv_heads=self.kv_heads, head_size=model.get_head_size(),
+                           layers=model.get_total_num_hidden_layers())
         self.port = engine_port(vllm_config) + self.tp_rank
         self.transfer: KVTransfer | None = None
         self._per_block = 1
@@ -41,11 +47,15 @@ class Worker:
             raise NotImplementedError(f"TorchP2PConnector: {self.kv_heads} KV heads over tensor parallelism "
                                       f"{self.tp_size} are replicated ({heads} a worker); not supported")
         serve = self.config.is_kv_producer
+        layout = "cpu" if first.device.type == "cpu" else "cuda"
+        # Every hold keeps a block; more slots than blocks leave room for holds sharing blocks.
+        table = holds.create(self.port, max(4 * self.num_blocks, 1024)) if serve else None
         self.transfer = KVTransfer(
-            kv_caches, "cpu" if first.device.type == "cpu" else "cuda", engine_id=self.engine_id,
-            first_head=self.tp_rank * heads, host=setting(self.config, "side_channel_host"),
-            port=self.port if serve else None, timeout=setting(self.config, "transfer_timeout"),
-            lease=setting(self.config, "kv_lease_duration"), share=serve and setting(self.config, "share_cpu_cache"))
+            kv_caches, layout, engine_id=self.engine_id, first_head=self.tp_rank * heads,
+            host=setting(self.config, "side_channel_host"), port=self.port if serve else None,
+            timeout=setting(self.config, "transfer_timeout"), lease=setting(self.config, "kv_lease_duration"),
+            share=serve and setting(self.config, "share_cpu_cache"), holds=table,
+            compat=dict(self.compat, layout=layout), tp_size=self.tp_size)
         logger.info("TorchP2PConnector: %d layers registered (%s, %s)%s", len(kv_caches), self.transfer.cache,
                     self.transfer.engine.provider, f", side channel on port {self.port}" if serve else "")
 
@@ -61,7 +71,8 @@ class Worker:
                 src = sources(self.tp_rank, self.tp_size, load.remote_tp_size, self.kv_heads)
                 self.transfer.load(load.request_id, load.remote_request_id,
                                    [(load.remote_host, load.remote_port + q) for q in src.ranks], load.remote_engine_id,
-                                   expand_blocks(load.remote_blocks, self._per_block), local, readers=src.readers)
+                                   expand_blocks(load.remote_blocks, self._per_block), local, readers=src.readers,
+                                   hold=load.hold, remote_tp=load.remote_tp_size)
             except Exception as e:
                 self._fail(load.request_id, e)
         for request_id, lease in meta.holds.items():
@@ -92,8 +103,8 @@ class Worker:
                 continue  # notify-only: nothing was waiting for it
             done.add(p.request_id)
             logger.info("TorchP2PConnector: pulled %d blocks (%d bytes) of request %s in %.3f ms "
-                        "(handshake %.3f ms)", p.blocks, p.bytes, p.request_id, p.seconds * 1e3,
-                        p.handshake_seconds * 1e3)
+                        "(hold check %.3f ms, handshake %.3f ms)", p.blocks, p.bytes, p.request_id, p.seconds * 1e3,
+                        p.check_seconds * 1e3, p.handshake_seconds * 1e3)
         failed, self._failed = self._failed, set()
         return set(freed), done | failed, failed
 
@@ -113,6 +124,8 @@ class Worker:
         if self.transfer is not None:
             self.transfer.close()
             self.transfer = None
+            if self.config.is_kv_producer:
+                holds.remove(self.port)
 
 
 def _tp_rank() -> int:

@@ -1,0 +1,67 @@
+"""RL framework tests: torch_p2p inside real Ray (and verl), on a local Ray cluster that the
+whole session shares (starting one takes seconds on two cores). Each framework's tests are
+skipped where it does not import; a framework that is installed but broken fails them."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+collect_ignore_glob = [f"test_{name}_*.py" for name in ("ray", "verl") if not _installed(name)]
+
+
+def worker_env(**extra: str) -> dict:
+    """The environment of the cluster's workers: they import this checkout's torch_p2p and the
+    modules next to this file (the actor classes the tests use). An actor given a runtime_env
+    of its own takes this one plus `extra`."""
+    path = os.pathsep.join([ROOT, HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    return {"env_vars": dict(PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster with TORCH_P2P registered in the driver, for one module: the verl
+    tests start their own, with the CPUs that verl's resource pools reserve."""
+    import ray
+
+    import torch_p2p.integrations.ray as p2p_ray
+
+    # Ray starts an idle worker per CPU it is told of: two, and actors that ask for none. It
+    # gives its raylet 30 s to come up, which a loaded 2-core machine can miss: a second try.
+    # On a loaded machine the raylet may wait long for its agents to say their ports.
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+    for attempt in (1, 2):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=1 << 30, log_to_driver=False,
+                     runtime_env=worker_env())
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+    p2p_ray.register()  # before any actor is created
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def eventually(check, timeout: float = 30.0, interval: float = 0.2):
+    """Calls check() until it returns something true, for at most `timeout` seconds; returns
+    the last value (false if it never held)."""
+    end = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > end:
+            return value
+        time.sleep(interval)

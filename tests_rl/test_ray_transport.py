@@ -1,0 +1,135 @@
+"""TORCH_P2P as a Ray Direct Transport, with real Ray actors on a local cluster: what arrives
+is bitwise what the owner returned, registrations do not pile up, and a dead or stopped owner
+fails the fetch within seconds instead of hanging it."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from conftest import eventually, worker_env
+from ray_actors import Node, digest, sample_tensors
+
+
+@pytest.fixture(scope="module")
+def pair(ray_cluster):
+    a, b = Node.remote(), Node.remote()
+    ray.get([a.pid.remote(), b.pid.remote()])
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def fabric_reader(ray_cluster):
+    """A reader that takes the fabric instead of the cma route (which reads a stopped process's
+    memory all the same): its reads need the owner's engine to answer, so stopping the owner
+    holds them in flight."""
+    reader = Node.options(runtime_env=worker_env(TORCH_P2P_CMA="0")).remote()
+    ray.get(reader.pid.remote())
+    return reader
+
+
+def test_dtypes_shapes_and_views_arrive_bitwise(pair):
+    a, b = pair
+    ref = a.sample.remote(7)
+    expected = ray.get(a.digests_of.remote(7))
+    assert expected == [digest(t) for t in sample_tensors(7)]  # the same tensors here and there
+    assert ray.get(b.digests.remote(ref)) == expected  # actor to actor
+    assert [digest(t) for t in ray.get(ref)] == expected  # into the driver (its ray.get fetches)
+
+
+def test_256_mib_arrives_bitwise(pair):
+    a, b = pair
+    size = 256 << 20
+    ref = a.random.remote(size, 3)
+    expected = ray.get(a.digests_of.remote(3, size))
+    assert ray.get(b.digests.remote(ref)) == expected
+    del ref
+
+
+def test_1000_transfers_leave_nothing_registered(pair):
+    a, b = pair
+
+    def transfers(first: int, count: int):
+        for start in range(first, first + count, 100):
+            numbers = range(start, start + 100)
+            assert ray.get([b.numbered_check.remote(a.numbered.remote(n, 16384)) for n in numbers]) == list(numbers)
+
+    def settled():
+        # Ray frees an object on its owner (garbage_collect) after the last reference goes; a
+        # receive buffer goes back to the pool when the tensors on it die, and stays registered.
+        counts = ray.get([a.counts.remote(), b.counts.remote()])
+        return counts if all(c["storages"] == c["objects"] == c["fetches"] == c["pool_leased"] == 0
+                             and c["engine_regions"] == c["pool_idle"] for c in counts) else None
+
+    transfers(0, 100)  # engines, connections and allocator pools reach their steady state
+    before = eventually(settled)
+    assert before, ray.get([a.counts.remote(), b.counts.remote()])
+    transfers(100, 1000)
+    after = eventually(settled)
+    assert after, ray.get([a.counts.remote(), b.counts.remote()])
+    for was, now in zip(before, after):
+        assert now["rss"] - was["rss"] < 64 << 20, (was, now)
+        assert now["pool_idle_bytes"] - was["pool_idle_bytes"] < 64 << 20, (was, now)
+
+
+def _stopped_owner_fetch(reader, seed: int):
+    """A new owner, stopped (SIGSTOP) with a 64 MiB object that `reader` is fetching: (owner,
+    its pid, ref, the reader's pending task)."""
+    owner = Node.remote()
+    pid = ray.get(owner.pid.remote())
+    ref = owner.random.remote(64 << 20, seed)
+    ready, _ = ray.wait([ref], timeout=60)
+    assert ready, "the owner did not make the object"
+    os.kill(pid, signal.SIGSTOP)
+    pending = reader.digests.remote(ref)
+    assert eventually(lambda: ray.get(reader.counts.remote())["fetches"] == 1), "the fetch never started"
+    time.sleep(0.5)
+    assert ray.wait([pending], timeout=0)[0] == [], "the fetch ended while its owner was stopped"
+    return owner, pid, ref, pending
+
+
+def test_owner_killed_mid_fetch_fails_it_within_seconds(pair, fabric_reader):
+    reader = fabric_reader
+    owner, pid, ref, pending = _stopped_owner_fetch(reader, 5)
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ray.exceptions.RayTaskError, match="TORCH_P2P"):
+        ray.get(pending, timeout=60)
+    assert time.monotonic() - killed < 15
+    assert eventually(lambda: ray.get(reader.counts.remote())["fetches"] == 0)
+    assert ray.get(reader.counts.remote())["storages"] == 0
+    # The reader goes on with live owners.
+    live = pair[0]
+    assert ray.get(reader.digests.remote(live.sample.remote(11))) == ray.get(live.digests_of.remote(11))
+
+
+def test_owner_killed_before_the_drivers_fetch_fails_it_within_seconds(pair):
+    owner = Node.remote()
+    ref = owner.sample.remote(13)
+    assert ray.wait([ref], timeout=60)[0]
+    ray.kill(owner)
+    killed = time.monotonic()
+    with pytest.raises(ray.exceptions.RayError):
+        ray.get(ref, timeout=60)
+    assert time.monotonic() - killed < 15
+    a, b = pair
+    assert ray.get(b.digests.remote(a.sample.remote(14))) == ray.get(a.digests_of.remote(14))
+
+
+def test_abort_cancels_a_fetch_in_flight_and_the_owner_serves_again(fabric_reader):
+    reader = fabric_reader
+    owner, pid, ref, pending = _stopped_owner_fetch(reader, 6)
+    try:
+        aborted = time.monotonic()
+        ray.get(reader.abort.remote(ref.hex()))
+        with pytest.raises(ray.exceptions.RayTaskError, match="TORCH_P2P"):
+            ray.get(pending, timeout=60)
+        assert time.monotonic() - aborted < 5
+        assert eventually(lambda: ray.get(reader.counts.remote())["fetches"] == 0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert ray.get(reader.digests.remote(ref)) == ray.get(owner.digests_of.remote(6, 64 << 20))
+    ray.kill(owner)

@@ -1,0 +1,115 @@
+"""verl's ``torch_p2p`` checkpoint engine under verl's own CheckpointEngineManager, on a local
+Ray cluster: 2 trainer ranks, rollout replicas of 2 ranks (verl's CheckpointEngineWorker
+actors). The tests share one cluster and run in order: three updates, a replica added, then
+the trainer killed mid-update."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("verl")
+
+from verl.checkpoint_engine.base import _worker_cls  # noqa: E402
+from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup  # noqa: E402
+
+import verl_helpers as vh  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+KILL_BOUND_S = 20.0  # the engine's peer_timeout (10 s) finds the dead trainer, plus slack for a loaded box
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    started = not ray.is_initialized()
+    if started:
+        here = os.path.dirname(os.path.abspath(__file__))
+        path = os.pathsep.join([os.path.dirname(here), here] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        env = {"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}}
+        if os.environ.get("RAY_ADDRESS"):  # a running cluster
+            ray.init(log_to_driver=False, runtime_env=env)
+        else:
+            # On a loaded 2-core machine the raylet may take more than Ray's default 60 s to
+            # register. Logical CPUs: verl's resource pools reserve one per worker.
+            os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
+            os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
+            ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, runtime_env=env)
+    config = vh.config(timeout=60.0, join_timeout=60.0)
+    trainers = vh.trainer_group(config)
+    replicas = [vh.Replica(i, config) for i in range(2)]
+    yield config, trainers, replicas, vh.manager(config, trainers, replicas)
+    if started:
+        ray.shutdown()
+
+
+def expected(step: int) -> dict[str, str]:
+    return {name: vh.digest(t) for name, t in vh.state_dict(step).items()}
+
+
+def check_last_update(replicas, step: int) -> None:
+    want = expected(step)
+    for r in replicas:
+        assert [s[-1] for s in r.steps()] == [step] * len(r.workers)
+        for got in r.digests():
+            assert got.keys() == want.keys()
+            wrong = [n for n in want if got[n] != want[n]]
+            assert not wrong, f"tensors that differ from the trainer's at step {step}: {wrong}"
+        assert r.engines("global_steps") == [step] * len(r.workers)
+
+
+def test_three_updates_bitwise_once_per_byte(cluster):
+    config, trainers, replicas, mgr = cluster
+    model_bytes = sum(t.numel() * t.element_size() for t in vh.state_dict(0).values())
+    for n, step in enumerate([1, 2, 3], start=1):
+        metrics = mgr.update_weights(global_steps=step)
+        check_last_update(replicas, step)
+        for r in replicas:
+            assert r.engines("version") == [n, n]
+            assert r.engines("joins") == [1, 1]  # joined once: the plan is made once
+        # Relayed between the 4 rollout ranks, the trainer ranks write each byte once (plus
+        # the 8-byte step); without relays it would be 4 times as much.
+        sent = [v for k, v in metrics.items() if k.startswith("torch_p2p/bytes_sent/")]
+        assert len(sent) == 2 and sum(sent) == model_bytes + 8
+        assert min(sent) > 0  # both trainer ranks send their share
+
+
+def test_added_replica_joins_without_disturbing(cluster):
+    config, trainers, replicas, mgr = cluster
+    added = vh.Replica(2, config)
+    mgr.add_replicas([added])
+    replicas.append(added)
+    mgr.update_weights(global_steps=4)
+    check_last_update(replicas, 4)
+    for r in replicas[:2]:
+        assert r.engines("joins") == [1, 1] and r.engines("version") == [4, 4]
+        assert [len(s) for s in r.steps()] == [4, 4]
+    assert added.engines("joins") == [1, 1] and added.engines("version") == [4, 4]
+    assert [len(s) for s in added.steps()] == [1, 1]
+
+
+def test_trainer_killed_mid_update_fails_receivers(cluster):
+    config, trainers, replicas, mgr = cluster
+    workers = [w for r in replicas for w in r.workers]
+    rollout = RayWorkerGroup(worker_handles=workers, ray_cls_with_init=RayClassWithInitArgs(cls=_worker_cls))
+    mgr.build_process_group(rollout)  # what update_weights does before moving anything
+    trainers.set_delay(0.5)  # each tensor takes the trainer 0.5 s to produce
+    trainer_refs = trainers.update_weights(global_steps=5)
+    rollout_refs = rollout.update_weights(global_steps=5)
+    time.sleep(2.0)
+    ready, _ = ray.wait(rollout_refs, timeout=0)
+    assert not ready, "the receivers finished before the trainer could be killed"
+    ray.kill(trainers.workers[0])
+    killed = time.monotonic()
+    errors = []
+    for ref in rollout_refs:
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(ref, timeout=KILL_BOUND_S + 30)
+        errors.append(str(info.value))
+    took = time.monotonic() - killed
+    assert took < KILL_BOUND_S, f"the receivers failed {took:.1f} s after the trainer died"
+    assert all("trainer rank 0 is gone" in e for e in errors), errors[0]
+    with pytest.raises(Exception):
+        ray.get(trainer_refs, timeout=60)

@@ -1,0 +1,285 @@
+"""verl's ``torch_p2p`` checkpoint engine: trainer weights reach every rollout rank through
+torch_p2p.weights.
+
+verl's CheckpointEngineManager calls, on every update, prepare -> build_topology ->
+init_process_group on all workers, then send_weights on the trainer ranks and receive_weights
+on the rollout ranks, then finalize. The expensive things happen once instead:
+
+- prepare opens the process's engines the first time and afterwards only returns their
+  addresses; init_process_group records the topology; finalize keeps everything.
+- The first send_weights fixes the model's tensors: each trainer rank copies its share
+  (staging.py) into buffers registered once, and starts a torch_p2p.weights source (rank 0
+  leads; the others write their shares when it says go).
+- A rollout rank the first time it receives learns the layout from the leader
+  (rendezvous.py), allocates and registers one buffer per tensor, and joins: its plan is made
+  then, once. Every rollout rank has the same layout, so they form one relay chain and the
+  trainer ranks write each byte once.
+- Each update is then one push; rollout ranks yield views of their buffers to verl's server
+  adapter, which loads them into the model.
+
+A replica added between updates joins at its first receive_weights without touching the
+others. A dead trainer rank or relay fails the update within a bound (waiting.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from typing import Any, AsyncGenerator
+
+import torch
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+import torch_p2p
+import torch_p2p.weights as pw
+
+from .rendezvous import LayoutService, encode, request_layout
+from .staging import Staging, dtype_of
+from .waiting import SEND_TIMEOUT_S, check_alive, settled
+
+log = logging.getLogger("torch_p2p.integrations.verl")
+
+BACKEND = "torch_p2p"
+# The update's global_steps travels with the weights, so a rollout rank checks that what it
+# holds is the step it was asked to load (-1: the trainer gave none).
+STEP = "__torch_p2p_verl_global_steps__"
+
+
+def member_name(address: bytes) -> str:
+    """How push results name a rollout rank: a digest of its data engine's address."""
+    return "rollout-" + hashlib.sha1(address).hexdigest()[:12]
+
+
+def _default_device() -> str:
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+
+
+def _positive(what: str, value) -> float:
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{what} must be a positive number of seconds, not {value!r}")
+    return float(value)
+
+
+@CheckpointEngineRegistry.register(BACKEND)
+class TorchP2PCheckpointEngine(CheckpointEngine):
+    """One worker's side, trainer or rollout (the role comes with init_process_group).
+
+    Args (``checkpoint_engine.engine_kwargs.torch_p2p``):
+        device: where the staging and receive buffers live, "cpu" or "cuda" (default: this
+            process's GPU if it has one): one copy of the rank's share on a trainer rank, one
+            copy of the model on a rollout rank.
+        provider: the libfabric provider (None: automatic).
+        chunk_bytes: the unit of a push (one notification per chunk and per relay hop).
+        timeout: bounds one update (a push, and a rollout rank's wait for it).
+        join_timeout: bounds the leader's wait for rollout ranks to join, and theirs for the
+            layout.
+    verl's bucket_size (update_weights_bucket_megabytes) is unused: nothing is bucketed.
+    """
+
+    def __init__(self, bucket_size: int = 0, is_master: bool = False, device: str | None = None,
+                 provider: str | None = None, chunk_bytes: int = pw.CHUNK_BYTES, timeout: float = 600.0,
+                 join_timeout: float = 120.0):
+        if device is not None and torch.device(device).type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+        if int(chunk_bytes) < 64:
+            raise ValueError(f"chunk_bytes must be at least 64, not {chunk_bytes!r}")
+        self.is_master = bool(is_master)
+        if device is None:
+            device = _default_device()
+        elif device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"  # an engine serves one GPU
+        self.device = torch.device(device)
+        self.provider = provider
+        self.chunk_bytes = int(chunk_bytes)
+        self.timeout = _positive("timeout", timeout)
+        self.join_timeout = _positive("join_timeout", join_timeout)
+        self.engine: torch_p2p.Engine | None = None
+        self.service: LayoutService | None = None  # the leader's
+        self.role: str | None = None
+        self.rank = 0
+        self.trainers: list[bytes] = []
+        self.rollouts: list[bytes] = []
+        self.service_address: bytes | None = None
+        self.staging: Staging | None = None
+        self.source: pw.WeightSource | None = None
+        self.dest: pw.WeightDestination | None = None
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.version = 0               # the last version pushed or received
+        self.global_steps: int | None = None  # of the last update
+        self.joins = 0                 # times this rollout rank joined the leader
+
+    # -- verl's topology calls ---------------------------------------------------------------------
+    def prepare(self) -> dict[str, Any]:
+        """Opens the engines the first time; returns their addresses (plain data for Ray)."""
+        if self.engine is None:
+            self.engine = torch_p2p.Engine(str(self.device), provider=self.provider)
+            if self.is_master:
+                self.service = LayoutService(torch_p2p.Engine("cpu", provider=self.provider))
+        return {"address": self.engine.address, "is_master": self.is_master,
+                "service": self.service.address if self.service is not None else None}
+
+    @classmethod
+    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
+        trainers, rollouts = metadata[:actor_wg_world_size], metadata[actor_wg_world_size:]
+        if len(rollouts) != rollout_world_size:
+            raise ValueError(f"expected {actor_wg_world_size} + {rollout_world_size} workers' metadata, "
+                             f"got {len(metadata)}")
+        if not trainers or not trainers[0]["is_master"] or any(m["is_master"] for m in metadata[1:]):
+            raise ValueError("the trainer's rank 0, and only it, must be built with is_master=True")
+        common = {"trainers": [m["address"] for m in trainers], "rollouts": [m["address"] for m in rollouts],
+                  "service": trainers[0]["service"]}
+        actor = {"role": ["trainer"] * len(trainers), "rank": list(range(len(trainers)))}
+        rollout = {"role": ["rollout"] * len(rollouts), "rank": list(range(len(rollouts)))}
+        for k, v in common.items():
+            actor[k], rollout[k] = [v] * len(trainers), [v] * len(rollouts)
+        return actor, rollout
+
+    def init_process_group(self, role: str, rank: int, trainers: list, rollouts: list, service: bytes):
+        """Records the topology. Joins happen at the first receive_weights (the layout is not
+        known before the first send_weights); the trainer group must stay as it was."""
+        trainers = [bytes(a) for a in trainers]
+        if self.engine is None:
+            raise RuntimeError("init_process_group before prepare")
+        if self.role is not None and (role, rank, trainers) != (self.role, self.rank, self.trainers):
+            raise RuntimeError("the trainer group or this worker's role changed between updates; "
+                               "the torch_p2p engine supports adding and removing rollout replicas only")
+        self.role, self.rank, self.trainers = role, int(rank), trainers
+        self.rollouts = [bytes(a) for a in rollouts]
+        self.service_address = bytes(service)
+
+    def finalize(self) -> None:
+        """Nothing: the buffers, registrations, plan and membership serve the next update.
+        close() releases them."""
+
+    # -- trainer ranks -----------------------------------------------------------------------------
+    @torch.no_grad()
+    async def send_weights(self, weights, global_steps: int | None = None) -> dict:
+        if self.role != "trainer":
+            raise RuntimeError("send_weights on a worker that init_process_group made a rollout rank")
+        staging = self.staging = self.staging or Staging(self.rank, len(self.trainers), self.device)
+        first = not staging.ready
+        try:
+            async for name, tensor in _items(weights):
+                staging.take(name, tensor)
+            staging.end()
+        except BaseException:
+            staging.abandon()
+            raise
+        if self.rank == 0:
+            step = staging.owned.get(STEP)
+            if step is None:
+                step = staging.owned[STEP] = torch.empty(1, dtype=torch.int64, device=self.device)
+            step.fill_(-1 if global_steps is None else int(global_steps))
+        if first:
+            self._start_source(staging)
+        version = self.version + 1
+        start = time.perf_counter()
+        if self.rank == 0:
+            await self._wait_for_joins()
+        result = await settled(self.source.push(version), self.timeout + 5.0, f"pushing weights version {version}",
+                               None if self.rank == 0 else self._leader_alive)
+        self.version, self.global_steps = version, global_steps
+        if self.rank == 0:
+            self.service.version = version  # where a rollout rank joining later starts
+        expected = {member_name(a) for a in self.rollouts}
+        lost = {n: why for n, why in result.dropped.items() if n in expected}
+        if lost:
+            raise RuntimeError(f"weights version {version} (global_steps {global_steps}): rollout ranks dropped "
+                               f"during the push: {lost}")
+        # verl merges the trainer ranks' dicts: per-rank keys keep each rank's bytes.
+        return {"torch_p2p/update_s": time.perf_counter() - start,
+                f"torch_p2p/bytes_sent/rank{self.rank}": result.bytes_sent}
+
+    def _start_source(self, staging: Staging) -> None:
+        shards = pw.whole(staging.owned)
+        leader = None if self.rank == 0 else self.trainers[0]
+        self.source = pw.WeightSource(self.engine, shards, rank=self.rank, world=len(self.trainers), leader=leader,
+                                      chunk_bytes=self.chunk_bytes, timeout=self.timeout,
+                                      ready_timeout=min(30.0, self.timeout))
+        if self.rank == 0:
+            layout = staging.layout() + [[STEP, "int64", [1]]]
+            self.service.publish(layout, self.engine.address)
+
+    async def _wait_for_joins(self) -> None:
+        """Until every rollout rank of the topology has joined (a new one joins at its first
+        receive_weights, which verl runs beside this call)."""
+        loop_start = time.monotonic()
+        while True:
+            missing = set(self.rollouts) - self.service.joined()
+            if not missing:
+                return
+            if time.monotonic() - loop_start > self.join_timeout:
+                raise torch_p2p.TimeoutError(f"{len(missing)} rollout ranks did not join within "
+                                             f"{self.join_timeout:g} s: {sorted(map(member_name, missing))}")
+            await asyncio.sleep(0.005)
+
+    async def _leader_alive(self) -> None:
+        await check_alive(self.engine, {"the leading trainer rank": self.trainers[0]})
+
+    # -- rollout ranks -----------------------------------------------------------------------------
+    @torch.no_grad()
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        """Yields (name, tensor) for every tensor of the update: this rank's registered buffers,
+        valid until the next update and read-only (the relay to the next rollout rank may
+        still be reading them)."""
+        if self.role != "rollout":
+            raise RuntimeError("receive_weights on a worker that init_process_group made a trainer rank")
+        if self.dest is None:
+            await self._join()
+        version = self.version + 1
+        got = await settled(self.dest.wait_for(version), self.timeout, f"receiving weights version {version}",
+                            self._trainers_alive)
+        if got != version:
+            raise RuntimeError(f"waited for weights version {version}, but version {got} arrived: this rank "
+                               f"missed an update")
+        step = int(self.buffers[STEP].item())
+        if global_steps is not None and step != int(global_steps):
+            raise RuntimeError(f"asked to load global_steps {global_steps}, but the weights that arrived are "
+                               f"of global_steps {step}")
+        self.version, self.global_steps = version, (None if step < 0 else step)
+        for name, tensor in self.buffers.items():
+            if name != STEP:
+                yield name, tensor
+
+    async def _join(self) -> None:
+        answer = await request_layout(self.engine, self.service_address, self.join_timeout, self._trainers_alive)
+        buffers = {str(name): torch.empty(shape, dtype=dtype_of(dtype), device=self.device)
+                   for name, dtype, shape in answer["tensors"]}
+        dest = pw.WeightDestination(self.engine, pw.whole(buffers), bytes.fromhex(answer["leader"]),
+                                    name=member_name(self.engine.address))
+        try:
+            await settled(dest.join(), self.join_timeout, "joining the trainer's weight source", self._trainers_alive)
+            await settled(self.engine.send(self.service_address, encode("joined")), SEND_TIMEOUT_S,
+                          "telling the trainer this rank joined")
+        except BaseException:
+            dest.close()
+            raise
+        self.dest, self.buffers, self.version = dest, buffers, int(answer["version"])
+        self.joins += 1
+
+    async def _trainers_alive(self) -> None:
+        await check_alive(self.engine, {f"trainer rank {r}": a for r, a in enumerate(self.trainers)})
+
+    # -- teardown ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Leaves or stops pushing, deregisters the buffers, closes the engines."""
+        for part in (self.dest, self.source, self.service):
+            if part is not None:
+                part.close()
+        for engine in (self.engine, self.service.engine if self.service is not None else None):
+            if engine is not None:
+                engine.close()
+        self.dest = self.source = self.service = self.engine = None
+
+
+async def _items(weights):
+    """verl passes a generator or an async generator of (name, tensor)."""
+    if hasattr(weights, "__aiter__"):
+        async for item in weights:
+            yield item
+    else:
+        for item in weights:
+            yield item
+
+
