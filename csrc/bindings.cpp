@@ -7,6 +7,8 @@
 #include <torch/csrc/utils/pybind.h>               // pybind11 with torch's casters (at::Tensor, IntArrayRef)
 #include <structmember.h>  // PyMemberDef, T_OBJECT_EX
 
+#include <chrono>
+
 #include "bindings_internal.h"
 #include "common/error.h"
 #include "common/wire.h"
@@ -797,6 +799,7 @@ PYBIND11_MODULE(_C, m) {
         return out;
       })
       .def_property_readonly("futures_held", &Engine::futures_held)
+      .def_property_readonly("completion_spin_us", &Engine::completion_spin_us)
       .def("drained", &Engine::drained)
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def("stream_wait", [](Engine& e, uint64_t stream, const py::object& future) {
@@ -811,6 +814,13 @@ PYBIND11_MODULE(_C, m) {
         "remote.view(*shape) for a RemoteTensor: torch.Tensor.view's shape rules, as a RemoteTensor.");
   m.def("_pages", &make_pages, py::arg("base"), py::arg("ids"), py::arg("dim"),
         "p2p.pages(): a Pages of a tensor or RemoteTensor (see torch_p2p.engine.pages).");
+  m.def("_spin_until_done", [](const py::object& future, int spin_us) {
+    auto fut = future.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+    py::gil_scoped_release release;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+    while (!fut->completed() && std::chrono::steady_clock::now() < until) {
+    }
+  }, "Spins, without the GIL, until `future` completes or spin_us passed.");
   m.def("_set_classes", [](py::object pages, py::object remote_tensor, py::object sequence) {
     classes = {pages.release().ptr(), remote_tensor.release().ptr(), sequence.release().ptr()};
   }, "torch_p2p.engine's Pages, RemoteTensor and collections.abc.Sequence, for write_slices' arguments.");

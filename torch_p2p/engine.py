@@ -25,7 +25,20 @@ _DEFAULTS = {key: default for key, _, default in _C.settings()}
 
 _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
-_Future, _new_future, _init_future, _NO_DEVICES = torch.futures.Future, torch._C.Future.__new__, torch._C.Future.__init__, []
+_new_future, _init_future, _NO_DEVICES = torch._C.Future.__new__, torch._C.Future.__init__, []
+
+
+class _SpinningFuture(torch.futures.Future):
+    """The futures of an engine whose worker is pinned (busy-polls its core): wait() first spins without the GIL (up to
+    the engine's completion_spin_us) for the completion, which a small call's comes within,
+    and only then sleeps; a sleeping waiter's wake-up costs about as much as the call."""
+
+    _spin_us = 0
+
+    def wait(self):
+        if not self.done():
+            _C._spin_until_done(self, self._spin_us)
+        return super().wait()
 
 
 def _parse_device(device) -> torch.device:
@@ -199,6 +212,9 @@ class Engine:
             raise
         self._closed = False
         self._regions: dict[int, Region] = {}
+        spin_us = self._c.completion_spin_us
+        self._future_type = (type("Future", (_SpinningFuture,), {"_spin_us": spin_us, "__module__": __name__})
+                             if spin_us else torch.futures.Future)
         self._warm_buffers: dict[torch.dtype, torch.Tensor] = {}  # warm()'s scratch, by dtype
         why = ("provider has FI_HMEM (GPUDirect RDMA)" if self._c.data_path == "direct"
                else "requested" if data_path == "staged" else "provider has no FI_HMEM")
@@ -431,7 +447,7 @@ class Engine:
         takes the future into the native engine's table (or raises, keeping nothing)."""
         if self._closed:
             raise errors.ClosedError("the engine is closed")
-        fut = _new_future(_Future)  # torch.futures.Future() without its Python __init__
+        fut = _new_future(self._future_type)  # torch.futures.Future() without its Python __init__
         _init_future(fut, _NO_DEVICES)
         start(fut, *args)
         return fut

@@ -17,9 +17,11 @@ namespace p2p::engine {
 using namespace core;
 namespace {
 
-// How long the dispatcher of a pinned engine spins for the next completion before it sleeps,
-// while operations are in flight: a small call's whole life is shorter.
-constexpr int kDispatchSpinUs = 200;
+// How long the dispatcher (while operations are in flight) and a thread waiting on a future of
+// a pinned engine (whose worker owns a core of a host with cores to spare) spin before they
+// sleep: a small call's whole life is shorter, and a thread
+// woken from a sleep costs about as much as the call (futex wake-ups, more on a VM's idle core).
+constexpr int kCompletionSpinUs = 200;
 
 std::string dims(at::IntArrayRef v) {
   std::string s = "[";
@@ -352,9 +354,7 @@ void Engine::poll(int timeout_ms, std::vector<ForPython>& out, std::vector<Torch
   using Clock = std::chrono::steady_clock;
   constexpr size_t kReleaseBatch = 4096;
   constexpr auto kReleaseFlush = std::chrono::milliseconds(10);
-  // A worker that owns its core (pinned) gets a dispatcher that spins while operations are in
-  // flight: a completion then reaches its future without a thread's wake-up in between.
-  const int spin_us = worker_->config().spin_us < 0 ? kDispatchSpinUs : 0;
+  const int spin_us = completion_spin_us();
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   Clock::time_point flush_at = deadline;
   while (true) {
@@ -415,6 +415,8 @@ void Engine::recv(uint64_t id, double timeout_s) {
 void Engine::notification(uint64_t id, uint32_t tag, double timeout_s) {
   post(AwaitNotification{id, tag, timeout_s});
 }
+
+int Engine::completion_spin_us() const { return worker_->config().spin_us < 0 ? kCompletionSpinUs : 0; }
 
 void Engine::cancel(const TorchFutures::Future& future) {
   uint64_t id = 0;

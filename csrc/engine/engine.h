@@ -94,6 +94,10 @@ class Engine {
   // completion: that GIL traffic slowed the threads that submit. `out` and `released` are
   // empty before.
   void poll(int timeout_ms, std::vector<ForPython>& out, std::vector<TorchFutures::Handle>& released);
+  // How long the dispatcher and waiters spin for a completion before they sleep: 0 unless the
+  // worker is pinned (owns its core and busy-polls); on a host of few cores spinning threads
+  // starve each other.
+  int completion_spin_us() const;
   // Every handle the table still holds, the table then empty: once the dispatcher has stopped.
   std::vector<TorchFutures::Handle> take_futures() { return futures_.take_all(); }
   size_t futures_held() { return futures_.held(); }
