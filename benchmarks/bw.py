@@ -29,7 +29,8 @@ by default, which the route maps and copies with memcpy; with --host-memory priv
 copies between the two processes), else "direct" or "staged" over the provider; the table's
 title names it.
 
-Baselines (--baseline, one or several; by default memcpy on the ipc and cma routes, else tcp where the
+Baselines (--baseline, one or several; by default memcpy on the ipc and cma routes and kernel on the ipc
+route, else tcp where the
 line rate is unknown: loopback, shm):
   tcp    plain TCP to the same peer address, one stream per rail, Python sockets
          (sendall / recv_into on preallocated buffers, one thread per stream)
@@ -40,6 +41,9 @@ line rate is unknown: loopback, shm):
          NCCL_SOCKET_IFNAME=lo, unless set), or with --nccl-nvlink left to its own choice
          (NVLink between GPUs of one host); it needs the peer on another GPU
   gloo   the same with gloo on CPU tensors
+  kernel paged rows on GPUs: the call's pages moved by one plain copy kernel per call (Triton,
+         one program per page) between the two GPUs in this process, through peer access:
+         what a paged call could reach if it cost nothing but its kernel (auto on the ipc route)
   memcpy cudaMemcpyPeerAsync of the call's bytes as one block, GPU to GPU in this process
          (local mode): the ceiling of the same-host route; on host memory ("1-thread memcpy"),
          one memcpy per page of the row's pages on one thread of this process: one core's
@@ -390,8 +394,9 @@ class Driver:
         line = p2p.topology.line_rate_bps(engine.plan.rails)
         route = engine.route(peer_address)
         if "auto" in self.baselines:
-            auto = "memcpy" if route in ("ipc", "cma") else None if line else "tcp"
-            self.baselines = [b for b in self.baselines if b != "auto"] + ([auto] if auto else [])
+            auto = (["memcpy", "kernel"] if route == "ipc" else ["memcpy"] if route == "cma" else []
+                    if line else ["tcp"])
+            self.baselines = [b for b in self.baselines if b != "auto"] + auto
         if "nixl" in self.baselines and "nixl-libfabric" not in self.baselines:
             if why := _baselines.peer_library_unavailable("nixl-libfabric", self.device):
                 self.progress.say(f"nixl: its LIBFABRIC backend is skipped: {why}")
@@ -454,6 +459,8 @@ class Driver:
             mine = theirs = list(range(pages))
             views, remotes = [buf], [remote]
         for name in list(self.baselines):
+            if name == "kernel" and not (paged and self.device.type == "cuda"):
+                continue  # a paged row's baseline
             host_memcpy = name == "memcpy" and self.device.type == "cpu"
             split = pages if paged and (name not in ("tcp", "memcpy") or host_memcpy) else 1
             moved = (buf, mine, theirs) if split > 1 or host_memcpy else (buf, None, None)
@@ -544,6 +551,11 @@ class Driver:
             try:
                 if name in _baselines.PEER_LIBRARIES:
                     (nbytes, seconds), what = self._peer_library(name, op == "read", *moved)
+                elif name == "kernel":
+                    _, mine, theirs = moved
+                    nbytes, seconds = _baselines.measure_page_kernel(
+                        call_bytes // pages, mine, theirs, op == "write", self.device,
+                        torch.device(self.engine_facts["peer_device"]), self.args.duration)
                 elif name == "memcpy" and self.device.type == "cpu":
                     buf, mine, theirs = moved
                     nbytes, seconds = _baselines.measure_host_memcpy(buf, mine or list(range(len(buf))),
@@ -552,7 +564,7 @@ class Driver:
                 else:
                     measure = {"tcp": self._tcp, "memcpy": self._memcpy}.get(name, self._dist)
                     nbytes, seconds = measure(name, op == "read", call_bytes, streams, pages)
-            except BaselineRefused as e:
+            except (BaselineRefused, _baselines.BaselineUnavailable) as e:
                 self.progress.say(f"skipping the {name} baseline: {e}")
                 self.baselines.remove(name)
                 return None
@@ -1017,7 +1029,7 @@ def parse_args(argv=None):
     ap.add_argument("--window", type=int, default=4, metavar="N",
                     help="calls in flight (default 4); 1 also reports each call's latency (median, p99)")
     ap.add_argument("--baseline", nargs="+", default=["auto"],
-                    choices=["auto", "tcp", "nccl", "gloo", "memcpy", *_baselines.PEER_LIBRARIES, "none"],
+                    choices=["auto", "tcp", "nccl", "gloo", "memcpy", "kernel", *_baselines.PEER_LIBRARIES, "none"],
                     help="measured beside the engine, a Gbps and ratio column each (default auto: memcpy on "
                          "the ipc route, tcp when the line rate is unknown, else none)")
     ap.add_argument("--nccl-nvlink", action="store_true",

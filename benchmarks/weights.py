@@ -6,9 +6,9 @@ bucketed torch.distributed.broadcast of the same tensors, in the same run.
 
 One source process (this one) and max(--dests) destination processes on this machine; for each
 N in --dests the first N destinations take part (torch_p2p: they join, then leave; baseline: a
-process group of ranks 0..N). Each row pushes --updates timed updates after one warm-up and
-reports the median; then every destination's tensors are checksummed against the source's
-(a row whose data arrived wrong fails). Processes go to GPUs round robin from --device on
+process group of ranks 0..N). Each row pushes --updates timed updates after warm-ups (until two
+agree) and reports the median; then every destination's tensors are checksummed against the
+source's (a row whose data arrived wrong fails). Processes go to GPUs round robin from --device on
 (1 + 3 on a 4-GPU machine), and share GPUs when there are fewer.
 
 State dict: a real model's names and shapes (--model; --layers keeps fewer layers), random
@@ -321,6 +321,9 @@ class Peers:
         return errors
 
 
+WARM_SPREAD, WARM_MAX = 0.05, 8  # see timed_updates
+
+
 # -- the source ------------------------------------------------------------------------------------
 def live(text: str) -> None:
     sys.stderr.write(text + "\n")
@@ -359,21 +362,45 @@ def run(args) -> tuple[list[dict], list[str]]:
     return rows, errors
 
 
+def timed_updates(update, updates: int, label: str, model_bytes: int) -> list[float]:
+    """The seconds of `updates` timed calls of update(), after warm-ups: at least one (connections,
+    handles), more until one takes within WARM_SPREAD of the one before, at most WARM_MAX: with
+    one warm-up, the first row of a run once took 1.4 x what the same row took in the next run."""
+    def once() -> float:
+        t0 = time.perf_counter()
+        update()
+        return time.perf_counter() - t0
+
+    last, warm = once(), 1
+    while warm < WARM_MAX:
+        dt = once()
+        warm += 1
+        steady = abs(dt - last) <= WARM_SPREAD * last
+        last = dt
+        if steady:
+            break
+    times = []
+    for i in range(1, updates + 1):
+        times.append(once())
+        live(f"[{label}] update {i}/{updates} (after {warm} warm-ups): {times[-1]:.3f} s, "
+             f"{model_bytes / times[-1] / 1e9:.2f} GB/s per destination")
+    return times
+
+
 def engine_row(args, peers, source, n, model_bytes, want, chunk, window, fanout) -> dict:
     ranks = range(1, n + 1)
     label = f"torch_p2p N={n} chunk={fmt_bytes(chunk)} window={window} fanout={fanout}"
     peers.ask(ranks, "join", source.address, window)
-    times, sent = [], 0
-    for i in range(args.updates + 1):
-        t0 = time.perf_counter()
+    sent = 0
+
+    def update() -> None:
+        nonlocal sent
         result = source.push().wait()
-        dt = time.perf_counter() - t0
         if result.dropped or len(result.received) != n:
             raise RuntimeError(f"{label}: dropped {result.dropped}")
-        if i:  # the first is a warm-up (connections, handles)
-            times.append(dt)
-            sent = result.bytes_sent
-            live(f"[{label}] update {i}/{args.updates}: {dt:.3f} s, {model_bytes / dt / 1e9:.2f} GB/s per destination")
+        sent = result.bytes_sent
+
+    times = timed_updates(update, args.updates, label, model_bytes)
     bad = [r for r, c in zip(ranks, peers.ask(ranks, "checksum")) if c != want]
     peers.ask(ranks, "leave")
     s = statistics.median(times)
@@ -410,15 +437,8 @@ def baseline_rows(args, peers, tensors, dtype, rows) -> None:
         group = dist.new_group(list(range(n + 1)))
         for r in range(1, n + 1):
             peers.conns[r - 1].send(("broadcast", n, args.updates))
-        times = []
-        for i in range(args.updates + 1):
-            t0 = time.perf_counter()
-            broadcast_update(order, dtype, args.bucket, group, True, buf)
-            dt = time.perf_counter() - t0
-            if i:
-                times.append(dt)
-                live(f"[{backend} broadcast N={n}] update {i}/{args.updates}: {dt:.3f} s, "
-                     f"{model_bytes / dt / 1e9:.2f} GB/s per destination")
+        times = timed_updates(lambda: broadcast_update(order, dtype, args.bucket, group, True, buf),
+                              args.updates, f"{backend} broadcast N={n}", model_bytes)
         for r in range(1, n + 1):
             peers.answer(r)
         s = statistics.median(times)
@@ -491,7 +511,7 @@ def parse_args(argv=None):
     ap.add_argument("--rails", type=int, default=None, help="rails per engine (default: the engine's choice)")
     ap.add_argument("--no-ipc", action="store_true",
                     help="GPUs: no CUDA IPC route; GPU memory goes over the provider (compare with --nccl-sockets)")
-    ap.add_argument("--updates", type=int, default=3, help="timed updates per row, after one warm-up")
+    ap.add_argument("--updates", type=int, default=3, help="timed updates per row, after warm-ups")
     ap.add_argument("--chunk", type=parse_size, nargs="+", default=[pw.CHUNK_BYTES], help="chunk sizes to sweep")
     ap.add_argument("--window", type=int, nargs="+", default=[pw.WINDOW], help="windows to sweep")
     ap.add_argument("--fanout", type=int, nargs="+", default=[pw.FANOUT], help="relay fan-outs to sweep")

@@ -7,6 +7,8 @@
 #include <torch/csrc/utils/pybind.h>               // pybind11 with torch's casters (at::Tensor, IntArrayRef)
 #include <structmember.h>  // PyMemberDef, T_OBJECT_EX
 
+#include <chrono>
+
 #include "bindings_internal.h"
 #include "common/error.h"
 #include "common/wire.h"
@@ -68,16 +70,18 @@ Config make_config(const py::dict& d) {
   return c;
 }
 
-// An operation completes the torch future made for it in Python: the engine gets the future
-// before the operation starts (so that it can complete it without the GIL: TorchFutures) and
-// gives it back if the operation does not start.
+// An operation completes the torch future made for it in Python: the engine's table takes the
+// future (so that it can complete it without the GIL: TorchFutures) and a reference to its
+// Python object before the operation starts, names the operation's id, and gives both back if
+// the operation does not start.
 template <typename Start>
-void start(Engine& e, uint64_t id, const py::object& future, Start&& operation) {
-  e.expect(id, future.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut);
+void start(Engine& e, const py::object& future, Start&& operation) {
+  auto fut = future.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+  const uint64_t id = e.expect(std::move(fut), future.inc_ref().ptr());
   try {
-    operation();
+    operation(id);
   } catch (...) {
-    e.forget(id);
+    py::handle(static_cast<PyObject*>(e.forget(id))).dec_ref();
     throw;
   }
 }
@@ -532,13 +536,13 @@ py::list nic_list(const fabric::Offer& offer) {
   return nics;
 }
 
-py::tuple completion_tuple(Completion& c) {
+py::tuple completion_tuple(Completion& c, py::object future) {
   py::object payload = py::none(), address = py::none();
   if (!c.address.empty()) {
     payload = py::bytes(c.payload);
     address = py::bytes(c.address);
   }
-  return py::make_tuple(c.id, static_cast<int>(c.status.kind), text(c.status.message), payload, address);
+  return py::make_tuple(std::move(future), static_cast<int>(c.status.kind), text(c.status.message), payload, address);
 }
 
 // A list or tuple of Python ints, each in [0, count) and, with `unique`, no two alike, as an
@@ -732,9 +736,9 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("deregister", &Engine::deregister, py::call_guard<py::gil_scoped_release>())
       // write_slices (write) / read_slices with the user's arguments as they came (call_args).
-      .def("submit", [](Engine& e, uint64_t id, const py::object& future, bool write, py::handle local,
-                        py::handle remote, py::handle notify, py::handle timeout) {
-        start(e, id, future, [&] {
+      .def("submit", [](Engine& e, const py::object& future, bool write, py::handle local, py::handle remote,
+                        py::handle notify, py::handle timeout) {
+        start(e, future, [&](uint64_t id) {
           with_call_args(local, remote, notify, timeout, [&](const CallArgs& a) {
             py::gil_scoped_release release;  // the dispatcher completes earlier calls meanwhile
             e.submit(id, write, a.local, a.remote, a.local_pages, a.remote_pages, a.mirror, a.notify, a.timeout);
@@ -748,8 +752,8 @@ PYBIND11_MODULE(_C, m) {
           return e.prepare(write, a.local, a.remote, a.local_pages, a.remote_pages, a.mirror, a.notify, a.timeout);
         });
       })
-      .def("run", [](Engine& e, uint64_t id, const py::object& future, const std::shared_ptr<Engine::Prepared>& call) {
-        start(e, id, future, [&] {
+      .def("run", [](Engine& e, const py::object& future, const std::shared_ptr<Engine::Prepared>& call) {
+        start(e, future, [&](uint64_t id) {
           py::gil_scoped_release release;
           e.run(id, *call);
         });
@@ -759,32 +763,43 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release release;
         return e.route(a, view);
       })
-      .def("connect", [](Engine& e, uint64_t id, const py::object& future, const py::bytes& a) {
-        start(e, id, future, [&] { e.connect(id, a); });
+      .def("connect", [](Engine& e, const py::object& future, const py::bytes& a) {
+        start(e, future, [&](uint64_t id) { e.connect(id, a); });
       })
-      .def("disconnect", [](Engine& e, uint64_t id, const py::object& future, const py::bytes& a) {
-        start(e, id, future, [&] { e.disconnect(id, a); });
+      .def("disconnect", [](Engine& e, const py::object& future, const py::bytes& a) {
+        start(e, future, [&](uint64_t id) { e.disconnect(id, a); });
       })
-      .def("send", [](Engine& e, uint64_t id, const py::object& future, const py::bytes& a, const py::bytes& payload,
-                      double timeout) { start(e, id, future, [&] { e.send(id, a, std::string(payload), timeout); }); })
-      .def("recv", [](Engine& e, uint64_t id, const py::object& future, double timeout) {
-        start(e, id, future, [&] { e.recv(id, timeout); });
+      .def("send", [](Engine& e, const py::object& future, const py::bytes& a, const py::bytes& payload, double timeout) {
+        start(e, future, [&](uint64_t id) { e.send(id, a, std::string(payload), timeout); });
       })
-      .def("notification", [](Engine& e, uint64_t id, const py::object& future, uint32_t tag, double timeout) {
-        start(e, id, future, [&] { e.notification(id, tag, timeout); });
+      .def("recv", [](Engine& e, const py::object& future, double timeout) {
+        start(e, future, [&](uint64_t id) { e.recv(id, timeout); });
       })
-      .def("cancel", &Engine::cancel)
+      .def("notification", [](Engine& e, const py::object& future, uint32_t tag, double timeout) {
+        start(e, future, [&](uint64_t id) { e.notification(id, tag, timeout); });
+      })
+      .def("cancel", [](Engine& e, const py::object& future) {
+        e.cancel(future.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut);
+      })
       .def("poll", [](Engine& e, int timeout_ms) {
-        std::vector<Completion> batch;
-        std::vector<uint64_t> done;
+        std::vector<Engine::ForPython> batch;
+        std::vector<TorchFutures::Handle> released;
         {
           py::gil_scoped_release release;
-          batch = e.poll(timeout_ms, done);
+          e.poll(timeout_ms, batch, released);
         }
+        for (TorchFutures::Handle h : released) py::handle(static_cast<PyObject*>(h)).dec_ref();
         py::list out;
-        for (auto& c : batch) out.append(completion_tuple(c));
-        return py::make_tuple(out, py::cast(done));
+        for (auto& [c, h] : batch) out.append(completion_tuple(c, py::reinterpret_steal<py::object>(static_cast<PyObject*>(h))));
+        return out;
       })
+      .def("take_futures", [](Engine& e) {
+        py::list out;
+        for (TorchFutures::Handle h : e.take_futures()) out.append(py::reinterpret_steal<py::object>(static_cast<PyObject*>(h)));
+        return out;
+      })
+      .def_property_readonly("futures_held", &Engine::futures_held)
+      .def_property_readonly("completion_spin_us", &Engine::completion_spin_us)
       .def("drained", &Engine::drained)
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def("stream_wait", [](Engine& e, uint64_t stream, const py::object& future) {
@@ -799,6 +814,13 @@ PYBIND11_MODULE(_C, m) {
         "remote.view(*shape) for a RemoteTensor: torch.Tensor.view's shape rules, as a RemoteTensor.");
   m.def("_pages", &make_pages, py::arg("base"), py::arg("ids"), py::arg("dim"),
         "p2p.pages(): a Pages of a tensor or RemoteTensor (see torch_p2p.engine.pages).");
+  m.def("_spin_until_done", [](const py::object& future, int spin_us) {
+    auto fut = future.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+    py::gil_scoped_release release;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+    while (!fut->completed() && std::chrono::steady_clock::now() < until) {
+    }
+  }, "Spins, without the GIL, until `future` completes or spin_us passed.");
   m.def("_set_classes", [](py::object pages, py::object remote_tensor, py::object sequence) {
     classes = {pages.release().ptr(), remote_tensor.release().ptr(), sequence.release().ptr()};
   }, "torch_p2p.engine's Pages, RemoteTensor and collections.abc.Sequence, for write_slices' arguments.");

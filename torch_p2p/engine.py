@@ -7,7 +7,6 @@ attached with ``Future.then`` run there, so they must not block on this engine.
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import threading
 import weakref
@@ -26,7 +25,20 @@ _DEFAULTS = {key: default for key, _, default in _C.settings()}
 
 _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
-_Future, _new_future, _init_future, _NO_DEVICES = torch.futures.Future, torch._C.Future.__new__, torch._C.Future.__init__, []
+_new_future, _init_future, _NO_DEVICES = torch._C.Future.__new__, torch._C.Future.__init__, []
+
+
+class _SpinningFuture(torch.futures.Future):
+    """The futures of an engine whose worker is pinned (busy-polls its core): wait() first spins without the GIL (up to
+    the engine's completion_spin_us) for the completion, which a small call's comes within,
+    and only then sleeps; a sleeping waiter's wake-up costs about as much as the call."""
+
+    _spin_us = 0
+
+    def wait(self):
+        if not self.done():
+            _C._spin_until_done(self, self._spin_us)
+        return super().wait()
 
 
 def _parse_device(device) -> torch.device:
@@ -199,17 +211,19 @@ class Engine:
             self.plan.release()
             raise
         self._closed = False
-        self._ids = itertools.count(1)
-        self._futures: dict[int, torch.futures.Future] = {}
         self._regions: dict[int, Region] = {}
+        spin_us = self._c.completion_spin_us
+        self._future_type = (type("Future", (_SpinningFuture,), {"_spin_us": spin_us, "__module__": __name__})
+                             if spin_us else torch.futures.Future)
         self._warm_buffers: dict[torch.dtype, torch.Tensor] = {}  # warm()'s scratch, by dtype
         why = ("provider has FI_HMEM (GPUDirect RDMA)" if self._c.data_path == "direct"
                else "requested" if data_path == "staged" else "provider has no FI_HMEM")
         log.info("engine on %s: %s, data path %s (%s); %s", self.device, self._c.provider,
                  self._c.data_path if cuda or data_path else "direct (host memory)", why, self.plan.reason)
-        # The dispatcher holds the native engine and the futures, not self, so that an
-        # unreferenced Engine is collected (and closed) like any object.
-        self._dispatcher = threading.Thread(target=_dispatch, args=(self._c, self._futures),
+        # The dispatcher holds the native engine, not self, so that an unreferenced Engine is
+        # collected (and closed) like any object. The futures in flight are in the native
+        # engine's table, which names each operation's id.
+        self._dispatcher = threading.Thread(target=_dispatch, args=(self._c,),
                                             name="torch_p2p-dispatch", daemon=True)
         self._dispatcher.start()
         _live.add(self)
@@ -371,9 +385,9 @@ class Engine:
 
     def cancel(self, future: torch.futures.Future) -> None:
         """Fails a pending recv, notification or transfer with CancelledError."""
-        for fid, fut in list(self._futures.items()):
-            if fut is future:
-                self._c.cancel(fid)
+        if not isinstance(future, torch._C.Future):
+            raise TypeError(f"cancel takes a torch.futures.Future, not {type(future).__name__}")
+        self._c.cancel(future)
 
     def stream_wait(self, future: torch.futures.Future, stream: torch.cuda.Stream | None = None) -> None:
         """Makes `stream` (default: current) follow `future`, so that kernels queued after this
@@ -400,10 +414,9 @@ class Engine:
         self.plan.release()
         if threading.current_thread() is not self._dispatcher:
             self._dispatcher.join(timeout=30)
-        for fut in list(self._futures.values()):
+        for fut in self._c.take_futures():
             if not fut.done():
                 fut.set_exception(errors.ClosedError("the engine was closed"))
-        self._futures.clear()
         for region in self._regions.values():
             region.closed = True
         self._regions.clear()
@@ -430,19 +443,13 @@ class Engine:
             raise errors.ClosedError("the engine is closed")
 
     def _call(self, start, *args) -> torch.futures.Future:
-        """Registers a future under a fresh id, then starts the operation that completes it:
-        ``start(id, future, *args)``."""
+        """Starts the operation that completes a new future: ``start(future, *args)``, which
+        takes the future into the native engine's table (or raises, keeping nothing)."""
         if self._closed:
             raise errors.ClosedError("the engine is closed")
-        fid = next(self._ids)
-        fut = _new_future(_Future)  # torch.futures.Future() without its Python __init__
+        fut = _new_future(self._future_type)  # torch.futures.Future() without its Python __init__
         _init_future(fut, _NO_DEVICES)
-        self._futures[fid] = fut
-        try:
-            start(fid, fut, *args)
-        except BaseException:
-            self._futures.pop(fid, None)
-            raise
+        start(fut, *args)
         return fut
 
 
@@ -452,15 +459,13 @@ def _address(address) -> bytes:
     return bytes(address)
 
 
-def _dispatch(native, futures: dict) -> None:
-    """Completes futures with what the worker reports, until the engine is closed and drained."""
+def _dispatch(native) -> None:
+    """Completes futures with what the worker reports, until the engine is closed and drained.
+    Successes without a result are completed natively; poll() hands over the rest."""
     while True:
-        batch, done = native.poll(100)
-        for fid in done:  # completed in C++
-            futures.pop(fid, None)
-        for fid, kind, message, payload, address in batch:
-            fut = futures.pop(fid, None)
-            if fut is None or fut.done():
+        batch = native.poll(100)
+        for fut, kind, message, payload, address in batch:
+            if fut.done():
                 continue
             try:
                 if kind == 0:
@@ -469,7 +474,7 @@ def _dispatch(native, futures: dict) -> None:
                     fut.set_exception(errors.from_kind(kind, message))
             except Exception:  # noqa: BLE001 - one bad completion must not end the others
                 log.exception("torch_p2p: completing a future failed")
-        if not batch and not done and native.drained():
+        if not batch and native.drained():
             return
 
 

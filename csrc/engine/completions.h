@@ -2,6 +2,7 @@
 // only the dispatcher takes the GIL (to complete torch futures), never the worker.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -37,16 +38,11 @@ class Reports {
 
 class CompletionQueue {
  public:
-  void push(Completion c) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      items_.push_back(std::move(c));
-    }
-    cv_.notify_one();
-  }
-  // Moves every item of `items` in at once (one wake of the dispatcher); leaves it empty.
+  // Moves every item of `items` in at once (one wake of the dispatcher); leaves it empty, with
+  // the capacity of a buffer the dispatcher emptied: in steady state nothing is allocated.
   void push_all(std::vector<Completion>& items) {
     if (items.empty()) return;
+    bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (items_.empty()) {
@@ -55,21 +51,33 @@ class CompletionQueue {
         for (Completion& c : items) items_.push_back(std::move(c));
         items.clear();
       }
+      ready_.store(true, std::memory_order_release);
+      wake = sleeping_;
     }
-    cv_.notify_one();
+    if (wake) cv_.notify_one();  // a dispatcher that spins needs no futex wake
   }
-  // Everything queued, waiting up to timeout_ms for the first; empty on timeout or close.
-  std::vector<Completion> pop(int timeout_ms) {
+  // Swaps everything queued into `out` (empty before; its capacity goes back to the queue),
+  // waiting up to timeout_ms for the first: first spinning up to spin_us, so that a dispatcher
+  // expecting completions hears of one without a sleep and wake-up of its thread. Returns with
+  // `out` empty on timeout or close.
+  void pop(std::vector<Completion>& out, int timeout_ms, int spin_us) {
+    if (spin_us > 0 && !ready_.load(std::memory_order_acquire)) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+      while (!ready_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) {
+      }
+    }
     std::unique_lock<std::mutex> lock(mu_);
+    sleeping_ = true;
     cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return !items_.empty() || closed_; });
-    std::vector<Completion> out;
+    sleeping_ = false;
     out.swap(items_);
-    return out;
+    ready_.store(false, std::memory_order_relaxed);
   }
   void close() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       closed_ = true;
+      ready_.store(true, std::memory_order_release);
     }
     cv_.notify_all();
   }
@@ -82,6 +90,8 @@ class CompletionQueue {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Completion> items_;
+  std::atomic<bool> ready_{false};  // items_ or closed_: what the spin watches
+  bool sleeping_ = false;           // under mu_: the dispatcher waits on cv_
   bool closed_ = false;
 };
 

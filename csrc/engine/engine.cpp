@@ -17,6 +17,12 @@ namespace p2p::engine {
 using namespace core;
 namespace {
 
+// How long the dispatcher (while operations are in flight) and a thread waiting on a future of
+// a pinned engine (whose worker owns a core of a host with cores to spare) spin before they
+// sleep: a small call's whole life is shorter, and a thread
+// woken from a sleep costs about as much as the call (futex wake-ups, more on a VM's idle core).
+constexpr int kCompletionSpinUs = 200;
+
 std::string dims(at::IntArrayRef v) {
   std::string s = "[";
   for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
@@ -344,28 +350,29 @@ bool Engine::append_pages(Ints shape, const PageSide& local, const PageSide& rem
   return false;
 }
 
-std::vector<Completion> Engine::poll(int timeout_ms, std::vector<uint64_t>& done) {
+void Engine::poll(int timeout_ms, std::vector<ForPython>& out, std::vector<TorchFutures::Handle>& released) {
   using Clock = std::chrono::steady_clock;
-  constexpr size_t kDoneBatch = 4096;
-  constexpr auto kDoneFlush = std::chrono::milliseconds(10);
+  constexpr size_t kReleaseBatch = 4096;
+  constexpr auto kReleaseFlush = std::chrono::milliseconds(10);
+  const int spin_us = completion_spin_us();
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   Clock::time_point flush_at = deadline;
-  std::vector<Completion> out;
   while (true) {
     const auto until = std::min(deadline, flush_at);
     const auto wait = std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now()).count();
-    std::vector<Completion> batch = completions_.pop(static_cast<int>(std::max<int64_t>(wait, 0)));
-    const size_t before = done.size();
-    for (Completion& c : batch) {
-      if (futures_.complete(c))
-        done.push_back(c.id);
-      else
-        out.push_back(std::move(c));
+    popped_.clear();
+    completions_.pop(popped_, static_cast<int>(std::max<int64_t>(wait, 0)), futures_.in_flight() ? spin_us : 0);
+    for (Completion& c : popped_) {
+      TorchFutures::Handle handle;
+      if (!futures_.complete(c, handle) && handle) out.push_back({std::move(c), handle});
     }
-    if (before == 0 && done.size() > 0) flush_at = Clock::now() + kDoneFlush;
+    const size_t before = released.size();
+    futures_.released(released);
+    if (before == 0 && !released.empty()) flush_at = Clock::now() + kReleaseFlush;
     const auto now = Clock::now();
-    if (!out.empty() || completions_.closed() || done.size() >= kDoneBatch || now >= flush_at || now >= deadline)
-      return out;
+    if (!out.empty() || completions_.closed() || released.size() >= kReleaseBatch || now >= flush_at ||
+        now >= deadline)
+      return;
   }
 }
 
@@ -409,8 +416,11 @@ void Engine::notification(uint64_t id, uint32_t tag, double timeout_s) {
   post(AwaitNotification{id, tag, timeout_s});
 }
 
-void Engine::cancel(uint64_t id) {
-  if (closed_) return;
+int Engine::completion_spin_us() const { return worker_->config().spin_us < 0 ? kCompletionSpinUs : 0; }
+
+void Engine::cancel(const TorchFutures::Future& future) {
+  uint64_t id = 0;
+  if (closed_ || !futures_.find(future, id)) return;
   worker_->post(Cancel{id});
 }
 

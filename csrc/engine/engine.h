@@ -72,18 +72,35 @@ class Engine {
   void send(uint64_t id, const std::string& address, std::string payload, double timeout_s);
   void recv(uint64_t id, double timeout_s);
   void notification(uint64_t id, uint32_t tag, double timeout_s);
-  void cancel(uint64_t id);
 
-  // The torch future that operation `id` completes (see TorchFutures); forget() takes it back
-  // when the operation could not start.
-  void expect(uint64_t id, TorchFutures::Future future) { futures_.add(id, std::move(future)); }
-  void forget(uint64_t id) { futures_.drop(id); }
-  // Waits up to timeout_ms for completions Python must see (errors, received messages), while
-  // completing successes here; `done` collects the ids of those. Returns early with `done`
-  // once it holds 4096 ids or its first is 10 ms old, so that Python (which drops
-  // its references to those futures) takes the GIL about a hundred times a second at most
-  // rather than once per completion: that GIL traffic slowed the threads that submit.
-  std::vector<Completion> poll(int timeout_ms, std::vector<uint64_t>& done);
+  // Operations complete the torch future their call made: expect() takes it (and the handle
+  // on its Python object, which the bindings own) into the table of futures and returns the
+  // operation's id; forget() gives the handle back when the operation could not start.
+  uint64_t expect(TorchFutures::Future future, TorchFutures::Handle handle) {
+    return futures_.add(std::move(future), handle);
+  }
+  TorchFutures::Handle forget(uint64_t id) { return futures_.drop(id); }
+  // Fails `future` with CancelledError if it is an operation of ours in flight.
+  void cancel(const TorchFutures::Future& future);
+  // A completion Python must see (an error, a received message), with its future's handle.
+  struct ForPython {
+    Completion completion;
+    TorchFutures::Handle future;
+  };
+  // Waits up to timeout_ms for completions Python must see, while completing successes here;
+  // `released` collects the handles of those. Returns early with `released` once it holds
+  // 4096 handles or its first is 10 ms old, so that the bindings (which drop those handles with
+  // the GIL) take the GIL about a hundred times a second at most rather than once per
+  // completion: that GIL traffic slowed the threads that submit. `out` and `released` are
+  // empty before.
+  void poll(int timeout_ms, std::vector<ForPython>& out, std::vector<TorchFutures::Handle>& released);
+  // How long the dispatcher and waiters spin for a completion before they sleep: 0 unless the
+  // worker is pinned (owns its core and busy-polls); on a host of few cores spinning threads
+  // starve each other.
+  int completion_spin_us() const;
+  // Every handle the table still holds, the table then empty: once the dispatcher has stopped.
+  std::vector<TorchFutures::Handle> take_futures() { return futures_.take_all(); }
+  size_t futures_held() { return futures_.held(); }
   bool drained() { return completions_.closed(); }
   void close();
 
@@ -150,6 +167,7 @@ class Engine {
 
   CompletionQueue completions_;
   TorchFutures futures_;
+  std::vector<Completion> popped_;  // poll()'s buffer, kept for its capacity (dispatcher only)
   TransferPool transfers_;  // the worker gives finished transfers back
   std::unique_ptr<Worker> worker_;
   int cuda_device_;

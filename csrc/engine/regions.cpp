@@ -129,8 +129,7 @@ void Worker::on_region_closed(Peer& p, uint64_t region) {
 void Worker::release_regions(Peer& p) {
   for (auto it = p.to_release.begin(); it != p.to_release.end();) {
     const uint64_t region = *it;
-    const bool flowing = std::any_of(transfers_.begin(), transfers_.end(), [&](auto& kv) {
-      const Transfer& t = *kv.second;
+    const bool flowing = transfers_.any_of([&](const Transfer& t) {
       return t.peer == &p && (t.pending > 0 || t.queued) &&
              std::any_of(t.remote.begin(), t.remote.end(), [&](auto& r) { return r->id == region; });
     });

@@ -30,7 +30,7 @@ Status check_remote(const Transfer& t) {
 void Worker::start(Transfer* raw) {
   assert_on_worker();
   Transfer& t = *raw;
-  transfers_[t.id].reset(raw);
+  transfers_.add(std::unique_ptr<Transfer>(raw));
   if (t.timeout_s <= 0) t.timeout_s = config_.timeout_s;
   t.deadline = now() + t.timeout_s;
   for (uint64_t id : t.local_ids) {
@@ -80,10 +80,10 @@ StreamOrder Worker::order_of(const Transfer& t) {
 }
 
 void Worker::stream_order(uint64_t id, StreamOrderAnswer answer) {
-  auto it = transfers_.find(id);
+  const Transfer* found = transfers_.find(id);
   // Not a transfer (a notification, a receive), or one that ended: its future says when.
-  if (it == transfers_.end()) return answer->set_value({StreamOrder::Future});
-  const Transfer& t = *it->second;
+  if (!found) return answer->set_value({StreamOrder::Future});
+  const Transfer& t = *found;
   if (t.state == TransferState::WaitingForPeer) {  // no route yet
     order_waits_[id].push_back(std::move(answer));
     return;
@@ -170,9 +170,9 @@ void Worker::advance(Transfer& t) {
 }
 
 void Worker::acknowledged(Peer& p, uint64_t transfer) {
-  auto it = transfers_.find(transfer);
-  if (it == transfers_.end() || it->second->peer != &p) return;
-  Transfer& t = *it->second;
+  Transfer* found = transfers_.find(transfer);
+  if (!found || found->peer != &p) return;
+  Transfer& t = *found;
   t.acked = true;
   // A message's acknowledgement may come before its own send completion, which then moves it.
   if (t.state == TransferState::AwaitingAck) advance(t);
@@ -213,9 +213,7 @@ void Worker::maybe_free(Transfer& t) {
   if (!t.reported() || t.pending > 0 || t.queued) return;
   if (t.cuda_event) copier_->release_event(t.cuda_event);
   Peer* p = t.peer;
-  auto it = transfers_.find(t.id);
-  finished_->give(std::move(it->second));  // t is gone from here on
-  transfers_.erase(it);
+  finished_->give(transfers_.remove(t));  // t is gone from here on
   if (!p) return;
   if (!p->to_release.empty()) release_regions(*p);
   peers_.end_work(*p);
@@ -224,8 +222,7 @@ void Worker::maybe_free(Transfer& t) {
 void Worker::cancel(uint64_t id) {
   assert_on_worker();
   if (inbox_.cancel(id)) return;
-  auto it = transfers_.find(id);
-  if (it != transfers_.end()) fail(*it->second, Status::error(ErrorKind::Cancelled, "cancelled"));
+  if (Transfer* t = transfers_.find(id)) fail(*t, Status::error(ErrorKind::Cancelled, "cancelled"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -235,8 +232,9 @@ void Worker::cancel(uint64_t id) {
 // waited for the peer take their route.
 void Worker::peer_ready(Peer& p) {
   std::vector<Transfer*> held;
-  for (auto& [id, t] : transfers_)
-    if (t->peer == &p && t->held) held.push_back(t.get());
+  transfers_.for_each([&](Transfer& t) {
+    if (t.peer == &p && t.held) held.push_back(&t);
+  });
   for (Transfer* t : held) {
     t->held = false;
     fail(*t, t->status);
@@ -258,8 +256,9 @@ void Worker::peer_ready(Peer& p) {
 // threads and the region table forget it.
 void Worker::peer_failed(const PeerFailure& f) {
   std::vector<Transfer*> affected;
-  for (auto& [id, t] : transfers_)
-    if (t->peer == &f.peer && !t->reported()) affected.push_back(t.get());
+  transfers_.for_each([&](Transfer& t) {
+    if (t.peer == &f.peer && !t.reported()) affected.push_back(&t);
+  });
   for (Transfer* t : affected) {
     if (t->held) t->status = f.why;  // what the check found out is the answer
     fail(*t, f.why);

@@ -382,8 +382,9 @@ void Worker::on_user(Peer& p, const UserFragment& m) {
 void Worker::tick() {
   const double t = now();
   std::vector<Transfer*> late;
-  for (auto& [id, tr] : transfers_)
-    if (!tr->reported() && tr->deadline > 0 && t > tr->deadline) late.push_back(tr.get());
+  transfers_.for_each([&](Transfer& tr) {
+    if (!tr.reported() && tr.deadline > 0 && t > tr.deadline) late.push_back(&tr);
+  });
   for (Transfer* tr : late) {
     const char* what = tr->kind == TransferKind::Write ? "write_slices"
                        : tr->kind == TransferKind::Read ? "read_slices" : "send";
@@ -424,7 +425,7 @@ void Worker::shutdown() {
 // succeed.
 void Worker::fail_everything(const Status& closed) {
   std::vector<Transfer*> live;
-  for (auto& [id, t] : transfers_) live.push_back(t.get());
+  transfers_.for_each([&](Transfer& t) { live.push_back(&t); });
   for (Transfer* t : live) finish(*t, closed);
   inbox_.close(closed);
   peers_.close(closed);
@@ -453,8 +454,9 @@ void Worker::release_registrations() {
 // events.
 void Worker::release_held_resources() {
   routes_.clear();
-  for (auto& [id, t] : transfers_)
-    if (t->cuda_event) copier_->release_event(t->cuda_event);
+  transfers_.for_each([&](Transfer& t) {
+    if (t.cuda_event) copier_->release_event(t.cuda_event);
+  });
   transfers_.clear();
 }
 

@@ -37,6 +37,7 @@
 #include "engine/completions.h"
 #include "engine/control_channel.h"
 #include "engine/inbox.h"
+#include "engine/live_transfers.h"
 #include "engine/mailbox.h"
 #include "engine/peers.h"
 #include "fabric/info.h"
@@ -188,7 +189,7 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
   std::unordered_map<Region*, std::pair<std::shared_ptr<Region>, size_t>> orphan_pins_;
   Peers peers_{config_, reports_, *this};
   Inbox inbox_{reports_};
-  std::unordered_map<uint64_t, std::unique_ptr<Transfer>> transfers_;
+  LiveTransfers transfers_;
   std::unordered_map<uint64_t, std::vector<StreamOrderAnswer>> order_waits_;  // by transfer id
   // The routes of the registry (routes/registry.h), offered each transfer in turn.
   std::vector<std::unique_ptr<Route>> routes_;

@@ -1,0 +1,155 @@
+"""call_cost.py: where the time of one small call goes, and small calls issued back to back.
+
+    python benchmarks/call_cost.py                 # a GPU's memory if there is one (the peer on
+                                                   # the next GPU where there are two), else host
+    python benchmarks/call_cost.py --device cpu --trials 2000
+
+A peer process registers a buffer; this process warms the peer (engine.warm) and times, back
+to back, medians of --trials each (us):
+  issue       write_slices() of 4 KiB returning: Python, the argument checks, the queueing
+  write       write_slices() of 4 KiB until its future is done
+  empty       disconnect() from an engine it never met (its own address) until its future is
+              done: the same path (the call, the worker's turn, the completion, the future)
+              with no peer, no route and no copy
+  empty issue disconnect() returning
+  copy        the bytes' own cost: on a GPU, copy_ of 4 KiB to the peer's device and a
+              synchronize in this process (memcpy + synchronize); on the host, a 4 KiB copy_
+  burst       16 writes of 4 KiB issued back to back, then waited for: per call
+and splits a write into: issuing it, the hops (the worker's turn, the completion reaching the
+future: empty - empty issue), and the route (the rest: regions and peer resolved, the route's
+work, the copy, its completion seen). A write within 1.5 x the copy is the goal on a GPU.
+"""
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+try:
+    import torch_p2p as p2p
+except ImportError:  # run from a checkout without installing: use the in-place build
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch_p2p as p2p
+from _common import exit_on_sigterm, reap, spawn
+
+PAGE = 4096
+BURST = 16
+
+
+def peer(device: str, conn) -> None:
+    with p2p.Engine(device) as engine:
+        buf = torch.zeros(BURST * PAGE, dtype=torch.uint8, device=device)
+        if device == "cpu":
+            buf.share_memory_()
+        conn.send(engine.register(buf).remote.to_bytes())
+        conn.recv()
+
+
+def timed(fn, trials: int) -> float:
+    """Median of `trials` calls of fn, us."""
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ap.add_argument("--device", default="cuda:0" if gpus else "cpu", help="this side's device")
+    ap.add_argument("--peer-device", default=None, help="the peer's (default: the next GPU if any, else the same)")
+    ap.add_argument("--trials", type=int, default=1000)
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    peer_device = args.peer_device or (f"cuda:{1 if gpus > 1 else 0}" if cuda else args.device)
+
+    here, there = mp.get_context("spawn").Pipe()
+    child = spawn(peer, (peer_device, there), "call-cost-peer")
+    try:
+        remote = p2p.RemoteTensor.from_bytes(here.recv())
+        with p2p.Engine(args.device) as engine:
+            src = torch.ones(BURST * PAGE, dtype=torch.uint8, device=args.device)
+            engine.register(src)
+            pages = [(src[i * PAGE:(i + 1) * PAGE], remote[i * PAGE:(i + 1) * PAGE]) for i in range(BURST)]
+            one_src, one_dst = [pages[0][0]], [pages[0][1]]
+            engine.warm(remote).wait()
+            nobody = engine.address  # disconnecting from it is a no-op on the worker
+            here_buf = torch.ones(PAGE, dtype=torch.uint8, device=args.device)
+            there_buf = torch.zeros(PAGE, dtype=torch.uint8, device=peer_device)
+
+            issued = []
+
+            def issue():
+                issued.append(engine.write_slices(one_src, one_dst))
+
+            def drain():
+                for f in issued:
+                    f.wait()
+                issued.clear()
+
+            def write():
+                engine.write_slices(one_src, one_dst).wait()
+
+            def empty():
+                engine.disconnect(nobody).wait()
+
+            connects = []
+
+            def empty_issue():
+                connects.append(engine.disconnect(nobody))
+
+            def copy():
+                there_buf.copy_(here_buf, non_blocking=True)
+                if cuda:
+                    torch.cuda.synchronize(args.device)
+
+            def burst():
+                for f in [engine.write_slices([s], [d]) for s, d in pages]:
+                    f.wait()
+
+            for fn in (write, empty, copy, burst):  # warm-up
+                timed(fn, max(10, args.trials // 10))
+            us = {}
+            for name, fn in (("write", write), ("empty", empty), ("copy", copy)):
+                us[name] = timed(fn, args.trials)
+            # Issuing alone: in rounds of 16, each round drained before the next.
+            times = []
+            for _ in range(max(1, args.trials // BURST)):
+                for _ in range(BURST):
+                    start = time.perf_counter()
+                    issue()
+                    times.append(time.perf_counter() - start)
+                drain()
+                for _ in range(BURST):
+                    start = time.perf_counter()
+                    empty_issue()
+                    times.append(-(time.perf_counter() - start))
+                for f in connects:
+                    f.wait()
+                connects.clear()
+            us["issue"] = statistics.median([t for t in times if t > 0]) * 1e6
+            us["empty issue"] = statistics.median([-t for t in times if t < 0]) * 1e6
+            us["burst"] = timed(burst, max(1, args.trials // 4)) / BURST
+            hops = us["empty"] - us["empty issue"]
+            route = us["write"] - us["issue"] - hops
+            print(f"# one 4 KiB write to a peer process: {args.device} -> {peer_device}, route "
+                  f"{engine.route(remote)}; medians of {args.trials}, us")
+            for name in ("write", "issue", "empty", "empty issue", "copy", "burst"):
+                print(f"{name:>12} {us[name]:8.1f}")
+            print(f"# a write = issue {us['issue']:.1f} + hops {hops:.1f} + route and copy {route:.1f} us; "
+                  f"write / copy {us['write'] / us['copy']:.2f}; 16 back to back: {us['burst']:.1f} us a call, "
+                  f"{BURST * PAGE / us['burst'] / 1e3:.2f} GB/s")
+    finally:
+        here.send(0)
+        reap([child])
+
+
+if __name__ == "__main__":
+    exit_on_sigterm()
+    main()
