@@ -12,7 +12,11 @@ argument (and returns its checksum on the warm-up call, its size otherwise). A t
 moves each size once to warm up (its checksum must match the producer's, else the run fails),
 then --repeats times, transports taking turns; the table gives medians and GB/s, and each
 transport's time over TORCH_P2P's ("x": how many times longer the other takes; "best other"
-is the fastest of the others). A transport that cannot run here is named with the reason.
+is the fastest of the others). Two floors are timed in the same rotation: "no tensor" (the
+same two calls, ``give`` returning None) and "TORCH_P2P 4 B" (the same call moving one float32:
+Ray's tensor-transport machinery and ours with nothing to copy). "ceiling x" is the best
+other's time over that floor: what "best other x" would be if TORCH_P2P's transfer of the
+bytes took no time at all. A transport that cannot run here is named with the reason.
 Needs Ray (and nixl for NIXL); without Ray it says so and exits 0.
 """
 from __future__ import annotations
@@ -31,6 +35,8 @@ sys.path.insert(0, HERE)
 from _common import aligned, fmt_size, parse_size  # noqa: E402
 
 TRANSPORTS = ["TORCH_P2P", "NIXL", "GLOO", "object store"]
+FLOORS = {"no tensor": lambda p: p.give_nothing,
+          "TORCH_P2P 4 B": lambda p: p.give_tiny.options(tensor_transport="TORCH_P2P")}
 
 
 def define_actor(ray, torch):
@@ -38,12 +44,21 @@ def define_actor(ray, torch):
     class Peer:
         def hold(self, nbytes: int) -> int:
             self.tensor = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+            self.tiny = torch.ones(1)
             return self.checksum(self.tensor)
 
         def give(self):
             return self.tensor
 
+        def give_tiny(self):
+            return self.tiny
+
+        def give_nothing(self):
+            return None
+
         def take(self, t, check: bool) -> int:
+            if t is None:
+                return 0
             return self.checksum(t) if check else t.numel()
 
         def checksum(self, t) -> int:
@@ -104,7 +119,12 @@ def run(ray, torch, args) -> None:
         skipped["GLOO"] = f"no gloo group: {e!r}"
 
     def once(transport: str, check: bool = False) -> tuple[float, int]:
-        give = producer.give if transport == "object store" else producer.give.options(tensor_transport=transport)
+        if transport in FLOORS:
+            give = FLOORS[transport](producer)
+        elif transport == "object store":
+            give = producer.give
+        else:
+            give = producer.give.options(tensor_transport=transport)
         start = time.perf_counter()
         checksum = ray.get(consumer.take.remote(give.remote(), check), timeout=600)
         return time.perf_counter() - start, checksum
@@ -112,7 +132,9 @@ def run(ray, torch, args) -> None:
     rows = []
     for size in args.sizes:
         expected = ray.get(producer.hold.remote(size))
-        times = {}
+        for floor in FLOORS:
+            once(floor)  # untimed, as each transport's first call
+        times = {floor: [] for floor in FLOORS}
         for transport in list(transports):
             try:
                 _, checksum = once(transport, check=True)
@@ -137,7 +159,8 @@ def run(ray, torch, args) -> None:
         print(f"{fmt_size(size)}: {line}", flush=True)
 
     shown = [t for t in TRANSPORTS if t not in skipped]
-    header = ["size"] + [f"{t} ms (GB/s)" for t in shown] + [f"{t} x" for t in shown[1:]] + ["best other x"]
+    header = (["size"] + [f"{t} ms (GB/s)" for t in shown] + [f"{t} x" for t in shown[1:]] + ["best other x"]
+              + [f"{f} ms" for f in FLOORS] + ["ceiling x"])
     lines = [header]
     for size, medians in rows:
         ours = medians.get("TORCH_P2P")
@@ -146,6 +169,9 @@ def run(ray, torch, args) -> None:
         cells += [f"{medians[t] / ours:.2f}" if ours and t in medians else "-" for t in shown[1:]]
         others = [medians[t] for t in shown[1:] if t in medians]
         cells.append(f"{min(others) / ours:.2f}" if ours and others else "-")
+        cells += [f"{medians[f] * 1e3:.1f}" if f in medians else "-" for f in FLOORS]
+        floor = medians.get("TORCH_P2P 4 B")
+        cells.append(f"{min(others) / floor:.2f}" if floor and others else "-")
         lines.append(cells)
     print(aligned(lines, 1))
     for transport, why in skipped.items():

@@ -6,7 +6,8 @@ has without either: the state dict through Ray's object store. Same weights, sam
     <venv with ray and verl>/bin/python benchmarks/verl_sync.py           # 256 MiB, 1-3 replicas
     python benchmarks/verl_sync.py --mib 512 --updates 5 --backends torch_p2p,nixl
 
-Each update changes every byte of the trainer's weights (fp32, bf16, fp16, int64 tensors) and
+Each update changes every byte of the trainer's weights (fp32, bf16, fp16, int64 tensors, all
+contiguous, as a trainer's gathered tensors are and as verl's nixl engine requires) and
 is timed around CheckpointEngineManager.update_weights(global_steps): verl's prepare,
 build_topology, init_process_group, send/receive, finalize, and each rollout rank loading the
 tensors it receives into a model of its own (one copy, as an inference engine's load does).
@@ -16,7 +17,8 @@ updates every rollout rank's model must equal the trainer's weights bitwise, or 
   torch_p2p     torch_p2p.integrations.verl: one push, relayed between replicas.
   nixl          verl's NIXLCheckpointEngine (UCX, a chain through the replicas, two buckets of
                 update_weights_bucket_megabytes). verl 0.9.1's engine needs CUDA even with
-                device "cpu"; benchmarks/_verl_nixl_cpu.py removes exactly those obstacles.
+                device "cpu", and its build_topology miscounts a single rollout rank;
+                benchmarks/_verl_nixl_cpu.py removes exactly those obstacles.
   object_store  the trainer ray.put()s its state dict; each rollout rank ray.get()s it and loads.
 
 Columns: median seconds per update, GB/s of state dict per replica-update, ratios against nixl
@@ -73,7 +75,8 @@ class Setup:
         name, module = BACKENDS.get(backend, BACKENDS["torch_p2p"])
         self.vh = vh
         self.config = vh.config(name, module, tp=1, bucket_mib=bucket_mib)
-        self.trainers = vh.trainer_group(self.config, world=1, scale=scale)
+        # contiguous: verl's nixl engine flattens each tensor with view(-1)
+        self.trainers = vh.trainer_group(self.config, world=1, scale=scale, contiguous=True)
         self.replicas = [vh.Replica(i, self.config) for i in range(3)]
 
     def updates(self, replicas: int, steps: list[int]) -> list[float]:

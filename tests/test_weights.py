@@ -168,6 +168,14 @@ def dest_leave(state, key):
     return p2p.wait(state[key][1].leave(), 30)
 
 
+def dest_address(state, key):
+    return state[key][0].address
+
+
+def dest_joined(state, key):
+    return state[key][1].joined
+
+
 def dest_close(state, key):
     engine, dest, _, _ = state.pop(key)
     dest.close()
@@ -302,7 +310,7 @@ def test_tensors_the_wire_cannot_carry_are_refused():
 
 
 @pytest.mark.timeout(120)
-def test_join_and_leave_between_versions(peers):
+def test_join_leave_and_remove_between_versions(peers):
     a, b, c = peers
     with Setup("tcp", chunk_bytes=4096) as s:
         s.add(a, "stays")
@@ -319,6 +327,13 @@ def test_join_and_leave_between_versions(peers):
         assert c.call(dest_seen, "joins") == [2]
         # The one that left kept version 1.
         assert_equal(b.call(dest_fetch, "leaves"), expected("whole", model(1), torch.float32))
+        # One the source removes gets no more versions and knows it is out.
+        s.source.remove([a.call(dest_address, "stays")])
+        s.load(3)
+        result = p2p.wait(s.source.push(), 60)
+        assert result.received == ["joins"] and result.dropped == {}
+        assert a.call(dest_seen, "stays") == [1, 2] and not a.call(dest_joined, "stays")
+        assert c.call(dest_joined, "joins")
 
 
 BIG = {"w": (2048, 1024)}  # 8 MiB: 128 chunks of 64 KiB

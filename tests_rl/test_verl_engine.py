@@ -1,7 +1,7 @@
 """verl's ``torch_p2p`` checkpoint engine under verl's own CheckpointEngineManager, on a local
 Ray cluster: 2 trainer ranks, rollout replicas of 2 ranks (verl's CheckpointEngineWorker
-actors). The tests share one cluster and run in order: three updates, a replica added, then
-the trainer killed mid-update."""
+actors). The tests share one cluster and run in order: three updates, a replica added, a live
+replica removed and added again, then the trainer killed mid-update."""
 from __future__ import annotations
 
 import os
@@ -90,14 +90,36 @@ def test_added_replica_joins_without_disturbing(cluster):
     assert [len(s) for s in added.steps()] == [1, 1]
 
 
+def received_versions(replica) -> list:
+    """Per worker: the last version whose every byte reached its buffers."""
+    return ray.get([w.__ray_call__.remote(lambda self: self.checkpoint_engine.dest.version) for w in replica.workers])
+
+
+def test_removed_live_replica_is_left_out(cluster):
+    config, trainers, replicas, mgr = cluster
+    removed = replicas.pop(0)
+    mgr.remove_replicas([removed])
+    mgr.update_weights(global_steps=5)
+    check_last_update(replicas, 5)
+    # Alive and still holding version 4, the removed replica got no byte of version 5: the push
+    # neither wrote to it nor waited for it.
+    assert received_versions(removed) == [4, 4]
+    assert removed.engines("version") == [4, 4]
+    mgr.add_replicas([removed])
+    replicas.append(removed)
+    mgr.update_weights(global_steps=6)
+    check_last_update(replicas, 6)
+    assert removed.engines("joins") == [2, 2] and received_versions(removed) == [6, 6]
+
+
 def test_trainer_killed_mid_update_fails_receivers(cluster):
     config, trainers, replicas, mgr = cluster
     workers = [w for r in replicas for w in r.workers]
     rollout = RayWorkerGroup(worker_handles=workers, ray_cls_with_init=RayClassWithInitArgs(cls=_worker_cls))
     mgr.build_process_group(rollout)  # what update_weights does before moving anything
     trainers.set_delay(0.5)  # each tensor takes the trainer 0.5 s to produce
-    trainer_refs = trainers.update_weights(global_steps=5)
-    rollout_refs = rollout.update_weights(global_steps=5)
+    trainer_refs = trainers.update_weights(global_steps=7)
+    rollout_refs = rollout.update_weights(global_steps=7)
     time.sleep(2.0)
     ready, _ = ray.wait(rollout_refs, timeout=0)
     assert not ready, "the receivers finished before the trainer could be killed"

@@ -25,9 +25,11 @@ from verl.workers.rollout.replica import RolloutReplica
 MODULE = "torch_p2p.integrations.verl"
 
 
-def state_dict(step: int, scale: int = 1) -> dict[str, torch.Tensor]:
+def state_dict(step: int, scale: int = 1, contiguous: bool = False) -> dict[str, torch.Tensor]:
     """The model's weights at a step: different bytes every step, several dtypes and shapes;
-    `scale` multiplies the sizes (scale 1: about 0.6 MB)."""
+    `scale` multiplies the sizes (scale 1: about 0.6 MB). lm_head.weight is a transposed view
+    unless `contiguous` (verl's own engines flatten each tensor with view(-1), which only a
+    contiguous tensor allows; a trainer's gathered full tensors are contiguous)."""
     g = torch.Generator().manual_seed(1000 + step)
     sd = {}
     for i in range(6):
@@ -36,7 +38,9 @@ def state_dict(step: int, scale: int = 1) -> dict[str, torch.Tensor]:
         sd[f"layers.{i}.norm.weight"] = torch.rand(128, generator=g, dtype=torch.float64)
     sd["embed_tokens.weight"] = torch.randn(200 * scale, 128, generator=g).to(torch.float16)
     sd["position_ids"] = torch.randint(0, 1 << 40, (7, 3), generator=g)
-    sd["lm_head.weight"] = torch.randn(128, 200 * scale, generator=g).t()  # not contiguous
+    sd["lm_head.weight"] = torch.randn(128, 200 * scale, generator=g).t()
+    if contiguous:
+        sd["lm_head.weight"] = sd["lm_head.weight"].contiguous()
     return sd
 
 
@@ -61,14 +65,15 @@ class TrainerWorker(Worker):
     state_dict(0, scale) once and add 1 to every element per step (changed bytes, no cost of
     drawing random numbers inside the timed update)."""
 
-    def __init__(self, rollout_config: RolloutConfig, scale: int = 1, delay_s: float = 0.0):
+    def __init__(self, rollout_config: RolloutConfig, scale: int = 1, delay_s: float = 0.0,
+                 contiguous: bool = False):
         super().__init__()
         ce = rollout_config.checkpoint_engine
         import_external_libs(ce.custom_backend_module)
         self.checkpoint_engine = CheckpointEngineRegistry.new(
             ce.backend, is_master=int(os.environ["RANK"]) == 0, bucket_size=ce.update_weights_bucket_megabytes << 20,
             **ce.engine_kwargs.get(ce.backend, {}))
-        self.scale, self.delay_s = scale, delay_s
+        self.scale, self.delay_s, self.contiguous = scale, delay_s, contiguous
         self.step, self.sd = None, None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -76,7 +81,7 @@ class TrainerWorker(Worker):
         if self.step == step:
             return
         if self.scale == 1 or self.sd is None:
-            self.sd = state_dict(step, self.scale)
+            self.sd = state_dict(step, self.scale, self.contiguous)
         else:
             for t in self.sd.values():
                 t.add_(1)

@@ -175,6 +175,14 @@ class WeightSource:
         CUDA it follows the work queued on the current stream before the call."""
         return self._impl.push(version)
 
+    def remove(self, addresses) -> None:
+        """Leader only: the destinations on these engines leave the membership before the next
+        push (one under way keeps them). Each is told, as a dropped destination is: it receives
+        no more versions until it joins again."""
+        if self._impl.rank != 0:
+            raise ValueError("only the leader (rank 0) keeps the membership")
+        self._impl.call(self._impl.remove, {bytes(a) for a in addresses})
+
     def close(self) -> None:
         """Fails pushes not yet complete and deregisters the memory (the engine stays open)."""
         self._impl.close()
@@ -219,6 +227,12 @@ class WeightDestination:
     def version(self) -> int | None:
         """The last version whose every byte arrived (None before the first)."""
         return self._impl.version
+
+    @property
+    def joined(self) -> bool:
+        """Whether the leader counts this destination in: False before join() completes, after
+        leave(), and once dropped or removed."""
+        return self._impl.member is not None
 
     def wait_for(self, version: int) -> torch.futures.Future:
         """Completes (with the version) once `version` or a later one has fully arrived."""

@@ -229,6 +229,11 @@ class Leader(SourceBase):
         busy = rnd is not None and mid in rnd.members and mid not in rnd.dropped
         self.send(sender, "left", busy=busy)
 
+    def remove(self, addresses: set) -> None:
+        for m in [m for m in self.members.values() if m.address in addresses]:
+            del self.members[m.id]
+            self.send(m.address, "dropped", v=self.last_version, member=m.id, reason="removed by the source")
+
     # -- a push ------------------------------------------------------------------------------------
     def _enqueue(self, rnd: Round) -> None:
         self.queue.append(rnd)

@@ -18,7 +18,9 @@ on the rollout ranks, then finalize. The expensive things happen once instead:
   adapter, which loads them into the model.
 
 A replica added between updates joins at its first receive_weights without touching the
-others. A dead trainer rank or relay fails the update within a bound (waiting.py).
+others. A replica removed between updates (verl's remove_replicas) leaves the leader's
+membership at the next send_weights: the push neither writes to it nor waits for it; if it is
+added again, it joins again. A dead trainer rank or relay fails the update within a bound (waiting.py).
 """
 from __future__ import annotations
 
@@ -141,7 +143,9 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
         trainers = [bytes(a) for a in trainers]
         if self.engine is None:
             raise RuntimeError("init_process_group before prepare")
-        if self.role is not None and (role, rank, trainers) != (self.role, self.rank, self.trainers):
+        # A rollout rank's index moves when a replica before it is removed; a trainer rank's may not.
+        same = role == self.role and trainers == self.trainers and (role == "rollout" or int(rank) == self.rank)
+        if self.role is not None and not same:
             raise RuntimeError("the trainer group or this worker's role changed between updates; "
                                "the torch_p2p engine supports adding and removing rollout replicas only")
         self.role, self.rank, self.trainers = role, int(rank), trainers
@@ -176,6 +180,7 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
         version = self.version + 1
         start = time.perf_counter()
         if self.rank == 0:
+            self._remove_departed()
             await self._wait_for_joins()
         result = await settled(self.source.push(version), self.timeout + 5.0, f"pushing weights version {version}",
                                None if self.rank == 0 else self._leader_alive)
@@ -201,6 +206,13 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
             layout = staging.layout() + [[STEP, "int64", [1]]]
             self.service.publish(layout, self.engine.address)
 
+    def _remove_departed(self) -> None:
+        """Rollout ranks that joined and are no longer in the topology leave the membership."""
+        gone = self.service.joined() - set(self.rollouts)
+        if gone:
+            self.source.remove(gone)
+            self.service.forget(gone)
+
     async def _wait_for_joins(self) -> None:
         """Until every rollout rank of the topology has joined (a new one joins at its first
         receive_weights, which verl runs beside this call)."""
@@ -225,6 +237,9 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
         still be reading them)."""
         if self.role != "rollout":
             raise RuntimeError("receive_weights on a worker that init_process_group made a trainer rank")
+        if self.dest is not None and not self.dest.joined:  # removed, and now added again
+            self.dest.close()
+            self.dest = None
         if self.dest is None:
             await self._join()
         version = self.version + 1

@@ -80,6 +80,11 @@ class LayoutService:
         with self._lock:
             return set(self._joined)
 
+    def forget(self, addresses: set[bytes]) -> None:
+        """Rollout ranks that left the topology: one added again must join again."""
+        with self._lock:
+            self._joined -= addresses
+
     def close(self) -> None:
         self._stopping = True
         self._thread.join(5.0)
