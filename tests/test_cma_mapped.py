@@ -8,6 +8,8 @@ mid-copy: tests/test_failures.py.
 The first mapping with a peer logs "the cma route maps the shared memory of peer" at info
 level, which tells the two copies apart.
 """
+import time
+
 import pytest
 import torch
 
@@ -92,3 +94,24 @@ def test_closed_region_refuses_and_a_new_one_maps():
             new = p2p.RemoteTensor.from_bytes(b.call(ph.target, "u", 1 << 20))
             p2p.wait(a.write_slices([src], [new]), 30)
         assert b.call(ph.checksum, "u") == ph.checksum({"s": src}, "s")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("memory", ["mapped", "cma"])
+def test_close_does_not_wait_for_a_dead_reader(memory):
+    """A peer that reached our region over the cma route (and so must let go of it before the
+    registration goes) and then died is seen dead by its process, not after peer_timeout: the
+    region's close returns at once, while the peer was never a destination of ours."""
+    peer_timeout = 30.0
+    with Peer() as b, p2p.Engine("cpu", **engine_kwargs(memory, peer_timeout=peer_timeout)) as a:
+        b.call(ph.start_engine, "cma")
+        buf = torch.full((ROWS * ROW,), 3, dtype=torch.uint8)
+        if memory == "mapped":
+            buf.share_memory_()
+        region = a.register(buf)
+        assert b.call(ph.round_trips, region.remote.to_bytes(), 4, ROWS, ROW) == []
+        b.kill()
+        start = time.monotonic()
+        region.close()
+        took = time.monotonic() - start
+        assert took < peer_timeout / 3, f"close took {took:.1f} s (peer_timeout {peer_timeout} s)"

@@ -42,6 +42,7 @@ struct Peer {
   bool revivable = false;          // left by our own disconnect(): a later use reconnects
   bool closed = false;             // its engine closed (on_bye()): never contact it again
   int pidfd = -1;                  // same-host peers we map: their process, to see it exit
+  bool process_gone = false;       // its process had exited when we came to watch it
   std::unordered_set<uint64_t> closed_regions;  // its regions it told us it deregistered
   std::unordered_set<uint64_t> to_release;      // of those, the ones we still owe a release
   // Its live regions when it introduced itself: ids up to live_regions_upto not listed were gone.

@@ -308,16 +308,18 @@ void Peers::tick() {
 // NOTE: a same-host route needs nothing from the peer's process, so the fabric would notice
 // its exit only by its silence; the pidfd tells at once.
 void Peers::watch_process(Peer& p) {
-  if (p.pidfd >= 0 || p.address.pid == 0 || p.address.pid == static_cast<uint32_t>(getpid())) return;
+  if (p.pidfd >= 0 || p.process_gone || p.address.pid == 0 || p.address.pid == static_cast<uint32_t>(getpid())) return;
   p.pidfd = open_pidfd(static_cast<pid_t>(p.address.pid));
-  if (p.pidfd < 0) P2P_LOG(Info, "cannot watch the process of peer ", hex(p.incarnation), ": ", std::strerror(errno));
+  if (p.pidfd >= 0) return;
+  if (errno == ESRCH) p.process_gone = true;  // failed at the next tick (check_processes)
+  else P2P_LOG(Info, "cannot watch the process of peer ", hex(p.incarnation), ": ", std::strerror(errno));
 }
 
 void Peers::check_processes() {
   std::vector<Peer*> gone;
   for (auto& [inc, p] : peers_) {
-    if (p->pidfd < 0 || p->failed()) continue;
-    if (p2p::exited(p->pidfd)) gone.push_back(p.get());
+    if (p->failed()) continue;
+    if (p->process_gone || (p->pidfd >= 0 && p2p::exited(p->pidfd))) gone.push_back(p.get());
   }
   for (Peer* p : gone)
     fail(*p, Status::error(ErrorKind::Peer, cat("peer ", hex(p->incarnation), " is dead: its process (pid ",

@@ -115,6 +115,10 @@ void Worker::deregister_region(uint64_t id, std::shared_ptr<std::promise<void>> 
     if (live)
       for (auto& r : routes_) routed |= r->must_release(*live, p);
     if (wait || routed) regions_.must_release(id, p.incarnation);
+    // A same-host peer that reached the region without the NICs may never have been a
+    // destination of ours: its process is watched from now on, so that its death ends the wait
+    // at once rather than after peer_timeout.
+    if (routed) peers_.watch_process(p);
   });
 }
 
