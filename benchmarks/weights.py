@@ -245,11 +245,11 @@ def destination(conn, rank: int, args) -> None:
                 n = rest[0]
                 groups[n] = dist.new_group(list(range(n + 1)))
             elif cmd == "broadcast":
-                n, updates = rest
+                n, count = rest  # the warm-ups and the timed updates
                 if buf is None:
                     buf = torch.empty(args.bucket // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
                                       device=device)
-                for _ in range(updates + 1):
+                for _ in range(count):
                     broadcast_update(list(tensors.values()), dtype, args.bucket, groups[n], False, buf)
                 conn.send(("ok", None))
             elif cmd == "undist":  # every rank at once: NCCL's teardown waits for its peers
@@ -321,7 +321,8 @@ class Peers:
         return errors
 
 
-WARM_SPREAD, WARM_MAX = 0.05, 8  # see timed_updates
+WARM_SPREAD = 0.05  # see timed_updates
+BROADCAST_WARMUPS = 3  # a collective's rows: its peers must know the count beforehand
 
 
 # -- the source ------------------------------------------------------------------------------------
@@ -362,22 +363,24 @@ def run(args) -> tuple[list[dict], list[str]]:
     return rows, errors
 
 
-def timed_updates(update, updates: int, label: str, model_bytes: int) -> list[float]:
-    """The seconds of `updates` timed calls of update(), after warm-ups: at least one (connections,
-    handles), more until one takes within WARM_SPREAD of the one before, at most WARM_MAX: with
-    one warm-up, the first row of a run once took 1.4 x what the same row took in the next run."""
+def timed_updates(update, updates: int, warmups: tuple[int, int], label: str, model_bytes: int) -> list[float]:
+    """The seconds of `updates` timed calls of update(), after warm-ups: at least warmups[0]
+    (connections, handles), more until one takes within WARM_SPREAD of the one before, at most
+    warmups[1]: with one warm-up, the first row of a run once took 1.4 x what the same row took
+    in the next run. A collective's peers must know the count beforehand: (k, k) makes it k."""
     def once() -> float:
         t0 = time.perf_counter()
         update()
         return time.perf_counter() - t0
 
+    least, most = max(1, warmups[0]), max(1, warmups[1])
     last, warm = once(), 1
-    while warm < WARM_MAX:
+    while warm < most:
         dt = once()
         warm += 1
         steady = abs(dt - last) <= WARM_SPREAD * last
         last = dt
-        if steady:
+        if steady and warm >= least:
             break
     times = []
     for i in range(1, updates + 1):
@@ -400,7 +403,7 @@ def engine_row(args, peers, source, n, model_bytes, want, chunk, window, fanout)
             raise RuntimeError(f"{label}: dropped {result.dropped}")
         sent = result.bytes_sent
 
-    times = timed_updates(update, args.updates, label, model_bytes)
+    times = timed_updates(update, args.updates, (1, args.warmups), label, model_bytes)
     bad = [r for r, c in zip(ranks, peers.ask(ranks, "checksum")) if c != want]
     peers.ask(ranks, "leave")
     s = statistics.median(times)
@@ -431,14 +434,15 @@ def baseline_rows(args, peers, tensors, dtype, rows) -> None:
     buf = torch.empty(args.bucket // elem, dtype=dtype, device=device_of(args.device, 0))
     order = list(tensors.values())
     model_bytes = sum(t.numel() for t in order) * elem
+    warm = min(BROADCAST_WARMUPS, args.warmups)  # fixed: the peers run the same count
     for n in args.dests:
         for r in everyone:
             peers.conns[r - 1].send(("group", n))
         group = dist.new_group(list(range(n + 1)))
         for r in range(1, n + 1):
-            peers.conns[r - 1].send(("broadcast", n, args.updates))
-        times = timed_updates(lambda: broadcast_update(order, dtype, args.bucket, group, True, buf),
-                              args.updates, f"{backend} broadcast N={n}", model_bytes)
+            peers.conns[r - 1].send(("broadcast", n, warm + args.updates))
+        times = timed_updates(lambda: broadcast_update(order, dtype, args.bucket, group, True, buf), args.updates,
+                              (warm, warm), f"{backend} broadcast N={n}", model_bytes)
         for r in range(1, n + 1):
             peers.answer(r)
         s = statistics.median(times)
@@ -512,6 +516,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-ipc", action="store_true",
                     help="GPUs: no CUDA IPC route; GPU memory goes over the provider (compare with --nccl-sockets)")
     ap.add_argument("--updates", type=int, default=3, help="timed updates per row, after warm-ups")
+    ap.add_argument("--warmups", type=int, default=8, metavar="N",
+                    help="most warm-up updates per row (they stop once two agree within 5%%; at least 1)")
     ap.add_argument("--chunk", type=parse_size, nargs="+", default=[pw.CHUNK_BYTES], help="chunk sizes to sweep")
     ap.add_argument("--window", type=int, nargs="+", default=[pw.WINDOW], help="windows to sweep")
     ap.add_argument("--fanout", type=int, nargs="+", default=[pw.FANOUT], help="relay fan-outs to sweep")
