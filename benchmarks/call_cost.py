@@ -138,8 +138,10 @@ def main() -> None:
             us["burst"] = timed(burst, max(1, args.trials // 4)) / BURST
             hops = us["empty"] - us["empty issue"]
             route = us["write"] - us["issue"] - hops
+            pinned = (f"worker pinned to cpu {engine.plan.cpu} (completions spin)" if engine.plan.cpu is not None
+                      else "worker not pinned (completions sleep)")
             print(f"# one 4 KiB write to a peer process: {args.device} -> {peer_device}, route "
-                  f"{engine.route(remote)}; medians of {args.trials}, us")
+                  f"{engine.route(remote)}, {pinned}; medians of {args.trials}, us")
             for name in ("write", "issue", "empty", "empty issue", "copy", "burst"):
                 print(f"{name:>12} {us[name]:8.1f}")
             print(f"# a write = issue {us['issue']:.1f} + hops {hops:.1f} + route and copy {route:.1f} us; "
