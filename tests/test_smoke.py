@@ -2,6 +2,7 @@
 import threading
 import time
 
+import pytest
 import torch
 
 import helpers
@@ -58,3 +59,24 @@ def test_engine_lets_go_of_completed_futures():
             time.sleep(0.005)
         assert not e._c.futures_held, f"{e._c.futures_held} completed futures still held"
         assert torch.equal(dst, src)
+
+
+def test_a_pinned_engines_futures_spin_then_sleep():
+    """The futures of a pinned engine spin for their completion before wait() sleeps
+    (engine.py's _SpinningFuture): a write's, a message's value, an error, a callback and a
+    future that takes longer than the spin all behave as any torch future's."""
+    with p2p.Engine("cpu", cpus=[0], **engine_kwargs("tcp")) as a, p2p.Engine("cpu", **engine_kwargs("tcp")) as b:
+        assert a.plan.cpu == 0 and a._c.completion_spin_us > 0 and b._c.completion_spin_us == 0
+        src = torch.arange(4096, dtype=torch.int32)
+        dst = torch.zeros(4096, dtype=torch.int32)
+        a.register(src)
+        remote = b.register(dst).remote
+        write = a.write_slices([src], [remote])
+        assert isinstance(write, torch.futures.Future) and type(write) is not type(b.recv(timeout=1))
+        assert write.wait() is None and torch.equal(dst, src)
+        assert write.then(lambda f: "called").wait() == "called"
+        with pytest.raises(p2p.TimeoutError):
+            a.recv(timeout=0.3).wait()  # an error, after more than the spin
+        late = a.recv(timeout=30)
+        threading.Timer(0.05, lambda: b.send(a.address, b"late")).start()
+        assert late.wait()[1] == b"late"
