@@ -24,6 +24,14 @@ Building (per view; the lists of the views form, made once per call by the user)
   buf[i]          torch's own view of a local page, for scale
   p2p.pages       p2p.pages(remote, theirs) per call, divided by its pages
 
+With --pybind11 (compiles a small extension with torch.utils.cpp_extension, about a minute),
+what pybind11's own argument handling costs for the views form's two lists, doing nothing
+else: the hand parse in csrc/bindings.cpp stands only while the whole parse of a call costs less
+than these casters alone:
+  pybind11 tensors   a std::vector<at::Tensor> argument of the local views
+  pybind11 remotes   a std::vector<py::object> argument of the RemoteTensors, each one's view
+                     attribute read (what a RemoteView caster would have to do first)
+
 Columns: us/call, us per view pair (per view when building), and x pages: the form's cost over
 p2p.pages' in the same run. Each number is the best of --repeat rounds of --seconds each.
 Target: the views form's parse at most 0.15 us per view pair.
@@ -70,6 +78,23 @@ def best_us(fn, seconds: float, repeat: int) -> float:
     return best * 1e6
 
 
+def pybind11_casters():
+    """A module whose two functions take the views form's lists through pybind11's casters."""
+    from torch.utils.cpp_extension import load_inline
+
+    source = """
+#include <torch/extension.h>
+int64_t tensors(const std::vector<at::Tensor>& views) { return static_cast<int64_t>(views.size()); }
+int64_t objects(const std::vector<py::object>& remotes) {
+  int64_t n = 0;
+  for (const auto& r : remotes) n += r.attr("_v").ptr() != nullptr;
+  return n;
+}
+"""
+    return load_inline("views_pybind11_casters", cpp_sources=source, functions=["tensors", "objects"],
+                       extra_cflags=["-O2"])
+
+
 def measure(engine: p2p.Engine, device: torch.device, pages: int, page_bytes: int, args) -> list[dict]:
     total = 2 * pages
     src = torch.zeros(total, page_bytes, dtype=torch.uint8, device=device)
@@ -91,6 +116,14 @@ def measure(engine: p2p.Engine, device: torch.device, pages: int, page_bytes: in
         for form, (local, remotes) in forms.items():
             us = best_us(lambda: prepare(local, remotes), args.seconds, args.repeat)
             rows.append(dict(what="parse", op=op, form=form, pages=pages, page_bytes=page_bytes,
+                             us_per_call=us, us_per_view=us / pages))
+    if args.pybind11:
+        casters = pybind11_casters()
+        local, remotes = forms["views"]
+        for form, call in (("pybind11 tensors", lambda: casters.tensors(local)),
+                           ("pybind11 remotes", lambda: casters.objects(remotes))):
+            us = best_us(call, args.seconds, args.repeat)
+            rows.append(dict(what="parse", op="write", form=form, pages=pages, page_bytes=page_bytes,
                              us_per_call=us, us_per_view=us / pages))
     half, rows64 = page_bytes // 2, page_bytes // 64
     builds = {
@@ -131,6 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--page-bytes", nargs="+", type=parse_size, default=[4 << 10, 64 << 10], metavar="SIZE")
     ap.add_argument("--seconds", type=float, default=0.2, help="length of one round (default 0.2)")
     ap.add_argument("--repeat", type=int, default=5, help="rounds per number; the best counts (default 5)")
+    ap.add_argument("--pybind11", action="store_true", help="also time pybind11's casters (see above)")
     ap.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
