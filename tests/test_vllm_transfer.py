@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from peer import Peer
+from torch_p2p.integrations.vllm import holds
 from torch_p2p.integrations.vllm.tp_mapping import Sources, sources
 from torch_p2p.integrations.vllm.transfer import KVTransfer, Pulled, StaleBlocks, compat_differences, fetch
 
@@ -349,3 +350,37 @@ def test_two_decode_workers_pull_from_one_prefill_worker():
             finally:
                 transfer.close()
             assert p.call(freed, 10 if rank else 0.5) == ({"req-1": True} if rank else {})
+
+
+def _make_table(port: int) -> None:  # in a child that is then killed
+    holds.create(port, 4)
+    time.sleep(600)
+
+
+def test_hold_tables_of_dead_processes_are_removed():
+    """A prefill worker killed before it removed its hold table leaves the file; the next start
+    on this host removes it (any port) and replaces its own port's; the scheduler finds the
+    live table of a port and never a dead process's."""
+    import multiprocessing as mp
+
+    dead_port, port = 29917, 29918
+    child = mp.get_context("spawn").Process(target=_make_table, args=(dead_port,), daemon=True)
+    child.start()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(holds.table_path(dead_port, child.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = holds.table_path(dead_port, child.pid)
+    assert os.path.exists(left)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    with pytest.raises(FileNotFoundError):
+        holds.find(dead_port)  # a dead process's table is never the live one
+    try:
+        table = holds.create(port, 4)
+        assert not os.path.exists(left)
+        assert holds.find(port) == holds.table_path(port) and table.shape == (4, 1)
+        holds.create(port, 8)  # a restart on the port: one table, the new one
+        assert [p for p, _, _ in holds._tables()].count(port) == 1 and os.path.getsize(holds.find(port)) == 64
+    finally:
+        holds.remove(port)
+    assert not os.path.exists(holds.table_path(port))

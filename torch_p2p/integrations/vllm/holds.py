@@ -6,8 +6,8 @@ scheduler, the one process that decides when blocks are freed, gives each hold a
 table and a token never used before, writes the token into the slot before the request's
 kv_transfer_params leave the engine, and writes 0 there before it frees the blocks (vLLM calls
 ``update_connector_output`` before it frees the blocks its workers report done). Each worker
-maps the table (a file in /dev/shm named by its side-channel port) and registers it read-only:
-a decode worker reads the slot after its data read completed and keeps the data only if the
+maps the table (a file in /dev/shm named by its side-channel port and its process id) and
+registers it read-only: a decode worker reads the slot after its data read completed and keeps the data only if the
 slot still holds the token. docs/vllm.md says why that holds on every route.
 """
 from __future__ import annotations
@@ -21,22 +21,54 @@ import torch
 _DIR = "/dev/shm"
 
 
-def table_path(port: int) -> str:
-    """The hold table of the prefill worker whose side channel listens on `port` (a port
-    serves one instance of a host at a time, so the name is unique while it runs)."""
-    return os.path.join(_DIR, f"torch_p2p-holds-{os.getuid()}-{port}")
+def table_path(port: int, pid: int | None = None) -> str:
+    """The hold table made by process `pid` (default: this one) for the prefill worker whose
+    side channel listens on `port` (a port serves one instance of a host at a time)."""
+    return os.path.join(_DIR, f"torch_p2p-holds-{os.getuid()}-{port}-{os.getpid() if pid is None else pid}")
+
+
+def _tables() -> list[tuple[int, int, str]]:
+    """(port, pid, path) of this user's hold tables on this host."""
+    prefix = f"torch_p2p-holds-{os.getuid()}-"
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(_DIR):
+            port, _, pid = name[len(prefix):].partition("-")
+            if name.startswith(prefix) and port.isdigit() and pid.isdigit():
+                found.append((int(port), int(pid), os.path.join(_DIR, name)))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def create(port: int, slots: int) -> torch.Tensor:
     """A fresh table of `slots` zeroed slots ([slots, 1] int64, shared with the scheduler): a
-    file left by an earlier instance on this port is replaced, never reused, so the tokens an
-    earlier instance gave out match nothing here."""
-    path = table_path(port)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    table = torch.from_file(path, shared=True, size=slots, dtype=torch.int64)
+    table left on this port by an earlier instance is replaced, never reused, so the tokens it
+    gave out match nothing here; tables of processes that are gone (killed before they could
+    remove theirs) are removed too."""
+    for other_port, pid, path in _tables():
+        if other_port == port or not _alive(pid):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    table = torch.from_file(table_path(port), shared=True, size=slots, dtype=torch.int64)
     table.zero_()
     return table.view(slots, 1)
+
+
+def find(port: int) -> str:
+    """The path of the live table of `port`'s prefill worker."""
+    live = [path for p, pid, path in _tables() if p == port and _alive(pid)]
+    if not live:
+        raise FileNotFoundError(f"no hold table of port {port} in {_DIR}")
+    return max(live, key=os.path.getmtime)
 
 
 def remove(port: int) -> None:
@@ -62,12 +94,12 @@ class Holds:
         if self._tables is None:
             tables = []
             for port in self.ports:
-                path = table_path(port)
                 try:
+                    path = find(port)
                     size = os.path.getsize(path) // 8
                 except OSError as e:
-                    raise RuntimeError(f"no hold table at {path} ({e.strerror}): the prefill worker of port {port} "
-                                       "runs on another host or did not start") from None
+                    raise RuntimeError(f"{e}: the prefill worker of port {port} runs on another host or did not "
+                                       "start") from None
                 tables.append(torch.from_file(path, shared=True, size=size, dtype=torch.int64))
             self._tables = tables
             self._free = list(range(min(t.numel() for t in tables) - 1, -1, -1))
