@@ -7,8 +7,6 @@
 #include <torch/csrc/utils/pybind.h>               // pybind11 with torch's casters (at::Tensor, IntArrayRef)
 #include <structmember.h>  // PyMemberDef, T_OBJECT_EX
 
-#include <chrono>
-
 #include "bindings_internal.h"
 #include "common/error.h"
 #include "common/wire.h"
@@ -817,9 +815,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_spin_until_done", [](const py::object& future, int spin_us) {
     auto fut = future.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
     py::gil_scoped_release release;
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
-    while (!fut->completed() && std::chrono::steady_clock::now() < until) {
-    }
+    spin_until([&] { return fut->completed(); }, spin_us);
   }, "Spins, without the GIL, until `future` completes or spin_us passed.");
   m.def("_set_classes", [](py::object pages, py::object remote_tensor, py::object sequence) {
     classes = {pages.release().ptr(), remote_tensor.release().ptr(), sequence.release().ptr()};

@@ -29,9 +29,10 @@ _new_future, _init_future, _NO_DEVICES = torch._C.Future.__new__, torch._C.Futur
 
 
 class _SpinningFuture(torch.futures.Future):
-    """The futures of an engine whose worker is pinned (busy-polls its core): wait() first spins without the GIL (up to
-    the engine's completion_spin_us) for the completion, which a small call's comes within,
-    and only then sleeps; a sleeping waiter's wake-up costs about as much as the call."""
+    """The futures of an engine whose worker is pinned (busy-polls its core): wait() first
+    spins without the GIL (up to the engine's completion_spin_us) for the completion, which a
+    small call's comes within, and only then sleeps; a sleeping waiter's wake-up costs about as
+    much as the call."""
 
     _spin_us = 0
 

@@ -36,6 +36,15 @@ class Reports {
   std::vector<Completion> items_;
 };
 
+// Spins until done() or spin_us passed: a thread that expects an event within a few us hears
+// of it without a sleep and a wake-up.
+template <typename Done>
+void spin_until(const Done& done, int spin_us) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  while (!done() && std::chrono::steady_clock::now() < until) {
+  }
+}
+
 class CompletionQueue {
  public:
   // Moves every item of `items` in at once (one wake of the dispatcher); leaves it empty, with
@@ -61,11 +70,7 @@ class CompletionQueue {
   // expecting completions hears of one without a sleep and wake-up of its thread. Returns with
   // `out` empty on timeout or close.
   void pop(std::vector<Completion>& out, int timeout_ms, int spin_us) {
-    if (spin_us > 0 && !ready_.load(std::memory_order_acquire)) {
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
-      while (!ready_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) {
-      }
-    }
+    spin_until([&] { return ready_.load(std::memory_order_acquire); }, spin_us);
     std::unique_lock<std::mutex> lock(mu_);
     sleeping_ = true;
     cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return !items_.empty() || closed_; });

@@ -19,8 +19,8 @@ namespace {
 
 // How long the dispatcher (while operations are in flight) and a thread waiting on a future of
 // a pinned engine (whose worker owns a core of a host with cores to spare) spin before they
-// sleep: a small call's whole life is shorter, and a thread
-// woken from a sleep costs about as much as the call (futex wake-ups, more on a VM's idle core).
+// sleep: a small call's whole life is shorter, and a thread woken from a sleep costs about as
+// much as the call (futex wake-ups, more on a VM's idle core).
 constexpr int kCompletionSpinUs = 200;
 
 std::string dims(at::IntArrayRef v) {

@@ -308,7 +308,8 @@ void Peers::tick() {
 // NOTE: a same-host route needs nothing from the peer's process, so the fabric would notice
 // its exit only by its silence; the pidfd tells at once.
 void Peers::watch_process(Peer& p) {
-  if (p.pidfd >= 0 || p.process_gone || p.address.pid == 0 || p.address.pid == static_cast<uint32_t>(getpid())) return;
+  if (p.pidfd >= 0 || p.process_gone || p.address.pid == 0 || p.address.pid == static_cast<uint32_t>(getpid()))
+    return;
   p.pidfd = open_pidfd(static_cast<pid_t>(p.address.pid));
   if (p.pidfd >= 0) return;
   if (errno == ESRCH) p.process_gone = true;  // failed at the next tick (check_processes)
