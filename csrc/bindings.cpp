@@ -68,14 +68,30 @@ Config make_config(const py::dict& d) {
   return c;
 }
 
-// An operation completes the torch future made for it in Python: the engine's table takes the
-// future (so that it can complete it without the GIL: TorchFutures) and a reference to its
-// Python object before the operation starts, names the operation's id, and gives both back if
-// the operation does not start.
+// The torch future of a Python object that torch_p2p.engine made with torch._C.Future.__new__
+// and no __init__: what torch._C.Future.__init__([]) would give it (a future of Python objects
+// on no device), set as pybind11's factory constructors set it, without __init__'s argument
+// conversion and dispatch (two thirds of a future's cost, about 1 us).
+c10::intrusive_ptr<c10::ivalue::Future> init_future(py::handle obj) {
+  using Wrapper = torch::jit::PythonFutureWrapper;
+  static const py::detail::type_info* const info = py::detail::get_type_info(typeid(Wrapper), true);
+  P2P_CHECK(PyObject_TypeCheck(obj.ptr(), info->type), ErrorKind::Value, "not a torch future: ", Py_TYPE(obj.ptr())->tp_name);
+  py::detail::value_and_holder v_h = reinterpret_cast<py::detail::instance*>(obj.ptr())->get_value_and_holder(info);
+  P2P_CHECK(!v_h.holder_constructed(), ErrorKind::Value, "the future is in use already");
+  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::PyObjectType::get());
+  auto holder = std::make_shared<Wrapper>(fut);
+  v_h.value_ptr() = holder.get();
+  v_h.type->init_instance(v_h.inst, &holder);
+  return fut;
+}
+
+// An operation completes the future made for it in Python (init_future): the engine's table
+// takes the future (so that it can complete it without the GIL: TorchFutures) and a reference
+// to its Python object before the operation starts, names the operation's id, and gives both
+// back if the operation does not start.
 template <typename Start>
 void start(Engine& e, const py::object& future, Start&& operation) {
-  auto fut = future.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
-  const uint64_t id = e.expect(std::move(fut), future.inc_ref().ptr());
+  const uint64_t id = e.expect(init_future(future), future.inc_ref().ptr());
   try {
     operation(id);
   } catch (...) {

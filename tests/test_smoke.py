@@ -43,6 +43,26 @@ def test_future_callbacks_run_on_the_dispatcher_thread():
         assert torch.equal(dst, src)
 
 
+def test_futures_are_torch_futures_set_up_by_their_operation():
+    """The engine makes each future with torch._C.Future.__new__ and its operation sets it up
+    natively (torch's __init__ skipped): a torch.futures.Future of Python values like any other,
+    which no second operation can take."""
+    with p2p.Engine("cpu", **engine_kwargs("tcp")) as e:
+        src = torch.arange(64, dtype=torch.int32)
+        region = e.register(torch.zeros(64, dtype=torch.int32))
+        e.register(src)
+        f = e.write_slices(src, region.remote)
+        assert type(f) is torch.futures.Future
+        assert p2p.wait(f.then(lambda done: (done.value(), {"any": "python value"})), 30) == (None, {"any": "python value"})
+        with pytest.raises(ValueError, match="in use already"):
+            e._c.submit(f, True, src, region.remote, None, None)
+        with pytest.raises(ValueError, match="not a torch future: object"):
+            e._c.submit(object(), True, src, region.remote, None, None)
+        recv = e.recv(timeout=30)
+        e.send(e.address, b"payload").wait()
+        assert p2p.wait(recv, 30)[1] == b"payload"  # a result set from Python
+
+
 def test_engine_lets_go_of_completed_futures():
     """Futures completed in C++ leave the engine's registry too (the dispatcher hears of them in
     batches), so a long run of calls holds no futures once they are done."""

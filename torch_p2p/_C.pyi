@@ -153,8 +153,9 @@ class Engine:
     def __init__(self, setup: Setup) -> None: ...
     def register(self, tensor: torch.Tensor, access: str, timeout: float) -> tuple[int, RemoteView]: ...
     def deregister(self, region_id: int, timeout: float) -> None: ...
-    # Operations take the torch future they complete into the native table of futures (which
-    # names the operation's id); a success without a result completes it natively.
+    # Operations take the torch future they complete, made by torch._C.Future.__new__ and not
+    # initialized (they set it up), into the native table of futures (which names the
+    # operation's id); a success without a result completes it natively.
     # submit / prepare take write_slices' arguments as the user gave them (views, remote
     # tensors or Pages, tag, timeout) and check them natively.
     def submit(self, future: torch.futures.Future, write: bool, local: Any, remote: Any,

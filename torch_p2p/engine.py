@@ -25,7 +25,7 @@ _DEFAULTS = {key: default for key, _, default in _C.settings()}
 
 _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
-_new_future, _init_future, _NO_DEVICES = torch._C.Future.__new__, torch._C.Future.__init__, []
+_new_future = torch._C.Future.__new__  # the native call sets it up (a future of Python objects, no devices)
 
 
 class _SpinningFuture(torch.futures.Future):
@@ -448,8 +448,7 @@ class Engine:
         takes the future into the native engine's table (or raises, keeping nothing)."""
         if self._closed:
             raise errors.ClosedError("the engine is closed")
-        fut = _new_future(self._future_type)  # torch.futures.Future() without its Python __init__
-        _init_future(fut, _NO_DEVICES)
+        fut = _new_future(self._future_type)  # torch.futures.Future() without __init__: start() sets it up
         start(fut, *args)
         return fut
 
