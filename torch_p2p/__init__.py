@@ -6,7 +6,13 @@
         blob = region.remote.to_bytes()                 # give it to a peer
         fut = engine.write_slices(views, remote)        # -> torch.futures.Future
 """
-from . import errors, topology
+import torch  # noqa: F401  (loads libtorch, which _C links against, before _C)
+
+from ._signals import kept_handlers
+
+with kept_handlers():  # libfabric's PSM libraries install signal handlers as they load
+    from . import _C  # noqa: F401
+from . import errors, topology  # noqa: E402
 from .engine import Engine, Pages, PreparedCall, Region, pages
 from ._shared import wait
 from .errors import CancelledError, ClosedError, P2PError, PeerError, RemoteError, TimeoutError
