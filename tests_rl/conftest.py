@@ -1,6 +1,7 @@
-"""RL framework tests: torch_p2p inside real Ray (and verl), on a local Ray cluster that the
-whole session shares (starting one takes seconds on two cores). Each framework's tests are
-skipped where it does not import; a framework that is installed but broken fails them."""
+"""RL framework tests: torch_p2p inside real Ray (and verl), on a local Ray cluster per test
+module (starting one takes seconds on two cores; CI runs each module in a process of its own,
+which starts Ray once: .ci/run). Each framework's tests are skipped where it does not import;
+a framework that is installed but broken fails them."""
 from __future__ import annotations
 
 import importlib.util
