@@ -13,6 +13,8 @@ import ray
 from conftest import eventually, worker_env
 from ray_actors import Node, digest, sample_tensors
 
+from torch_p2p._shared import process_alive
+
 
 @pytest.fixture(scope="module")
 def pair(ray_cluster):
@@ -106,14 +108,6 @@ def test_owner_killed_mid_fetch_fails_it_within_seconds(pair, fabric_reader):
     assert ray.get(reader.digests.remote(live.sample.remote(11))) == ray.get(live.digests_of.remote(11))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_owner_killed_before_the_drivers_fetch_fails_it_within_seconds(pair):
     owner = Node.remote()
     pid = ray.get(owner.pid.remote())
@@ -123,7 +117,7 @@ def test_owner_killed_before_the_drivers_fetch_fails_it_within_seconds(pair):
     killed = time.monotonic()
     # Gone before the fetch starts: a killed worker may take a moment to exit, and a fetch from a
     # live owner succeeds with the owner's bytes.
-    assert eventually(lambda: not _alive(pid), timeout=10), "the killed owner's process is still there"
+    assert eventually(lambda: not process_alive(pid), timeout=10), "the killed owner's process is still there"
     with pytest.raises(ray.exceptions.RayError):
         ray.get(ref, timeout=60)
     assert time.monotonic() - killed < 15

@@ -1,9 +1,10 @@
-"""What torch_p2p.kv and torch_p2p.weights both use: tensors grouped by storage (the engine
-registers a storage once), bytes inside their JSON handles and messages (base64), and futures
-chained or joined (``Future.then`` would wrap an error in a RuntimeError)."""
+"""What torch_p2p's modules share: tensors grouped by storage (the engine registers a storage
+once), bytes inside JSON handles and messages (base64), futures chained or joined
+(``Future.then`` would wrap an error in a RuntimeError), and whether a process is alive."""
 from __future__ import annotations
 
 import base64
+import os
 import threading
 
 import torch
@@ -17,6 +18,17 @@ def by_storage(items) -> dict[tuple, list]:
     for key, t in items:
         groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append((key, t))
     return groups
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def b64(data: bytes) -> str:

@@ -7,8 +7,8 @@ table and a token never used before, writes the token into the slot before the r
 kv_transfer_params leave the engine, and writes 0 there before it frees the blocks (vLLM calls
 ``update_connector_output`` before it frees the blocks its workers report done). Each worker
 maps the table (a file in /dev/shm named by its side-channel port and its process id) and
-registers it read-only: a decode worker reads the slot after its data read completed and keeps the data only if the
-slot still holds the token. docs/vllm.md says why that holds on every route.
+registers it read-only: a decode worker reads the slot after its data read completed and keeps
+the data only if the slot still holds the token. docs/vllm.md says why that holds on every route.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import os
 import secrets
 
 import torch
+
+from ..._shared import process_alive
 
 _DIR = "/dev/shm"
 
@@ -39,23 +41,13 @@ def _tables() -> list[tuple[int, int, str]]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def create(port: int, slots: int) -> torch.Tensor:
     """A fresh table of `slots` zeroed slots ([slots, 1] int64, shared with the scheduler): a
     table left on this port by an earlier instance is replaced, never reused, so the tokens it
     gave out match nothing here; tables of processes that are gone (killed before they could
     remove theirs) are removed too."""
     for other_port, pid, path in _tables():
-        if other_port == port or not _alive(pid):
+        if other_port == port or not process_alive(pid):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     table = torch.from_file(table_path(port), shared=True, size=slots, dtype=torch.int64)
@@ -65,7 +57,7 @@ def create(port: int, slots: int) -> torch.Tensor:
 
 def find(port: int) -> str:
     """The path of the live table of `port`'s prefill worker."""
-    live = [path for p, pid, path in _tables() if p == port and _alive(pid)]
+    live = [path for p, pid, path in _tables() if p == port and process_alive(pid)]
     if not live:
         raise FileNotFoundError(f"no hold table of port {port} in {_DIR}")
     return max(live, key=os.path.getmtime)
