@@ -718,7 +718,7 @@ def main(argv=None) -> int:
         try:
             rows = Driver(args, conn, Progress(), store).run()
             conn.send(("bye", {}))
-        except (PeerFailed, p2p.P2PError, EOFError) as e:
+        except (PeerFailed, p2p.P2PError, EOFError, ConnectionResetError) as e:  # the last two: it died
             print(f"kv.py: error: {e}", file=sys.stderr)
             return 2
         finally:

@@ -7,6 +7,9 @@
 #include <torch/csrc/utils/pybind.h>               // pybind11 with torch's casters (at::Tensor, IntArrayRef)
 #include <structmember.h>  // PyMemberDef, T_OBJECT_EX
 
+#include <algorithm>
+#include <optional>
+
 #include "bindings_internal.h"
 #include "common/error.h"
 #include "common/wire.h"
@@ -753,8 +756,13 @@ PYBIND11_MODULE(_C, m) {
       .def("submit", [](Engine& e, const py::object& future, bool write, py::handle local, py::handle remote,
                         py::handle notify, py::handle timeout) {
         start(e, future, [&](uint64_t id) {
+          // A host call keeps the GIL: it may be copied here (core/caller_copies.h), and in a process
+          // whose other threads keep the GIL busy (vLLM's workers) each release cost a wait for it.
+          // A CUDA call lets it go, as it did before that (it asks CUDA about the caller's stream).
           with_call_args(local, remote, notify, timeout, [&](const CallArgs& a) {
-            py::gil_scoped_release release;  // the dispatcher completes earlier calls meanwhile
+            std::optional<py::gil_scoped_release> release;
+            if (std::any_of(a.local.begin(), a.local.end(), [](const at::Tensor& t) { return t.is_cuda(); }))
+              release.emplace();
             e.submit(id, write, a.local, a.remote, a.local_pages, a.remote_pages, a.mirror, a.notify, a.timeout);
           });
         });
@@ -768,7 +776,8 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("run", [](Engine& e, const py::object& future, const std::shared_ptr<Engine::Prepared>& call) {
         start(e, future, [&](uint64_t id) {
-          py::gil_scoped_release release;
+          std::optional<py::gil_scoped_release> release;  // as submit
+          if (call->cuda) release.emplace();
           e.run(id, *call);
         });
       })

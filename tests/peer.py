@@ -23,6 +23,10 @@ class PeerFailed(RuntimeError):
     """The function raised in the child; the message carries its traceback."""
 
 
+class PeerDied(RuntimeError):
+    """The child died before answering (a crash, or a kill): its pipe ended."""
+
+
 def _serve(conn) -> None:
     state: dict = {}
     while True:
@@ -97,7 +101,12 @@ class Peer:
     def result(self, timeout: float = 60):
         if not self._conn.poll(timeout):
             raise TimeoutError(f"peer {self.pid} did not answer within {timeout} s{stacks(self.pid)}")
-        ok, value = self._conn.recv()
+        try:
+            ok, value = self._conn.recv()
+        except (EOFError, ConnectionResetError) as exc:
+            # Which of the two a dead child's pipe gives depends on whether it had unread data.
+            self.proc.join(10)
+            raise PeerDied(f"peer {self.pid} died (exit code {self.proc.exitcode}): {exc!r}") from exc
         if not ok:
             raise PeerFailed(value)
         return value

@@ -23,7 +23,7 @@ import torch
 
 import torch_p2p as p2p
 from conftest import engine_kwargs
-from helpers import close_engine, close_region, fetch, start_engine, target  # noqa: F401 - steps for Peer children
+from helpers import close_engine, close_region, fetch, put, start_engine, target  # noqa: F401 - steps for Peer children
 from torch_p2p import _C
 
 # -- forged handles ----------------------------------------------------------------------------
@@ -204,6 +204,20 @@ def ptrace_errno(state, pid: int) -> int:
     if libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) == 1:
         return 0
     return ctypes.get_errno()
+
+
+def file_target(state, name: str, path: str, nbytes: int, fill: int, replace: bool = False) -> bytes:
+    """A tensor mapped by torch.from_file(path, shared=True) (which closes the file), filled with
+    `fill` and registered; with `replace`, `path` names another file (of other bytes) by then."""
+    t = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    t.fill_(fill)
+    if replace:
+        os.unlink(path)
+        with open(path, "wb") as f:
+            f.write(bytes([fill ^ 0xFF]) * nbytes)
+    state[name] = t
+    state[f"{name}.region"] = state["engine"].register(t)
+    return state[f"{name}.region"].remote.to_bytes()
 
 
 def guarded_target(state, name: str, nbytes: int, guard: int = 4096, access: str = "rw",

@@ -6,8 +6,10 @@ that take every provider (test_transfers, test_views, test_api_errors) this way;
 mid-copy: tests/test_failures.py.
 
 The first mapping with a peer logs "the cma route maps the shared memory of peer" at info
-level, which tells the two copies apart.
+level, which tells the two copies apart. Calls of at most cma_inline_bytes to mapped regions
+are copied on the caller's thread (core/caller_copies.h): the last tests.
 """
+import threading
 import time
 
 import pytest
@@ -39,6 +41,23 @@ def test_shared_memory_is_mapped(capfd, memory):
         assert a.call(ph.round_trips, second, 6, ROWS, ROW) == []
     said = capfd.readouterr().err.count(MAPS)
     assert said == (1 if memory == "shared" else 0), f"{MAPS!r} logged {said} times"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["kept", "replaced"])
+def test_file_mapped_by_name(capfd, tmp_path, path):
+    """A tensor of torch.from_file(path, shared=True), whose file torch closes once mapped (the
+    vLLM connector's hold tables): the owner opens the file again by its path and passes it, so
+    it is mapped too, unless the path names another file by then (the owner checks its own
+    mapping), when the kernel copies. The bytes are the tensor's either way."""
+    with Peer(env={"TORCH_P2P_LOG": "info"}) as a, Peer() as b:
+        b.call(ph.start_engine, "cma")
+        a.call(ph.start_engine, "cma")
+        remote = b.call(ph.file_target, "t", str(tmp_path / "table"), ROWS * ROW, 7, path == "replaced")
+        assert a.call(ph.round_trips, remote, 5, ROWS, ROW) == []
+        assert torch.equal(b.call(ph.fetch, "t"), ph.after_round_trips(5, ROWS, ROW))
+    said = capfd.readouterr().err.count(MAPS)
+    assert said == (1 if path == "kept" else 0), f"{MAPS!r} logged {said} times"
 
 
 @pytest.mark.timeout(120)
@@ -115,3 +134,97 @@ def test_close_does_not_wait_for_a_dead_reader(memory):
         region.close()
         took = time.monotonic() - start
         assert took < peer_timeout / 3, f"close took {took:.1f} s (peer_timeout {peer_timeout} s)"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_small_calls_are_copied_by_the_caller(op, monkeypatch):
+    """Once a region is mapped, a call of at most cma_inline_bytes (pages or runs) is copied on
+    the calling thread: its future is done when the call returns. Larger calls, and any with
+    TORCH_P2P_CMA_INLINE=0, go to the worker; the bytes are right every way."""
+    n = 2 << 20
+    a = p2p.Engine("cpu", **engine_kwargs("cma"))
+    monkeypatch.setenv("TORCH_P2P_CMA_INLINE", "0")
+    with Peer() as b, a, p2p.Engine("cpu", **engine_kwargs("cma")) as off:
+        b.call(ph.start_engine, "mapped")
+        remote = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", n))
+        src = ph.pattern(9, n)
+        b.call(ph.put, "t", src)
+        mine = torch.zeros(n, dtype=torch.uint8) if op == "read" else src.clone()
+        if op == "write":
+            b.call(ph.put, "t", torch.zeros(n, dtype=torch.uint8))
+        call = {"write": "write_slices", "read": "read_slices"}[op]
+        with a.register(mine), off.register(mine):
+            p2p.wait(getattr(a, call)([mine[:64]], [remote[:64]]), 30)  # asks the owner; maps the region
+            pages = mine.view(-1, 4096)
+            futures = [getattr(a, call)(p2p.pages(pages, [i, i + 3]), p2p.pages(remote.view(-1, 4096), [i, i + 3]))
+                       for i in range(0, 256, 8)]
+            futures.append(getattr(a, call)([mine[256 << 10:512 << 10]], [remote[256 << 10:512 << 10]]))  # the limit
+            assert all(f.done() for f in futures), [f.done() for f in futures]
+            assert ph.wait_all(futures, 30) == [None] * len(futures)
+            p2p.wait(getattr(a, call)([mine], [remote]), 30)  # 2 MiB: the worker's
+            p2p.wait(getattr(off, call)([mine[:4096]], [remote[:4096]]), 30)
+        there = b.call(ph.fetch, "t")
+        assert torch.equal(mine, src) and torch.equal(there, src)
+
+
+@pytest.mark.timeout(120)
+def test_no_caller_copy_after_the_owner_takes_its_region_back():
+    """Reads copied by the caller race the owner's close of the region: every read that
+    succeeds holds the bytes from before the close, none those the owner writes once close()
+    returned, and every read after that fails with ClosedError. The fabric's rule, kept without
+    the NICs: the owner's close waits until the reader let go."""
+    n = 64 << 10
+    with Peer() as b, p2p.Engine("cpu", **engine_kwargs("cma")) as a:
+        b.call(ph.start_engine, "mapped")
+        remote = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", n, 1))
+        buf = torch.zeros(n, dtype=torch.uint8)
+        seen = {"ok": 0, "closed": 0, "other": [], "wrong": 0}
+        stop = threading.Event()
+
+        def reader():
+            while not stop.is_set():
+                buf.zero_()
+                try:
+                    p2p.wait(a.read_slices([buf], [remote]), 30)
+                except p2p.ClosedError:
+                    seen["closed"] += 1
+                    continue
+                except Exception as e:  # noqa: BLE001 - reported below
+                    seen["other"].append(repr(e))
+                    return
+                seen["ok"] += 1
+                seen["wrong"] += int(not bool((buf == 1).all()))
+        with a.register(buf):
+            p2p.wait(a.read_slices([buf], [remote]), 30)
+            thread = threading.Thread(target=reader)
+            thread.start()
+            time.sleep(0.2)
+            b.call(ph.close_region, "t")
+            b.call(ph.put, "t", torch.full((n,), 2, dtype=torch.uint8))
+            time.sleep(0.2)
+            stop.set()
+            thread.join(30)
+            error = ph.wait_all([a.read_slices([buf], [remote])], 30)[0]
+        assert seen["ok"] > 0 and seen["wrong"] == 0 and not seen["other"], seen
+        assert isinstance(error, p2p.ClosedError), error
+
+
+@pytest.mark.timeout(120)
+def test_no_caller_copy_from_a_dead_owner():
+    """The owner killed after its region was mapped: the mapping still holds its bytes, but a
+    read issued once its process is gone fails with PeerError, whether or not the worker has
+    heard of the exit yet; the engine then works with a live peer."""
+    with Peer() as b, Peer() as c, p2p.Engine("cpu", **engine_kwargs("cma", peer_timeout=30)) as a:
+        b.call(ph.start_engine, "mapped")
+        c.call(ph.start_engine, "mapped")
+        remote = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", 4096, 1))
+        buf = torch.zeros(4096, dtype=torch.uint8)
+        with a.register(buf):
+            p2p.wait(a.read_slices([buf], [remote]), 30)
+            b.kill()
+            error = ph.wait_all([a.read_slices([buf], [remote])], 30)[0]
+            assert isinstance(error, p2p.PeerError), error
+            other = p2p.RemoteTensor.from_bytes(c.call(ph.target, "t", 4096, 5))
+            p2p.wait(a.read_slices([buf], [other]), 30)
+            assert (buf == 5).all()

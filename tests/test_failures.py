@@ -19,7 +19,7 @@ import torch
 import peer_helpers as ph
 import torch_p2p as p2p
 from conftest import PEER_TIMEOUT, SHM_1, SHM_2_CRASH, engine_kwargs
-from peer import Peer, PeerFailed
+from peer import Peer, PeerDied, PeerFailed
 from torch_p2p import _C
 
 PROVIDERS = ["tcp", "shm"]
@@ -286,7 +286,7 @@ def _scenario(host):
     answer (its engine may be wedged: see SHM_SPIN)."""
     try:
         yield
-    except (PeerFailed, TimeoutError, EOFError) as exc:
+    except (PeerFailed, PeerDied, TimeoutError) as exc:
         host.kill()
         pytest.fail(f"the engine did not finish the scenario: {str(exc)[:300]}")
 
@@ -385,8 +385,8 @@ def test_nobody_listens(provider):
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(bool(os.environ.get("TORCH_P2P_SANITIZED")),
                     reason="crashes a child on purpose; scripts/sanitize.sh would count the SEGV as a report")
-# Not gated on the version: 2.6.0 crashes too. The child's death reaches us as EOF on its pipe.
-@pytest.mark.xfail(strict=True, raises=EOFError, reason="BUG (shm provider, libfabric 1.17; 2.6.0 crashes too): fi_av_insert() of the address "
+# Not gated on the version: 2.6.0 crashes too. The child's death reaches us as PeerDied.
+@pytest.mark.xfail(strict=True, raises=PeerDied, reason="BUG (shm provider, libfabric 1.17; 2.6.0 crashes too): fi_av_insert() of the address "
                    "of an shm endpoint that was closed in the same process segfaults (in Rail::insert "
                    "<- Worker::peer_for <- Worker::connect); the whole process dies")
 def test_connect_to_engine_closed_in_same_process_shm():

@@ -41,6 +41,7 @@ enum class DataPath : uint8_t { Auto, Direct, Staged };
   X(cma, cma, bool, true, "TORCH_P2P_CMA")                     /* same-host host memory: cma route */    \
   X(cma_threads, cma_threads, int, -1, "TORCH_P2P_CMA_THREADS") /* -1: node/2 up to 8, one per core below 8 (0: worker copies) */\
   X(cma_map, cma_map, bool, true, "TORCH_P2P_CMA_MAP")        /* cma maps peers' shared-memory files */ \
+  X(cma_inline_bytes, cma_inline, uint64_t, uint64_t{256} << 10, "TORCH_P2P_CMA_INLINE") /* mapped calls this small: the caller copies (0: never) */\
   X(cma_ptrace, cma_ptrace, std::string, "peers", "TORCH_P2P_CMA_PTRACE") /* Yama consent: "any" opens us */ \
   X(fi_version, fi_version, std::string, "", "TORCH_P2P_FI_VERSION") /* "1.18": the API version asked */ \
   X(progress, progress, std::string, "auto", "TORCH_P2P_PROGRESS")   /* "manual": no provider threads */ \

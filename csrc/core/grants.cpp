@@ -53,14 +53,21 @@ void Grants::wait(Transfer& t) {
 }
 
 Status Grants::check(const Transfer& t) {
-  const bool write = t.kind == TransferKind::Write;
   const uint64_t peer = t.peer->incarnation;
-  call_.clear();
+  return check(t, peer, [&](const RemoteRegion& r) -> const Grant* {
+    auto it = grants_.find(key_of(peer, r));
+    return it == grants_.end() ? nullptr : &it->second;
+  }, call_);
+}
+
+Status Grants::check(const TransferCall& t, uint64_t peer, const Find& find, std::vector<const Grant*>& call) {
+  const bool write = t.kind == TransferKind::Write;
+  call.clear();
   for (const auto& r : t.remote) {
-    auto it = grants_.find(key_of(peer, *r));
-    if (it == grants_.end())
+    const Grant* found = find(*r);
+    if (!found)
       return Status::error(ErrorKind::Closed, cat("region ", r->id, " of peer ", hex(peer), " was released"));
-    const Grant& g = it->second;
+    const Grant& g = *found;
     if (!g.refused.ok()) return g.refused;
     if (digest(r->nbytes, r->access, r->base, r->key) != g.digest)
       return Status::error(ErrorKind::Remote, cat("the handle of region ", r->id, " of peer ", hex(peer),
@@ -69,10 +76,10 @@ Status Grants::check(const Transfer& t) {
     if (!(g.access & need))
       return Status::error(ErrorKind::Remote, cat("region ", r->id, " of peer ", hex(peer), " does not accept remote ",
                                                   write ? "writes" : "reads", " (its owner says)"));
-    call_.push_back(&g);
+    call.push_back(&g);
   }
   if (!runs(t, [&](uint8_t*, uint32_t rreg, uint64_t remote, uint64_t len) {
-        return rreg < call_.size() && inside(remote, len, call_[rreg]->nbytes);
+        return rreg < call.size() && inside(remote, len, call[rreg]->nbytes);
       }))
     return Status::error(ErrorKind::Remote,
                          cat("a run lies outside its region of peer ", hex(peer), " (its owner's registration)"));
@@ -93,6 +100,7 @@ Grants::Grant* Grants::on_message(Peer& p, std::string_view body) {
   Grant g;
   g.answered = true;
   g.region = region;
+  g.key = key;
   g.ptr = r.get<uint64_t>();
   g.nbytes = r.get<uint64_t>();
   g.access = r.get<uint8_t>();

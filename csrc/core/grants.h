@@ -54,7 +54,10 @@ class Grants {
     // The owner's region mapped into this process by the route, where it maps it (the cma
     // route, from the owner's file), at the region's first byte; copies in flight keep it.
     std::shared_ptr<uint8_t> mapped;
+    uint64_t key = 0;  // the region's key the ask named (key())
   };
+  // Where a call's remote region was answered (null: it was not, or released since).
+  using Find = std::function<const Grant*(const RemoteRegion& r)>;
   // Owner side: why peer p gets no answer at all (the route is off, the peer out of its
   // reach), or ok to answer from the region's registration.
   using Refusal = std::function<Status(const Peer& p)>;
@@ -108,6 +111,25 @@ class Grants {
     return Status{};
   }
 
+  // Checks call t with peer `peer` against the answers find() gives: refused, released, a
+  // handle that differs, an access the owner denies, a run or page outside its region. Fills
+  // `call` with the answers by the call's remote region index.
+  static Status check(const TransferCall& t, uint64_t peer, const Find& find, std::vector<const Grant*>& call);
+  // Every run and page of t as (local address, remote region index, remote offset, length);
+  // false if fn was false for any (each is visited anyway).
+  template <class Fn>
+  static bool runs(const TransferCall& t, Fn&& fn) {
+    bool ok = true;
+    for (const Run& run : t.runs) ok &= fn(reinterpret_cast<uint8_t*>(run.local), run.rreg, run.remote, run.len);
+    for (const PageRuns& pr : t.pages)
+      for_each_page(pr, t.page_ids.data(), [&](uint64_t local, uint64_t remote) {
+        ok &= fn(reinterpret_cast<uint8_t*>(local), pr.rreg, remote, pr.bytes);
+      });
+    return ok;
+  }
+  // The key of a handle's region that its answers are kept under.
+  static uint64_t key(const RemoteRegion& r) { return r.key.empty() ? 0 : r.key[0]; }
+
   // The answer for region r of peer `peer`, or null where none came.
   const Grant* find(uint64_t peer, const RemoteRegion& r) const {
     auto it = grants_.find(key_of(peer, r));
@@ -133,20 +155,8 @@ class Grants {
 
  private:
   using Key = std::tuple<uint64_t, uint64_t, uint64_t>;  // peer, region, key
-  static Key key_of(uint64_t peer, const RemoteRegion& r) { return {peer, r.id, r.key.empty() ? 0 : r.key[0]}; }
+  static Key key_of(uint64_t peer, const RemoteRegion& r) { return {peer, r.id, key(r)}; }
 
-  // Every run and page of t as (local address, remote region index, remote offset, length);
-  // false if fn was false for any (each is visited anyway).
-  template <class Fn>
-  static bool runs(const Transfer& t, Fn&& fn) {
-    bool ok = true;
-    for (const Run& run : t.runs) ok &= fn(reinterpret_cast<uint8_t*>(run.local), run.rreg, run.remote, run.len);
-    for (const PageRuns& pr : t.pages)
-      for_each_page(pr, t.page_ids.data(), [&](uint64_t local, uint64_t remote) {
-        ok &= fn(reinterpret_cast<uint8_t*>(local), pr.rreg, remote, pr.bytes);
-      });
-    return ok;
-  }
   // resolve()'s checks; fills call_.
   Status check(const Transfer& t);
   // Owner side: the truth about `region`, if `key` is its key and p may be answered.

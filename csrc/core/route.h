@@ -37,6 +37,8 @@ struct StorageImpl;
 
 namespace p2p::core {
 
+class CallerCopies;
+
 // What a CUDA stream must wait on to follow a transfer (Engine::stream_wait).
 struct StreamOrder {
   enum Kind : uint8_t {
@@ -81,6 +83,8 @@ class RouteHost {
   virtual void begin_work(Peer& p) = 0;
   virtual void end_work(Peer& p) = 0;
   virtual const Config& config() const = 0;
+  // The mapped regions that small calls copy on the caller's thread (core/caller_copies.h).
+  virtual CallerCopies& caller_copies() = 0;
   // Whether the NICs register this engine's GPU memory (FI_HMEM, and a trial registration
   // worked). Set once the rails are open.
   virtual bool hmem() const = 0;

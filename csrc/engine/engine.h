@@ -142,8 +142,11 @@ class Engine {
              const std::vector<Pages>& remote_pages, bool mirror, int64_t notify, double timeout_s);
   // Region `region` of this engine is registered and not closing (mu_ held).
   bool open(uint64_t region) const;
-  // Gives t its id and stream event and hands it to the worker.
+  // Gives t its id and stream event and hands it to the worker, unless it is copied here.
   void start(uint64_t id, std::unique_ptr<Transfer> t, bool cuda);
+  // Copies t on this thread if it can (core/caller_copies.h) and completes its future: true
+  // then, and t is given back.
+  bool copied_here(uint64_t id, std::unique_ptr<Transfer>& t);
   bool add_pages(TransferCall& t, const Entry& e, bool mirror, const Pages& local_pages, const Pages& remote_pages,
                  PageIdCheck& checked);
   // Checks an entry's page ids (n local, then n remote): in range, and no destination page twice.

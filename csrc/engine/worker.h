@@ -23,6 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/caller_copies.h"
 #include "core/config.h"
 #include "core/copier.h"
 #include "core/messages.h"
@@ -78,6 +79,7 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
   };
   const Facts& facts() const { return facts_; }
   const Config& config() const override { return config_; }
+  CallerCopies& caller_copies() override { return caller_copies_; }
 
   // Worker thread ---------------------------------------------------------------------------
   // Everything below runs on the worker thread only; the entry points that commands, op
@@ -167,6 +169,7 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
   void release_regions(Peer& p);
 
   Config config_;
+  CallerCopies caller_copies_{config_.cma_inline};  // outlives the routes, which fill it
   bool dmabuf_refused_ = false;  // the driver gave no dma-buf once: said, not again
   std::shared_ptr<const fabric::Offer> offer_;  // the provider as set-up queried it
   CompletionQueue* completions_;

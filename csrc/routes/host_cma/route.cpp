@@ -8,6 +8,8 @@
 #include <thread>
 
 #include "common/log.h"
+#include "common/process.h"
+#include "core/caller_copies.h"
 #include "routes/host_cma/ptrace_consent.h"
 
 namespace p2p::cma {
@@ -51,6 +53,11 @@ Route::Route(core::RouteHost& host, uint8_t id, const core::Config& config, std:
 }
 
 Route::~Route() { stop(); }
+
+void Route::stop() {
+  host_.caller_copies().clear();
+  copies_.reset();
+}
 
 void Route::learn(core::Region& region, const c10::StorageImpl& storage) {
   if (region.cuda_device < 0) region.keep(id_, SharedFile::of(storage, region.ptr, region.nbytes));
@@ -149,6 +156,9 @@ bool Route::poll() {
 }
 
 Status Route::outcome(Peer& p, int error) {
+  // A copy with a mapping succeeds after its owner died (the file outlives the process): one
+  // that ended after the exit did not happen with a live peer.
+  if (error == 0 && p.pidfd >= 0 && exited(p.pidfd)) error = ESRCH;
   if (error == 0) return {};
   if (error == ESRCH) {
     Status dead = Status::error(ErrorKind::Peer, cat("peer ", hex(p.incarnation), " is dead: its process (pid ",
@@ -164,6 +174,7 @@ void Route::on_message(Peer& p, std::string_view body) {
   core::Grants::Grant* grant = grants_.on_message(p, body);
   if (!grant) return;  // an ask (answered), or nothing new
   if (map_ && grant->refused.ok() && !grant->extra.empty()) map(p, *grant);
+  if (grant->mapped) host_.caller_copies().add(p, *grant);
   // Only the kernel's copies need the OS's leave: tried at the first region we do not map.
   if (grant->refused.ok() && grant->nbytes > 0 && !grant->mapped) allowed(p, grant->ptr);
   grants_.resume(p, [&](Transfer& t) { return try_start(t); });
@@ -218,11 +229,15 @@ bool Route::consent(const Peer& p) {
 }
 
 void Route::peer_failed(Peer& p) {
+  host_.caller_copies().forget_peer(p.incarnation);
   grants_.peer_failed(p);
   descriptors_.forget(static_cast<pid_t>(p.address.pid));
 }
 
-void Route::release(uint64_t peer, uint64_t region) { grants_.release(peer, region); }
+void Route::release(uint64_t peer, uint64_t region) {
+  host_.caller_copies().forget(peer, region);  // before the owner hears: no copy of it after
+  grants_.release(peer, region);
+}
 
 bool Route::must_release(const core::Region& region, const Peer& p) { return grants_.must_release(region, p); }
 

@@ -62,7 +62,7 @@ class Route final : public core::Route, public core::PeerCopies {
   void peer_failed(core::Peer& p) override;
   void release(uint64_t peer, uint64_t region) override;
   bool must_release(const core::Region& region, const core::Peer& p) override;
-  void stop() override { copies_.reset(); }
+  void stop() override;
 
   // PeerCopies (peer_copies.cpp).
   bool reaches(const core::Peer& p) const override;

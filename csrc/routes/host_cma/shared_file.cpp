@@ -6,22 +6,81 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+#include <sys/sysmacros.h>
+
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 
 #include "common/wire.h"
 
 namespace p2p::cma {
 
+namespace {
+
+// The file (device, inode) that this process maps at `addr`, from /proc/self/maps; false where
+// none is.
+bool mapped_file(const void* addr, uint64_t& device, uint64_t& inode) {
+  FILE* maps = std::fopen("/proc/self/maps", "re");
+  if (!maps) return false;
+  const auto at = reinterpret_cast<uintptr_t>(addr);
+  bool found = false;
+  char* line = nullptr;
+  size_t cap = 0;
+  while (!found && getline(&line, &cap, maps) > 0) {
+    unsigned long start = 0, end = 0, offset = 0, ino = 0;
+    unsigned major = 0, minor = 0;
+    char perms[8];
+    if (std::sscanf(line, "%lx-%lx %7s %lx %x:%x %lu", &start, &end, perms, &offset, &major, &minor, &ino) == 7 &&
+        start <= at && at < end) {
+      found = ino != 0;
+      device = makedev(major, minor);
+      inode = ino;
+    }
+  }
+  std::free(line);
+  std::fclose(maps);
+  return found;
+}
+
+// A descriptor of the file that torch's allocator mapped shared by its path and closed
+// (torch.from_file), if this process's mapping at `base` is still of that file (the path may
+// name another since); else -1. Not for shm_open names (ALLOCATOR_MAPPED_SHAREDMEM), no paths.
+int reopen(const at::MapAllocator& map, const void* base) {
+  const char* path = map.filename();
+  uint64_t device = 0, inode = 0;
+  if ((map.flags() & at::ALLOCATOR_MAPPED_SHAREDMEM) || !(map.flags() & at::ALLOCATOR_MAPPED_SHARED) || !path ||
+      path[0] != '/' || !mapped_file(base, device, inode))
+    return -1;
+  const int fd = open(path, O_RDWR | O_CLOEXEC);
+  struct stat st {};
+  if (fd >= 0 && fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_dev) == device &&
+      static_cast<uint64_t>(st.st_ino) == inode)
+    return fd;
+  if (fd >= 0) close(fd);
+  return -1;
+}
+
+}  // namespace
+
 std::unique_ptr<SharedFile> SharedFile::of(const c10::StorageImpl& storage, const uint8_t* ptr, uint64_t nbytes) {
   const at::MapAllocator* map = at::MapAllocator::fromDataPtr(storage.data_ptr());
-  if (!map || map->fd() < 0 || !(map->flags() & (at::ALLOCATOR_MAPPED_SHARED | at::ALLOCATOR_MAPPED_SHAREDMEM)))
-    return nullptr;
+  if (!map || !(map->flags() & (at::ALLOCATOR_MAPPED_SHARED | at::ALLOCATOR_MAPPED_SHAREDMEM))) return nullptr;
   const auto* base = static_cast<const uint8_t*>(map->data());
   if (ptr < base || ptr + nbytes > base + map->size()) return nullptr;
-  struct stat st {};
-  if (fstat(map->fd(), &st) != 0) return nullptr;
   auto file = std::make_unique<SharedFile>();
   file->fd = map->fd();
+  if (file->fd < 0) {
+    file->fd = reopen(*map, base);
+    if (file->fd < 0) return nullptr;
+    file->opened = std::shared_ptr<const int>(new int(file->fd), [](const int* fd) {
+      close(*fd);
+      delete fd;
+    });
+  }
+  struct stat st {};
+  if (fstat(file->fd, &st) != 0) return nullptr;
   file->offset = static_cast<uint64_t>(ptr - base);
   file->device = static_cast<uint64_t>(st.st_dev);
   file->inode = static_cast<uint64_t>(st.st_ino);

@@ -20,15 +20,18 @@ namespace p2p::cma {
 
 // The file's descriptor in the owner's process, the region's offset in it, and the file's
 // identity, which whoever takes the descriptor checks (a descriptor number may be reused once
-// closed). The tensor's allocator owns the descriptor; the engine keeps the tensor while the
-// region lives.
+// closed). The tensor's allocator owns the descriptor (the engine keeps the tensor while the
+// region lives), or, for a file torch mapped by name and closed, `opened` does.
 struct SharedFile final : core::RouteState {
   int32_t fd = -1;
   uint64_t offset = 0;
   uint64_t device = 0, inode = 0;  // st_dev, st_ino
+  std::shared_ptr<const int> opened;  // closes fd with the last copy, where we opened it
 
-  // The file of the storage's bytes [ptr, ptr + nbytes), where torch's allocator mapped it from
-  // a file it keeps open and shares; else null.
+  // The file of the storage's bytes [ptr, ptr + nbytes), where torch's allocator mapped it
+  // shared from a file: one it keeps open (share_memory_()), or one it mapped by name and closed
+  // (torch.from_file(..., shared=True)), opened again here if this process's mapping is still
+  // of that file; else null.
   static std::unique_ptr<SharedFile> of(const c10::StorageImpl& storage, const uint8_t* ptr, uint64_t nbytes);
   // As an answer of the route carries it (Grants::Granting), and back (none from bytes that
   // are not one).
