@@ -11,7 +11,7 @@
 namespace p2p::core {
 
 void CallerCopies::add(const Peer& p, const Grants::Grant& grant) {
-  if (!on() || !grant.mapped || !grant.refused.ok()) return;
+  if (!on() || !grant.mapped) return;  // a mapped answer is a granting one
   std::lock_guard<std::mutex> lock(mu_);
   Owner& owner = owners_[p.address_bytes];
   if (owner.pidfd < 0) {
@@ -57,10 +57,12 @@ void CallerCopies::clear() {
 
 bool CallerCopies::move(const TransferCall& t) {
   if (!on() || t.kind == TransferKind::Message || t.notify || t.cuda_event) return false;
+  // Every host call passes here: a large one is let go as soon as its size says so.
   uint64_t bytes = 0;
-  for (const Run& r : t.runs) bytes += r.len;
-  for (const PageRuns& pr : t.pages) bytes += pr.bytes * pr.n;
-  if (bytes > max_bytes_) return false;
+  for (const Run& r : t.runs)
+    if ((bytes += r.len) > max_bytes_) return false;
+  for (const PageRuns& pr : t.pages)
+    if ((bytes += pr.bytes * pr.n) > max_bytes_) return false;
   std::lock_guard<std::mutex> lock(mu_);
   auto found = owners_.find(t.peer_address);
   if (found == owners_.end()) return false;

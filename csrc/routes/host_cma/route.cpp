@@ -174,7 +174,7 @@ void Route::on_message(Peer& p, std::string_view body) {
   core::Grants::Grant* grant = grants_.on_message(p, body);
   if (!grant) return;  // an ask (answered), or nothing new
   if (map_ && grant->refused.ok() && !grant->extra.empty()) map(p, *grant);
-  if (grant->mapped) host_.caller_copies().add(p, *grant);
+  host_.caller_copies().add(p, *grant);  // if mapped
   // Only the kernel's copies need the OS's leave: tried at the first region we do not map.
   if (grant->refused.ok() && grant->nbytes > 0 && !grant->mapped) allowed(p, grant->ptr);
   grants_.resume(p, [&](Transfer& t) { return try_start(t); });

@@ -2,12 +2,11 @@
 
 #include <ATen/MapAllocator.h>
 #include <c10/core/StorageImpl.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <unistd.h>
-
-#include <fcntl.h>
 #include <sys/sysmacros.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
