@@ -803,8 +803,9 @@ SMALL_CALL_BYTES = 1 << 20  # calls up to this size can be bound by the engine's
 
 def small_call_note(args, rows: list[dict]) -> str | None:
     """Why rows of small calls fall far below the memcpy baseline: each call pays the engine's
-    fixed cost (the Python call, the hand-off to the worker thread, the future's completion),
-    which a memcpy loop does not, and with few bytes a call that cost outweighs the copy. Says
+    fixed cost (the Python call and its checks; unless the calling thread copies it, a mapped
+    host call of at most TORCH_P2P_CMA_INLINE bytes, the hand-off to the worker thread and the
+    future's completion), which a memcpy loop does not, and with few bytes a call that cost outweighs the copy. Says
     so with the row's own numbers: the time per call against the baseline's time for its bytes."""
     slow = [r for r in rows if r["ok"] and r["pages"] * r["page_bytes"] <= SMALL_CALL_BYTES
             and r["baselines"].get("memcpy") and r["ratios"].get("memcpy") is not None
@@ -819,8 +820,8 @@ def small_call_note(args, rows: list[dict]) -> str | None:
             f"{worst['op']} {worst['layout']} {fmt_size(worst['page_bytes'])} x{worst['pages']}: "
             f"{per_call_us:.1f} us a call ({args.window} in flight) where memcpy copies its "
             f"{fmt_size(call_bytes)} in {copy_us:.1f} us. Such calls pay the engine's fixed cost per call (the "
-            f"Python call, the hand-off to the worker thread, the future's completion), which a memcpy loop "
-            f"does not: their ratio measures that cost, not the copy (docs/performance.md).")
+            f"Python call and its checks, and where the calling thread does not copy them, the hand-off to the "
+            f"worker thread and the future's completion), which a memcpy loop does not: their ratio measures that cost, not the copy (docs/performance.md).")
 
 
 def report(args, rows: list[dict]) -> int:
