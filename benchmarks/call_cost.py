@@ -15,7 +15,13 @@ to back, medians of --trials each (us):
   copy        the bytes' own cost: on a GPU, copy_ of 4 KiB to the peer's device and a
               synchronize in this process (memcpy + synchronize); on the host, a 4 KiB copy_
   burst       16 writes of 4 KiB issued back to back, then waited for: per call
-and splits a write into: issuing it, the hops (the worker's turn, the completion reaching the
+and the parts of an issue:
+  run issue   the same write prepared once (engine.prepare_write), each run() returning: the
+              issue without the arguments' parse and checks (issue - run issue)
+  future      torch.futures.Future() alone (the engine makes one per call)
+  query       torch.cuda.current_stream().query(), GPU only: a CUDA call asks once whether the
+              caller's stream has work queued (natively, without this line's Python call)
+It splits a write into: issuing it, the hops (the worker's turn, the completion reaching the
 future: empty - empty issue), and the route (the rest: regions and peer resolved, the route's
 work, the copy, its completion seen). A write within 1.5 x the copy is the goal on a GPU. On
 the host the peer's buffer is in shared memory, so a write is copied by the calling thread
@@ -86,26 +92,14 @@ def main() -> None:
             here_buf = torch.ones(PAGE, dtype=torch.uint8, device=args.device)
             there_buf = torch.zeros(PAGE, dtype=torch.uint8, device=peer_device)
 
-            issued = []
-
-            def issue():
-                issued.append(engine.write_slices(one_src, one_dst))
-
-            def drain():
-                for f in issued:
-                    f.wait()
-                issued.clear()
+            prepared = engine.prepare_write(one_src, one_dst)
+            stream = torch.cuda.current_stream(args.device) if cuda else None
 
             def write():
                 engine.write_slices(one_src, one_dst).wait()
 
             def empty():
                 engine.disconnect(nobody).wait()
-
-            connects = []
-
-            def empty_issue():
-                connects.append(engine.disconnect(nobody))
 
             def copy():
                 there_buf.copy_(here_buf, non_blocking=True)
@@ -119,41 +113,49 @@ def main() -> None:
             for fn in (write, empty, copy, burst):  # warm-up
                 timed(fn, max(10, args.trials // 10))
             us = {}
-            for name, fn in (("write", write), ("empty", empty), ("copy", copy)):
+            parts = {"future": torch.futures.Future}
+            if cuda:
+                parts["query"] = stream.query
+            for name, fn in (("write", write), ("empty", empty), ("copy", copy), *parts.items()):
                 us[name] = timed(fn, args.trials)
-            # Issuing alone: in rounds of 16, each round drained before the next.
-            times = []
+            # Issuing alone: in rounds of 16, each round drained before the next; the kinds of
+            # call take turns.
+            issues = {"issue": lambda: engine.write_slices(one_src, one_dst), "run issue": prepared.run,
+                      "empty issue": lambda: engine.disconnect(nobody)}
+            times = {name: [] for name in issues}
             for _ in range(max(1, args.trials // BURST)):
-                for _ in range(BURST):
-                    start = time.perf_counter()
-                    issue()
-                    times.append(time.perf_counter() - start)
-                drain()
-                for _ in range(BURST):
-                    start = time.perf_counter()
-                    empty_issue()
-                    times.append(-(time.perf_counter() - start))
-                for f in connects:
-                    f.wait()
-                connects.clear()
-            us["issue"] = statistics.median([t for t in times if t > 0]) * 1e6
-            us["empty issue"] = statistics.median([-t for t in times if t < 0]) * 1e6
+                for name, call in issues.items():
+                    futures = []
+                    for _ in range(BURST):
+                        start = time.perf_counter()
+                        futures.append(call())
+                        times[name].append(time.perf_counter() - start)
+                    for f in futures:
+                        f.wait()
+            us.update((name, statistics.median(t) * 1e6) for name, t in times.items())
             us["burst"] = timed(burst, max(1, args.trials // 4)) / BURST
             hops = us["empty"] - us["empty issue"]
             route = us["write"] - us["issue"] - hops
-            last = engine.write_slices(one_src, one_dst)
-            by_caller = last.done()  # done on return: no hops
-            last.wait()
+            by_caller = True  # every write done on return: no hops
+            for _ in range(8):
+                last = engine.write_slices(one_src, one_dst)
+                by_caller &= last.done()
+                last.wait()
             pinned = (f"worker pinned to cpu {engine.plan.cpu} (completions spin)" if engine.plan.cpu is not None
                       else "worker not pinned (completions sleep)")
             print(f"# one 4 KiB write to a peer process: {args.device} -> {peer_device}, route "
                   f"{engine.route(remote)}, {pinned}; medians of {args.trials}, us")
-            for name in ("write", "issue", "empty", "empty issue", "copy", "burst"):
+            for name in ("write", "issue", "empty", "empty issue", "copy", "burst", "run issue", *parts):
                 print(f"{name:>12} {us[name]:8.1f}")
             split = ("copied by the calling thread, no hops" if by_caller else
                      f"issue {us['issue']:.1f} + hops {hops:.1f} + route and copy {route:.1f} us")
             print(f"# a write = {split}; write / copy {us['write'] / us['copy']:.2f}; 16 back to back: "
                   f"{us['burst']:.1f} us a call, {BURST * PAGE / us['burst'] / 1e3:.2f} GB/s")
+            rest = us["run issue"] - us["future"] - us.get("query", 0.0)
+            print(f"# an issue = parse and checks {us['issue'] - us['run issue']:.1f} + torch future "
+                  f"{us['future']:.1f}" + (f" + stream query {us['query']:.1f}" if cuda else "") +
+                  " + the rest (the future's slot, the transfer, " +
+                  ("the copy on this thread" if by_caller else "the queue") + f") {rest:.1f} us")
     finally:
         here.send(0)
         reap([child])
