@@ -182,10 +182,11 @@ def dest_close(state, key):
     engine.close()
 
 
-def dest_stop_after(state, key, chunks):
-    """Stops this whole process (SIGSTOP) once `chunks` chunks of a version have arrived."""
+def dest_stop_after(state, key, chunks, version=None):
+    """Stops this whole process (SIGSTOP) once `chunks` chunks of a version (`version`: of that
+    one) have arrived."""
     dest = state[key][1]
-    while dest.progress[1] < chunks:
+    while dest.progress[1] < chunks or version is not None and dest.progress[0] != version:
         time.sleep(0.0005)
     os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -435,6 +436,60 @@ def test_push_longer_than_timeout_drops_who_lacks_it(peers):
         slow.result(timeout=30)
         assert result.received == ["fine"] and list(result.dropped) == ["slow"], result
         assert "the push took more than 0.5 s" in result.dropped["slow"], result
+        s.check(a, "fine")
+
+
+def dest_version(state, key):
+    return state[key][1].version
+
+
+def dest_rejoin(state, key) -> int:
+    return len(p2p.wait(state[key][1].join(), 30).chunks)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stalls", ["between versions", "mid-push"])
+def test_destination_stalled_past_peer_timeout_learns_it_is_out(peers, stalls):
+    """A destination stopped for longer than peer_timeout, before a push or in the middle of
+    it, is dropped (the push ends for the others); resumed, it still names the last version
+    whose every byte arrived, learns that it is out (it used to wait as a member for versions
+    that never came), joins again and receives the next version bitwise."""
+    a, _, _ = peers
+    with Peer() as slow, Setup("tcp", shapes=BIG, chunk_bytes=64 << 10, window=1) as s:
+        s.add(a, "fine")
+        s.add(slow, "slow")
+        s.load(1)
+        assert sorted(p2p.wait(s.source.push(), 60).received) == ["fine", "slow"]
+        s.load(2)
+        if stalls == "mid-push":
+            slow.start(dest_stop_after, "slow", 2, 2)
+        else:
+            ph.stop(slow.pid)
+        try:
+            fut = s.source.push()
+            deadline = time.monotonic() + 30
+            while not _stopped(slow.pid):
+                assert time.monotonic() < deadline and not fut.done(), "the destination never stopped mid-push"
+                time.sleep(0.01)
+            result = p2p.wait(fut, 30)  # its timeout (600 s) and ready_timeout (30 s) do not drop it
+        finally:
+            ph.resume(slow.pid)
+        if stalls == "mid-push":
+            slow.result(timeout=30)
+        assert result.received == ["fine"] and list(result.dropped) == ["slow"], result
+        assert "peer_timeout" in result.dropped["slow"], result
+        s.check(a, "fine")
+        assert slow.call(dest_version, "slow") == 1
+        deadline = time.monotonic() + 10 * PEER_TIMEOUT
+        while slow.call(dest_joined, "slow"):
+            assert time.monotonic() < deadline, "the resumed destination never learnt it was dropped"
+            time.sleep(0.05)
+        slow.call(dest_rejoin, "slow")
+        s.load(3)
+        result = p2p.wait(s.source.push(), 60)
+        assert sorted(result.received) == ["fine", "slow"] and result.dropped == {}, result
+        assert slow.call(dest_wait, "slow", 3) == 3
+        s.check(slow, "slow")
         s.check(a, "fine")
 
 

@@ -159,6 +159,14 @@ class Fanout:
         self.on_failed(self.group[position], f"{type(error).__name__}: {error}")
 
     def _add(self, position: int, wants) -> None:
+        # Contacted on purpose first: an engine that saw this child's engine fail (a stall past
+        # peer_timeout) fails every later write to it until it is contacted again, yet the leader
+        # counts the child in (it joined again since). Its writes wait for the answer; a child
+        # that is gone fails them as before.
+        try:
+            self.actor.engine.connect(self._address(position))
+        except P2PError:
+            pass  # the engine is closing: the writes fail too
         kid = _Child(self.group[position], wants)
         if wants is not None:
             kid.todo.extend(i for i in self.order if i in self.have)

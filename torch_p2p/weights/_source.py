@@ -182,6 +182,7 @@ class Leader(SourceBase):
         self.pending_joins: list = []
         self.planning: set[int] = set()  # followers that have every source's layout
         self.next_id = 1
+        self.untold: list = []  # dropped members not told yet: (when, until, wait, address, member, version, reason)
         self.handlers.update(hello=self.on_hello, join=self.on_join, leave=self.on_leave, ready=self.on_ready,
                              have=self.on_have, drop=self.on_drop)
 
@@ -232,7 +233,22 @@ class Leader(SourceBase):
     def remove(self, addresses: set) -> None:
         for m in [m for m in self.members.values() if m.address in addresses]:
             del self.members[m.id]
-            self.send(m.address, "dropped", v=self.last_version, member=m.id, reason="removed by the source")
+            self._tell_dropped(m.address, m.id, self.last_version, "removed by the source")
+
+    def _tell_dropped(self, address: bytes, member: int, version: int, reason: str, wait: float = PING_S,
+                      until: float | None = None) -> None:
+        """Tells a member that it is out. One dropped because its engine stopped answering
+        cannot be told then: the notice goes again, half as often each time, for as long as a
+        push may take (`timeout`), so that a destination that was only stalled (or cut off)
+        learns it is out once it runs again, instead of waiting as a member for versions that
+        never come."""
+        until = time.monotonic() + self.settings.timeout if until is None else until
+
+        def failed(error) -> None:
+            if (when := time.monotonic() + wait) < until:
+                self.untold.append((when, until, 2 * wait, address, member, version, reason))
+
+        self.send(address, "dropped", failed, v=version, member=member, reason=reason)
 
     # -- a push ------------------------------------------------------------------------------------
     def _enqueue(self, rnd: Round) -> None:
@@ -311,13 +327,13 @@ class Leader(SourceBase):
         if self.members.get(mid) is rnd.members[mid]:
             del self.members[mid]
         if rnd.phase is Phase.MOVING:
-            # The dropped member too, if it still listens: it learns it is out.
             notify = list(self.followers.values()) + [rnd.members[i].address for i in rnd.routed
-                                                      if i not in rnd.dropped or i == mid]
+                                                      if i not in rnd.dropped]
             for address in notify:
                 self.send(address, "dropped", v=rnd.version, member=mid, reason=reason)
             for f in rnd.fanouts:
                 f.dropped(mid)
+        self._tell_dropped(rnd.members[mid].address, mid, rnd.version, reason)
         self._maybe_route(rnd)
         self.progress()
 
@@ -350,6 +366,11 @@ class Leader(SourceBase):
 
     def tick(self) -> None:
         rnd, now = self.current, time.monotonic()
+        due = [u for u in self.untold if u[0] <= now]
+        if due:
+            self.untold = [u for u in self.untold if u[0] > now]
+            for _, until, wait, address, member, version, reason in due:
+                self._tell_dropped(address, member, version, reason, wait, until)
         if rnd is None:
             return
         if rnd.phase is Phase.READY and now > rnd.deadline:
