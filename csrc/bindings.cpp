@@ -354,6 +354,17 @@ bool group_views(py::handle local, py::handle remote, CallArgs& a) {
   return true;
 }
 
+// A call's notify argument: None (-1) or a 32-bit tag.
+int64_t notify_tag(py::handle notify) {
+  if (notify.is_none()) return -1;
+  const py::int_ tag(py::reinterpret_borrow<py::object>(notify));
+  int overflow = 0;
+  const long long value = PyLong_AsLongLongAndOverflow(tag.ptr(), &overflow);
+  if (overflow || value < 0 || value >= (1LL << 32))
+    throw py::value_error(cat("notify must be a 32-bit unsigned tag, not ", py::str(notify).cast<std::string>()));
+  return value;
+}
+
 CallArgs call_args(py::handle local, py::handle remote, py::handle notify, py::handle timeout, bool group) {
   P2P_CHECK(classes.pages, ErrorKind::Generic, "torch_p2p.engine did not set up its classes");
   CallArgs a;
@@ -371,14 +382,7 @@ CallArgs call_args(py::handle local, py::handle remote, py::handle notify, py::h
     unpack(local, true, a);
     unpack(remote, false, a);
   }
-  if (!notify.is_none()) {
-    const py::int_ tag(py::reinterpret_borrow<py::object>(notify));
-    int overflow = 0;
-    const long long value = PyLong_AsLongLongAndOverflow(tag.ptr(), &overflow);
-    if (overflow || value < 0 || value >= (1LL << 32))
-      throw py::value_error(cat("notify must be a 32-bit unsigned tag, not ", py::str(notify).cast<std::string>()));
-    a.notify = value;
-  }
+  a.notify = notify_tag(notify);
   if (!timeout.is_none()) {
     const double t = PyFloat_AsDouble(timeout.ptr());  // a number, as Python's `timeout <= 0` needs
     if (t == -1.0 && PyErr_Occurred()) throw py::error_already_set();
@@ -584,6 +588,22 @@ py::object checked_ids(const py::handle& seq, int64_t count, bool unique) {
   return py::cast(out);
 }
 
+// ids (a 1-d contiguous int64 CPU tensor), then each id + offset: a kvflat cache's K and V
+// pages of the same blocks, without two torch operations on a request's critical path.
+at::Tensor stacked_ids(const at::Tensor& ids, int64_t offset) {
+  P2P_CHECK(ids.scalar_type() == at::kLong && ids.is_cpu() && ids.dim() == 1 && ids.is_contiguous(), ErrorKind::Value,
+            "page ids must be a 1-d contiguous int64 CPU tensor");
+  const int64_t n = ids.numel();
+  at::Tensor out = at::empty({2 * n}, at::kLong);
+  const int64_t* in = ids.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t k = 0; k < n; ++k) {
+    o[k] = in[k];
+    o[n + k] = in[k] + offset;
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -680,6 +700,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("checked_ids", &checked_ids, py::arg("ids"), py::arg("count"), py::arg("unique"),
         "A list or tuple of ints in [0, count) (distinct with unique) as an int64 tensor; else None.");
 
+  m.def("stacked_ids", &stacked_ids, py::arg("ids"), py::arg("offset"),
+        "ids, then each id + offset, as one int64 tensor (a kvflat cache's K and V pages).");
+
   m.def("settings", [] {
     py::list rows;
     for (const SettingInfo& r : setting_table()) rows.append(py::make_tuple(r.key, r.variable, r.default_text));
@@ -720,7 +743,8 @@ PYBIND11_MODULE(_C, m) {
       .def("to_bytes", [](const RemoteView& v) { return py::bytes(v.encode()); })
       .def_static("from_bytes", [](const py::bytes& b) { return RemoteView::decode(std::string(b)); });
 
-  py::class_<Engine::Prepared, std::shared_ptr<Engine::Prepared>>(m, "Prepared");  // opaque: Engine.run takes it
+  py::class_<Engine::Prepared, std::shared_ptr<Engine::Prepared>>(m, "Prepared")  // Engine.run takes it
+      .def_property_readonly("takes_pages", [](const Engine::Prepared& p) { return p.lcount >= 0; });
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const Setup& setup) {
@@ -779,6 +803,19 @@ PYBIND11_MODULE(_C, m) {
           std::optional<py::gil_scoped_release> release;  // as submit
           if (call->cuda) release.emplace();
           e.run(id, *call);
+        });
+      })
+      .def("run_pages", [](Engine& e, const py::object& future, const std::shared_ptr<Engine::Prepared>& call,
+                           py::handle lids, py::handle rids, py::handle notify) {
+        const int64_t tag = notify_tag(notify);
+        for (py::handle ids : {lids, rids})
+          if (!THPVariable_Check(ids.ptr())) throw py::type_error("page ids must be a 1-d contiguous int64 CPU tensor");
+        const at::Tensor& l = THPVariable_Unpack(lids.ptr());
+        const at::Tensor& r = THPVariable_Unpack(rids.ptr());
+        start(e, future, [&](uint64_t id) {
+          std::optional<py::gil_scoped_release> release;  // as submit
+          if (call->cuda) release.emplace();
+          e.run_pages(id, *call, l, r, tag);
         });
       })
       .def("route", [](Engine& e, const py::bytes& address, std::shared_ptr<RemoteView> view) {

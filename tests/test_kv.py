@@ -287,6 +287,31 @@ def test_layer_subsets(caches):
     assert_tensors(flat(back_layers), expected(spec, spec, 7, [([4, 5, 6], [0, 1, 2], [2, 3])]))
 
 
+@pytest.mark.parametrize("case", ["flash_attn", "mla", "sglang", "stacked"])
+def test_later_requests_move_their_own_blocks(caches, case):
+    """The first request to a peer (per direction and layers) is prepared; later ones run it on
+    their own block ids: each moves exactly its blocks, whatever its size, with its own tag."""
+    spec = LAYOUT_CASES[case]
+    _, mine = caches.local(spec, seed=15)
+    name, theirs = caches.remote(spec)
+    moves = []
+    for k, (n, layers) in enumerate([(9, None), (6, None), (12, None), (7, [2, 0]), (8, [2, 0])]):
+        s_ids, d_ids = table(spec.blocks, n, 30 + k, k), table(spec.blocks, n, 40 + k, 8 - k)
+        caches.link.peer.call(peer_expect, name, 20 + k)
+        wait(mine.push(theirs, s_ids, d_ids, layers=layers, notify=20 + k))
+        assert caches.link.peer.call(peer_outcome, name) == "ok"
+        moves.append((s_ids, d_ids, range(spec.layers) if layers is None else layers))
+        assert_tensors(caches.tensors(name), expected(spec, spec, 15, moves))
+    back_layers, back = caches.local(spec)
+    _, owner = caches.remote(spec, seed=16)
+    moves = []
+    for k, n in enumerate((10, 6, 11)):
+        s_ids, d_ids = table(spec.blocks, n, 50 + k, k), table(spec.blocks, n, 60 + k, 7 - k)
+        wait(back.pull(owner, s_ids, d_ids))
+        moves.append((s_ids, d_ids, range(spec.layers)))
+        assert_tensors(flat(back_layers), expected(spec, spec, 16, moves))
+
+
 def test_head_slicing_between_tensor_parallel_degrees(caches):
     """A sender with 4 KV heads feeds two receivers of 2 heads each (first heads 0 and 2); a
     receiver of 2 heads pulls its half from 4; a sender of 2 heads writes its half into 4."""
@@ -509,6 +534,35 @@ def test_cuda_streamed_push_head_slicing_and_pull():
         for g, w, m in zip(got, want, moved):
             w.view(2, 80, -1)[:, s_ids] = m.view(2, 80, -1)[:, d_ids]
             helpers.assert_same_bits(g, w)
+        mine.close()
+        back.close()
+
+
+@pytest.mark.cuda
+def test_cuda_later_requests_move_their_own_blocks():
+    """On the IPC route: requests after the first (a prepared call run on new block ids) move
+    exactly their blocks, pushed and pulled."""
+    spec = Spec("flash_attn", layers=4, blocks=64, block=16, heads=8, dim=128, device="cuda:0")
+    there = dataclasses.replace(spec, device=PEER_GPU)
+    with Peer() as b, p2p.Engine("cuda:0", **engine_kwargs("tcp")) as e:
+        b.call(helpers.start_engine, "tcp", device=PEER_GPU)
+        theirs = kv.KVCacheHandle.from_bytes(b.call(peer_cache, "engine", "c", there))
+        _, mine = make_cache(e, spec, 17)
+        assert e.route(theirs.mailbox) == "ipc"
+        moves = []
+        for k, n in enumerate((40, 9, 50)):
+            s_ids, d_ids = table(64, n, 70 + k, k), table(64, n, 80 + k, 30 - k)
+            wait(mine.push(theirs, s_ids, d_ids))
+            moves.append((s_ids, d_ids, range(spec.layers)))
+            assert_tensors(b.call(peer_tensors, "c"), expected(there, spec, 17, moves))
+        back_layers, back = make_cache(e, spec, None)
+        owner = kv.KVCacheHandle.from_bytes(b.call(peer_cache, "engine", "d", there, 18))
+        moves = []
+        for k, n in enumerate((33, 7)):
+            s_ids, d_ids = table(64, n, 90 + k, k), table(64, n, 95 + k, 20 + k)
+            wait(back.pull(owner, s_ids, d_ids))
+            moves.append((s_ids, d_ids, range(spec.layers)))
+            assert_tensors(flat(back_layers), expected(spec, there, 18, moves))
         mine.close()
         back.close()
 

@@ -81,6 +81,51 @@ def test_views_that_are_pages_other_forms(link, form):
     _move(link, False, _pages, tuples=form == "tuples", prepared=form == "prepared")
 
 
+def test_prepared_call_runs_on_other_pages(link):
+    """run_pages: a prepared call whose entries share one list of page ids (a KV cache's
+    layers) moves other pages, of any count, checked as a call checks them, both ways; a call
+    of another shape refuses it."""
+    seed = 70
+    bases = [helpers.random_tensor((ROWS, COLS), torch.float32, seed + k) for k in range(2)]
+    named = [link.remote((ROWS, COLS)) for _ in range(2)]
+    regions = [link.engine.register(b) for b in bases]
+    try:
+        mine, theirs = torch.tensor(MINE), torch.tensor(THEIRS)
+        local = [p2p.pages(b, mine) for b in bases]
+        call = link.engine.prepare_write(local, [p2p.pages(h, theirs) for _, h in named])
+        assert call.takes_pages
+        src, dst = _rows(5, 3), _rows(5, 4)
+        p2p.wait(call.run_pages(torch.tensor(src), torch.tensor(dst)), timeout=60)
+        for b, (name, _) in zip(bases, named):
+            want = helpers.poisoned((ROWS, COLS), torch.float32)
+            want[dst] = b[src]
+            helpers.assert_same_bits(link.fetch(name), want)
+        for kind, text, (lids, rids) in [
+                (IndexError, "remote page 64 of 64", ([0], [64])),
+                (ValueError, "destination page 3 is named twice", ([0, 1], [3, 3])),
+                (ValueError, "2 local page ids but 1 remote", ([0, 1], [2])),
+                (ValueError, "no page ids", ([], []))]:
+            with pytest.raises(kind, match=text):
+                call.run_pages(torch.tensor(lids, dtype=torch.int64), torch.tensor(rids, dtype=torch.int64))
+        with pytest.raises(ValueError, match="1-d contiguous int64"):
+            call.run_pages(torch.tensor([0], dtype=torch.int32), torch.tensor([1]))
+        read = link.engine.prepare_read(local, [p2p.pages(h, theirs) for _, h in named])
+        with pytest.raises(ValueError, match="destination page 1 is named twice"):
+            read.run_pages(torch.tensor([1, 1]), torch.tensor([0, 2]))
+        p2p.wait(read.run_pages(torch.tensor([7, 9]), torch.tensor(dst[:2])), timeout=60)
+        for b, (name, _) in zip(bases, named):
+            helpers.assert_same_bits(b[[7, 9]], link.fetch(name)[dst[:2]])
+        crossed = link.engine.prepare_write(local, [p2p.pages(named[0][1], theirs), p2p.pages(named[1][1], mine)])
+        assert not crossed.takes_pages
+        with pytest.raises(ValueError, match="takes no other page ids"):
+            crossed.run_pages(torch.tensor(src), torch.tensor(dst))
+    finally:
+        for r in regions:
+            r.close()
+        for name, _ in named:
+            link.drop(name)
+
+
 def test_views_match_pages(link):
     """The list of views and p2p.pages of the same ids move the same bytes."""
     def as_pages(L, R):

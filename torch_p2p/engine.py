@@ -111,6 +111,21 @@ class PreparedCall:
     def run(self) -> torch.futures.Future:
         return self.engine._call(self.engine._c.run, self._native)
 
+    @property
+    def takes_pages(self) -> bool:
+        """Whether run_pages() may give this call other page ids."""
+        return self._native.takes_pages
+
+    def run_pages(self, local_ids: torch.Tensor, remote_ids: torch.Tensor, *,
+                  notify: int | None = None) -> torch.futures.Future:
+        """Runs the call on other pages: for a call whose page entries are all ``p2p.pages`` of
+        dense pages sharing one list of ids (a KV cache's layers: ``pages(layer, ids)`` for
+        each layer, the same ids tensors), those ids replaced by `local_ids` and `remote_ids`
+        (1-d int64 CPU tensors of one length, any length), checked as a call checks them. With
+        `notify`, that tag in place of the prepared one. Raises ValueError for a call of
+        another shape."""
+        return self.engine._call(self.engine._c.run_pages, self._native, local_ids, remote_ids, notify)
+
 
 class Region:
     """A registered storage. ``remote`` is the handle to give peers; ``close()`` deregisters."""

@@ -93,23 +93,69 @@ std::shared_ptr<Engine::Prepared> Engine::prepare(bool write, const std::vector<
                                                    const std::vector<Pages>& remote_pages, bool mirror, int64_t notify,
                                                    double timeout_s) {
   auto p = std::make_shared<Prepared>();
-  p->cuda = build(p->call, write, local, remote, local_pages, remote_pages, mirror, notify, timeout_s);
+  PageIdCheck one_list;
+  p->cuda = build(p->call, write, local, remote, local_pages, remote_pages, mirror, notify, timeout_s, &one_list);
+  if (one_list.n >= 0) {
+    p->lcount = one_list.lcount;
+    p->rcount = one_list.rcount;
+  }
   return p;
 }
 
-void Engine::run(uint64_t id, const Prepared& prepared) {
+std::unique_ptr<Transfer> Engine::copy_of(const Prepared& prepared) {
+  // The checks were made once; a region deregistered since then fails the run here (or, if
+  // it goes meanwhile, in the worker, which resolves every region id again).
+  P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
+  for (uint64_t rid : prepared.call.local_ids)
+    P2P_CHECK(open(rid), ErrorKind::Closed, "region ", rid, " of this prepared call is deregistered");
+  for (const auto& r : prepared.call.remote)
+    P2P_CHECK(r->owner != address() || open(r->id), ErrorKind::Closed, "region ", r->id,
+              " of this prepared call is deregistered");
   auto t = transfers_.take();
   static_cast<TransferCall&>(*t) = prepared.call;
+  return t;
+}
+
+void Engine::run(uint64_t id, const Prepared& prepared) {
+  std::unique_ptr<Transfer> t;
   {
-    // The checks were made once; a region deregistered since then fails the run here (or, if
-    // it goes meanwhile, in the worker, which resolves every region id again).
     std::lock_guard<std::mutex> lock(mu_);
-    P2P_CHECK(!closed_, ErrorKind::Closed, "the engine is closed");
-    for (uint64_t rid : t->local_ids)
-      P2P_CHECK(open(rid), ErrorKind::Closed, "region ", rid, " of this prepared call is deregistered");
-    for (const auto& r : t->remote)
-      P2P_CHECK(r->owner != address() || open(r->id), ErrorKind::Closed, "region ", r->id,
-                " of this prepared call is deregistered");
+    t = copy_of(prepared);
+  }
+  start(id, std::move(t), prepared.cuda);
+}
+
+void Engine::run_pages(uint64_t id, const Prepared& prepared, const at::Tensor& lids, const at::Tensor& rids,
+                       int64_t notify) {
+  P2P_CHECK(prepared.lcount >= 0, ErrorKind::Value, "this prepared call takes no other page ids: its page "
+            "entries must all be p2p.pages of dense pages sharing one list of ids (a KV cache's layers)");
+  for (const at::Tensor* ids : {&lids, &rids})
+    P2P_CHECK(ids->scalar_type() == at::kLong && ids->is_cpu() && ids->dim() == 1 && ids->is_contiguous(),
+              ErrorKind::Value, "page ids must be a 1-d contiguous int64 CPU tensor");
+  const int64_t n = lids.numel();
+  P2P_CHECK(n == rids.numel(), ErrorKind::Value, n, " local page ids but ", rids.numel(), " remote ones");
+  P2P_CHECK(n > 0, ErrorKind::Value, "no page ids");
+  const bool write = prepared.call.kind == TransferKind::Write;
+  std::unique_ptr<Transfer> t;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    t = copy_of(prepared);
+    const int64_t* lp = lids.data_ptr<int64_t>();
+    const int64_t* rp = rids.data_ptr<int64_t>();
+    t->page_ids.assign(lp, lp + n);
+    t->page_ids.insert(t->page_ids.end(), rp, rp + n);
+    try {
+      check_page_ids(t->page_ids.data(), n, prepared.lcount, prepared.rcount,
+                     write ? "source view" : "destination view", 0, write);
+    } catch (...) {
+      transfers_.give(std::move(t));
+      throw;
+    }
+  }
+  for (PageRuns& p : t->pages) p.n = static_cast<size_t>(n);  // every list starts at page_ids[0]
+  if (notify >= 0) {
+    t->notify = true;
+    t->tag = static_cast<uint32_t>(notify);
   }
   start(id, std::move(t), prepared.cuda);
 }
@@ -134,7 +180,8 @@ void Engine::start(uint64_t id, std::unique_ptr<Transfer> t, bool cuda) {
 
 bool Engine::build(TransferCall& t, bool write, const std::vector<at::Tensor>& local,
                    const std::vector<std::shared_ptr<RemoteView>>& remote, const std::vector<Pages>& local_pages,
-                   const std::vector<Pages>& remote_pages, bool mirror, int64_t notify, double timeout_s) {
+                   const std::vector<Pages>& remote_pages, bool mirror, int64_t notify, double timeout_s,
+                   PageIdCheck* one_list) {
   const char* what = write ? "source view" : "destination view";
   P2P_CHECK(!remote.empty() && remote[0], ErrorKind::Value, "no RemoteTensor given");
   P2P_CHECK(mirror ? remote.size() == 1 : remote.size() == local.size(), ErrorKind::Value,
@@ -180,6 +227,13 @@ bool Engine::build(TransferCall& t, bool write, const std::vector<at::Tensor>& l
                            ? add_pages(t, e, mirror, local_pages[i], remote_pages[mirror ? 0 : i], checked)
                            : add_view(t, e, mirror);
     cuda |= added && e.view.is_cuda();
+  }
+  if (one_list) {
+    // One list: each page entry became a page list (none turned into runs, none empty), all
+    // sharing the one copy of the ids.
+    const size_t page_entries = std::count_if(local_pages.begin(), local_pages.end(), [](const Pages& p) { return p.has_value(); });
+    if (checked.n > 0 && t.pages.size() == page_entries && t.page_ids.size() == 2 * static_cast<size_t>(checked.n))
+      *one_list = checked;
   }
   return cuda;
 }
@@ -262,7 +316,7 @@ bool Engine::add_pages(TransferCall& t, const Entry& e, bool mirror, const Pages
   if (!shared) {
     t.page_ids.insert(t.page_ids.end(), lp, lp + n);
     t.page_ids.insert(t.page_ids.end(), rp, rp + n);
-    check_page_ids(t.page_ids.data() + first, n, lcount, rcount, e);
+    check_page_ids(t.page_ids.data() + first, n, lcount, rcount, e.what, e.index, e.write);
   }
   ls.ids = t.page_ids.data() + first;
   rs.ids = ls.ids + n;
@@ -276,7 +330,8 @@ bool Engine::add_pages(TransferCall& t, const Entry& e, bool mirror, const Pages
   return true;
 }
 
-void Engine::check_page_ids(const int64_t* lids, int64_t n, int64_t lcount, int64_t rcount, const Entry& e) {
+void Engine::check_page_ids(const int64_t* lids, int64_t n, int64_t lcount, int64_t rcount, const char* what,
+                            size_t index, bool write) {
   const int64_t* rids = lids + n;
   // One pass without branches (vectorized) tells whether any id is out of range; only then
   // does the loop below look for the first, to name it.
@@ -286,11 +341,11 @@ void Engine::check_page_ids(const int64_t* lids, int64_t n, int64_t lcount, int6
            (static_cast<uint64_t>(rids[k]) >= static_cast<uint64_t>(rcount));
   for (int64_t k = 0; out && k < n; ++k) {
     const int64_t l = lids[k], r = rids[k];
-    P2P_CHECK(l >= 0 && l < lcount && r >= 0 && r < rcount, ErrorKind::Index, e.what, " ", e.index, ": page ", k,
+    P2P_CHECK(l >= 0 && l < lcount && r >= 0 && r < rcount, ErrorKind::Index, what, " ", index, ": page ", k,
               " pairs local page ", l, " of ", lcount, " with remote page ", r, " of ", rcount);
   }
-  const int64_t twice = repeated_id(e.write ? rids : lids, n, e.write ? rcount : lcount, taken_);
-  P2P_CHECK(twice < 0, ErrorKind::Value, e.what, " ", e.index, ": destination page ", twice,
+  const int64_t twice = repeated_id(write ? rids : lids, n, write ? rcount : lcount, taken_);
+  P2P_CHECK(twice < 0, ErrorKind::Value, what, " ", index, ": destination page ", twice,
             " is named twice; the result would depend on arrival order");
 }
 

@@ -59,12 +59,19 @@ class Engine {
   struct Prepared {
     TransferCall call;
     bool cuda = false;  // a run follows the caller's stream
+    // Where every page entry is a page list and all share one copy of the ids (a KV cache's
+    // layers), the bounds of those ids: a run may then move other pages (run_pages). -1: not so.
+    int64_t lcount = -1, rcount = -1;
   };
   std::shared_ptr<Prepared> prepare(bool write, const std::vector<at::Tensor>& local,
                                     const std::vector<std::shared_ptr<RemoteView>>& remote,
                                     const std::vector<Pages>& local_pages, const std::vector<Pages>& remote_pages,
                                     bool mirror, int64_t notify, double timeout_s);
   void run(uint64_t id, const Prepared& prepared);
+  // A run with other page ids (n local, n remote, n > 0; int64 CPU, 1-d, contiguous), checked
+  // as a call checks them, and `notify` (< 0: the prepared call's) in place of the prepared ones.
+  void run_pages(uint64_t id, const Prepared& prepared, const at::Tensor& lids, const at::Tensor& rids,
+                 int64_t notify);
   // "ipc", "direct" or "staged": see Worker::route.
   std::string route(const std::string& address, const std::shared_ptr<RemoteView>& view);
   void connect(uint64_t id, const std::string& address);
@@ -137,20 +144,26 @@ class Engine {
     int64_t n = -1, lcount = 0, rcount = 0;
   };
   // Checks a call's arguments and decomposes them into t; true if it moves CUDA memory.
+  // With `one_list`, the bounds of the call's page ids where they are one shared list (Prepared).
   bool build(TransferCall& t, bool write, const std::vector<at::Tensor>& local,
              const std::vector<std::shared_ptr<RemoteView>>& remote, const std::vector<Pages>& local_pages,
-             const std::vector<Pages>& remote_pages, bool mirror, int64_t notify, double timeout_s);
-  // Region `region` of this engine is registered and not closing (mu_ held).
-  bool open(uint64_t region) const;
+             const std::vector<Pages>& remote_pages, bool mirror, int64_t notify, double timeout_s,
+             PageIdCheck* one_list = nullptr);
   // Gives t its id and stream event and hands it to the worker, unless it is copied here.
   void start(uint64_t id, std::unique_ptr<Transfer> t, bool cuda);
+  // The prepared call's copy, its regions still open (mu_ held).
+  std::unique_ptr<Transfer> copy_of(const Prepared& prepared);
+  // Region `region` of this engine is registered and not closing (mu_ held).
+  bool open(uint64_t region) const;
   // Copies t on this thread if it can (core/caller_copies.h) and completes its future: true
   // then, and t is given back.
   bool copied_here(uint64_t id, std::unique_ptr<Transfer>& t);
   bool add_pages(TransferCall& t, const Entry& e, bool mirror, const Pages& local_pages, const Pages& remote_pages,
                  PageIdCheck& checked);
-  // Checks an entry's page ids (n local, then n remote): in range, and no destination page twice.
-  void check_page_ids(const int64_t* lids, int64_t n, int64_t lcount, int64_t rcount, const Entry& e);
+  // Checks page ids (n local, then n remote) of entry `index`: in range, and no destination
+  // page twice.
+  void check_page_ids(const int64_t* lids, int64_t n, int64_t lcount, int64_t rcount, const char* what,
+                      size_t index, bool write);
   bool add_view(TransferCall& t, const Entry& e, bool mirror);
   // Adds entry i's pages to t: local page k at lbase + lids[k] * lstride, remote page k at
   // rbase + rids[k] * rstride (bytes), page shape and strides as given.

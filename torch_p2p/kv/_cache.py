@@ -7,11 +7,13 @@ import threading
 
 import torch
 
-from .. import _shared
+from .. import _C, _shared
 from .._shared import b64, unb64
 from ..engine import Engine, Region, pages
 from ..remote import RemoteTensor
 from . import _layout as lay
+
+MAX_PREPARED = 64  # prepared calls kept per peer (one per direction, layer selection and timeout)
 
 _MAGIC, _VERSION = b"P2PKV", 1
 
@@ -28,9 +30,6 @@ class _Side:
             raise ValueError(f"{what}: first_head must be >= 0, not {first_head}")
         self.layout, self.axes, self.layers, self.dtype = layout, axes, layers, facts["dtype"]
         self.num_layers, self.num_blocks = len(layers), facts["num_blocks"]
-        # Block ids plus these, flattened, are a kvflat store's pages: K of block b is page b,
-        # its V page num_blocks + b (one broadcast add per call).
-        self._kvflat = torch.tensor([[0], [self.num_blocks]])
         self.block_size, self.head_dim = facts["block_size"], facts["head_dim"]
         start = first_head or 0
         self.heads = None if facts["heads"] is None else (start, start + facts["heads"])
@@ -161,22 +160,41 @@ class KVCache(_Side):
         if len(local_ids) != len(remote_ids):
             src, dst = (local_ids, remote_ids) if write else (remote_ids, local_ids)
             raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
-        plan = self._plan(peer)
-        local, remote = [], []
-        if len(local_ids):
-            flat = None
+        plan, calls = self._entry(peer)
+        fut = None
+        if len(local_ids) and layers:
+            ids = {False: (local_ids, remote_ids)}
             if plan[0][0][3]:
-                flat = (local_ids + self._kvflat).view(-1), (remote_ids + peer._kvflat).view(-1)
-            for layer in layers:
-                for x, rx, dim, is_flat in plan[layer]:
-                    mine, theirs = flat if is_flat else (local_ids, remote_ids)
-                    local.append(pages(x, mine, dim))
-                    remote.append(pages(rx, theirs, dim))
+                # A kvflat store's pages: K of block b is page b, its V page num_blocks + b.
+                ids[True] = _C.stacked_ids(local_ids, self.num_blocks), _C.stacked_ids(remote_ids, peer.num_blocks)
+
+            def entries():
+                local, remote = [], []
+                for layer in layers:
+                    for x, rx, dim, is_flat in plan[layer]:
+                        local.append(pages(x, ids[is_flat][0], dim))
+                        remote.append(pages(rx, ids[is_flat][1], dim))
+                return local, remote
+
+            # The first request to this peer over these layers is prepared once; the next ones
+            # run it on their own blocks (one list of ids that every layer shares), sparing the
+            # parse of an entry per layer on each request's critical path.
+            key = (write, tuple(layers), timeout)
+            call = calls.get(key, False)
+            if call is False:
+                call = (self.engine.prepare_write if write else self.engine.prepare_read)(*entries(), timeout=timeout)
+                if len(calls) >= MAX_PREPARED:
+                    calls.clear()
+                call = calls[key] = call if call.takes_pages else None  # None: mixed layouts, parsed each time
+            if call is not None:
+                fut = call.run_pages(*ids[plan[layers[0]][0][3]], notify=notify if write else None)
+            elif write:
+                fut = self.engine.write_slices(*entries(), notify=notify, timeout=timeout)
+            else:
+                fut = self.engine.read_slices(*entries(), timeout=timeout)
         if write:
-            if not local:  # nothing to move, but a notification is owed
-                return self._tell(peer, notify, timeout)
-            return self.engine.write_slices(local, remote, notify=notify, timeout=timeout)
-        read = self.engine.read_slices(local, remote, timeout=timeout) if local else _shared.done()
+            return fut if fut is not None else self._tell(peer, notify, timeout)  # none: a notification is owed
+        read = fut if fut is not None else _shared.done()
         if notify is None:
             return read
         out = torch.futures.Future()
@@ -197,15 +215,19 @@ class KVCache(_Side):
     def _plan(self, peer: KVCacheHandle) -> list:
         """Per layer, the (local view, remote view, block dim, kvflat) that pair this cache with
         `peer`'s; computed once per handle object."""
+        return self._entry(peer)[0]
+
+    def _entry(self, peer: KVCacheHandle) -> tuple[list, dict]:
+        """The plan for `peer`, and its prepared calls by (write, layers, timeout)."""
         with self._lock:
             known = self._plans.get(id(self._checked(peer)))
             if known and known[0] is peer:
-                return known[1]
+                return known[1:]
         lay.check_compatible(self, peer)
         plan = [lay.pair(self, peer, i) for i in range(self.num_layers)]
         with self._lock:
-            self._plans[id(peer)] = (peer, plan)  # holding the handle keeps its id from being reused
-        return plan
+            self._plans[id(peer)] = (peer, plan, {})  # holding the handle keeps its id from being reused
+            return self._plans[id(peer)][1:]
 
     def _layer_list(self, layers) -> list[int]:
         if layers is None:
@@ -225,6 +247,8 @@ class KVCache(_Side):
 
     def close(self) -> None:
         """Deregisters the cache's storages (after local transfers that use them)."""
+        with self._lock:
+            self._plans.clear()  # and the prepared calls, which name the regions
         while self._regions:
             self._regions.pop().close()
 
