@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import base64
 import ctypes
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -88,6 +89,16 @@ def exit_on_sigterm() -> None:
     """SIGTERM (a timeout's first signal) leaves through SystemExit, so `finally` blocks reap
     the children and close the engines."""
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
+def freeze_heap(enabled: bool = True) -> None:
+    """Puts every object alive now out of the collector's reach (gc.freeze(), as vLLM does once
+    its engine is up): a full collection of a process that imported torch walks all of torch's
+    objects, 66-78 ms on a 4 x H200 host, and the one that fell in a timed weights update made it
+    2.5 x its neighbours. After this, full collections walk only what was made since."""
+    if enabled:
+        gc.collect()
+        gc.freeze()
 
 
 # -- the live line ---------------------------------------------------------------------------------
