@@ -193,7 +193,7 @@ void add_item(size_t i, py::handle item, bool local, CallArgs& a) {
   Engine::Pages pages;
   if (is_a(item, classes.pages)) {
     const py::object ids = attribute(item, ids_name);
-    if (!THPVariable_Check(ids.ptr())) throw py::type_error("page ids must be a 1-d contiguous int64 CPU tensor");
+    if (!THPVariable_Check(ids.ptr())) throw py::type_error(kPageIdForm);
     pages = std::make_tuple(THPVariable_Unpack(ids.ptr()), attribute(item, dim_name).cast<int64_t>());
     base = attribute(item, base_name);
   }
@@ -427,8 +427,7 @@ py::object make_pages(py::handle base, py::handle ids, py::handle dim) {
     const at::Tensor& t = THPVariable_Unpack(ids.ptr());
     int overflow = 0;
     d = PyLong_AsLongLongAndOverflow(dim.ptr(), &overflow);
-    plain = t.layout() == at::kStrided && t.scalar_type() == at::kLong && t.is_cpu() && t.dim() == 1 &&
-            t.is_contiguous() && !overflow && -ndim <= d && d < ndim;
+    plain = page_id_tensor(t) && !overflow && -ndim <= d && d < ndim;
   }
   if (!plain) return py::reinterpret_borrow<py::object>(classes.pages)(base, ids, dim);
   PyTypeObject* type = reinterpret_cast<PyTypeObject*>(classes.pages);
@@ -591,8 +590,7 @@ py::object checked_ids(const py::handle& seq, int64_t count, bool unique) {
 // ids (a 1-d contiguous int64 CPU tensor), then each id + offset: a kvflat cache's K and V
 // pages of the same blocks, without two torch operations on a request's critical path.
 at::Tensor stacked_ids(const at::Tensor& ids, int64_t offset) {
-  P2P_CHECK(ids.scalar_type() == at::kLong && ids.is_cpu() && ids.dim() == 1 && ids.is_contiguous(), ErrorKind::Value,
-            "page ids must be a 1-d contiguous int64 CPU tensor");
+  check_page_id_tensor(ids);
   const int64_t n = ids.numel();
   at::Tensor out = at::empty({2 * n}, at::kLong);
   const int64_t* in = ids.data_ptr<int64_t>();
@@ -809,7 +807,7 @@ PYBIND11_MODULE(_C, m) {
                            py::handle lids, py::handle rids, py::handle notify) {
         const int64_t tag = notify_tag(notify);
         for (py::handle ids : {lids, rids})
-          if (!THPVariable_Check(ids.ptr())) throw py::type_error("page ids must be a 1-d contiguous int64 CPU tensor");
+          if (!THPVariable_Check(ids.ptr())) throw py::type_error(kPageIdForm);
         const at::Tensor& l = THPVariable_Unpack(lids.ptr());
         const at::Tensor& r = THPVariable_Unpack(rids.ptr());
         start(e, future, [&](uint64_t id) {

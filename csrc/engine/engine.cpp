@@ -125,13 +125,21 @@ void Engine::run(uint64_t id, const Prepared& prepared) {
   start(id, std::move(t), prepared.cuda);
 }
 
+const char* const kPageIdForm = "page ids must be a 1-d contiguous int64 CPU tensor";
+
+bool page_id_tensor(const at::Tensor& ids) {
+  return ids.layout() == at::kStrided && ids.scalar_type() == at::kLong && ids.is_cpu() && ids.dim() == 1 &&
+         ids.is_contiguous();
+}
+
+void check_page_id_tensor(const at::Tensor& ids) { P2P_CHECK(page_id_tensor(ids), ErrorKind::Value, kPageIdForm); }
+
 void Engine::run_pages(uint64_t id, const Prepared& prepared, const at::Tensor& lids, const at::Tensor& rids,
                        int64_t notify) {
   P2P_CHECK(prepared.lcount >= 0, ErrorKind::Value, "this prepared call takes no other page ids: its page "
             "entries must all be p2p.pages of dense pages sharing one list of ids (a KV cache's layers)");
-  for (const at::Tensor* ids : {&lids, &rids})
-    P2P_CHECK(ids->scalar_type() == at::kLong && ids->is_cpu() && ids->dim() == 1 && ids->is_contiguous(),
-              ErrorKind::Value, "page ids must be a 1-d contiguous int64 CPU tensor");
+  check_page_id_tensor(lids);
+  check_page_id_tensor(rids);
   const int64_t n = lids.numel();
   P2P_CHECK(n == rids.numel(), ErrorKind::Value, n, " local page ids but ", rids.numel(), " remote ones");
   P2P_CHECK(n > 0, ErrorKind::Value, "no page ids");
@@ -279,9 +287,8 @@ bool Engine::add_pages(TransferCall& t, const Entry& e, bool mirror, const Pages
             ": pages pair with pages (p2p.pages on both sides, no mirror mode)");
   const auto& [lids, ldim] = *local_pages;
   const auto& [rids, rdim] = *remote_pages;
-  for (const at::Tensor* ids : {&lids, &rids})
-    P2P_CHECK(ids->scalar_type() == at::kLong && ids->is_cpu() && ids->dim() == 1 && ids->is_contiguous(),
-              ErrorKind::Value, "page ids must be a 1-d contiguous int64 CPU tensor");
+  check_page_id_tensor(lids);
+  check_page_id_tensor(rids);
   P2P_CHECK(ldim >= 0 && ldim < v.dim() && rdim >= 0 && rdim < static_cast<int64_t>(rv.shape.size()),
             ErrorKind::Index, what, " ", i, ": the page dimension is out of range");
   P2P_CHECK(lids.numel() == rids.numel(), ErrorKind::Value, what, " ", i, " has ", lids.numel(),

@@ -24,6 +24,12 @@ namespace p2p::engine {
 
 using namespace core;
 
+// Page ids as calls take them: a strided, 1-d, contiguous int64 CPU tensor.
+bool page_id_tensor(const at::Tensor& ids);
+// Raises a Value error naming that form if `ids` is not in it.
+void check_page_id_tensor(const at::Tensor& ids);
+extern const char* const kPageIdForm;  // the form, as messages give it
+
 class Engine {
  public:
   explicit Engine(Setup setup);
