@@ -9,6 +9,7 @@ The first mapping with a peer logs "the cma route maps the shared memory of peer
 level, which tells the two copies apart. Calls of at most cma_inline_bytes to mapped regions
 are copied on the caller's thread (core/caller_copies.h): the last tests.
 """
+import os
 import threading
 import time
 
@@ -76,6 +77,36 @@ def test_read_only_shared_region():
             error = ph.wait_all([a.write_slices([buf.fill_(1)], [forged])], 30)[0]
         assert isinstance(error, p2p.RemoteError) and "owner" in str(error), error
         assert (b.call(ph.fetch, "t") == 7).all()
+
+
+def _shmem_kib() -> int:
+    """This process's resident shared-memory pages (KiB): a mapping's pages count once they
+    are in its page table."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit()) < (5, 14),
+                    reason="MADV_POPULATE_READ / WRITE come with Linux 5.14")
+@pytest.mark.parametrize("access", ["r", "rw"])
+def test_a_mapping_is_faulted_in_ahead_of_its_copies(access):
+    """Once a peer's region is mapped, its pages come into this process's page table in the
+    background (routes/host_cma/shared_file.h, Populator), not one fault at a time as copies
+    first touch them: after one 4 KiB read of a 64 MiB region, the whole region is resident."""
+    size = 64 << 20
+    with Peer() as b, p2p.Engine("cpu", **engine_kwargs("cma")) as a:
+        b.call(ph.start_engine, "mapped")
+        remote = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", size, 7, access))
+        buf = torch.zeros(4096, dtype=torch.uint8)
+        before = _shmem_kib()
+        with a.register(buf):
+            p2p.wait(a.read_slices([buf], [remote[:4096]]), 30)
+            assert (buf == 7).all()
+            deadline = time.monotonic() + 20
+            while _shmem_kib() - before < size >> 10 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _shmem_kib() - before >= size >> 10, f"{_shmem_kib() - before} KiB resident of {size >> 10}"
 
 
 @pytest.mark.timeout(120)

@@ -191,6 +191,7 @@ void Route::map(const Peer& p, core::Grants::Grant& grant) {
   }
   errno = 0;
   if (fd >= 0) grant.mapped = map_file(fd, *file, grant.nbytes, grant.access & core::kRemoteWrite);
+  populator_.add(grant.mapped, grant.nbytes, grant.access & core::kRemoteWrite);
   if (!logged_maps_.insert(p.incarnation).second) return;
   if (grant.mapped)
     P2P_LOG(Info, "the cma route maps the shared memory of peer ", hex(p.incarnation), " (pid ", p.address.pid, ")");

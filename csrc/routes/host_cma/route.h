@@ -103,6 +103,7 @@ class Route final : public core::Route, public core::PeerCopies {
   std::unique_ptr<Copies> copies_;
   core::Grants grants_;
   // Initiator side.
+  Populator populator_;  // faults the mappings' pages in ahead of their copies
   std::unordered_map<uint64_t, std::string> denied_;  // peers whose memory the OS keeps from our kernel copies: why
   std::unordered_set<uint64_t> tried_;                // peers whose access was tried
   std::unordered_set<uint64_t> logged_maps_;          // peers whose first mapping was logged

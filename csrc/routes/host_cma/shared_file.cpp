@@ -4,9 +4,13 @@
 #include <c10/core/StorageImpl.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
+
+#include <algorithm>
 
 #include <cerrno>
 #include <cstdio>
@@ -125,6 +129,54 @@ std::shared_ptr<uint8_t> map_file(int fd, const SharedFile& file, uint64_t nbyte
   return std::shared_ptr<uint8_t>(static_cast<uint8_t*>(base) + (offset - start), [base, len](uint8_t*) {
     munmap(base, len);
   });
+}
+
+Populator::~Populator() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Populator::add(const std::shared_ptr<uint8_t>& mapping, uint64_t nbytes, bool writable) {
+  if (!mapping || nbytes == 0) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back({mapping, nbytes, writable});
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+  }
+  wake_.notify_one();
+}
+
+void Populator::run() {
+#ifndef MADV_POPULATE_READ  // Linux 5.14; older headers
+  constexpr int MADV_POPULATE_READ = 22, MADV_POPULATE_WRITE = 23;
+#endif
+  constexpr uint64_t kChunk = uint64_t{4} << 20;
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);  // this thread only
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    wake_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+    if (stop_) return;
+    Job job = std::move(jobs_.front());
+    jobs_.pop_front();
+    for (uint64_t done = 0; done < job.nbytes && !stop_;) {
+      const std::shared_ptr<uint8_t> mapping = job.mapping.lock();
+      if (!mapping) break;
+      lock.unlock();
+      // From the chunk's first page: the mapping starts at a page, the region need not.
+      const uintptr_t from = (reinterpret_cast<uintptr_t>(mapping.get()) + done) / page * page;
+      const uint64_t len = std::min(kChunk, job.nbytes - done);
+      const int rc = madvise(reinterpret_cast<void*>(from),
+                             reinterpret_cast<uintptr_t>(mapping.get()) + done + len - from,
+                             job.writable ? MADV_POPULATE_WRITE : MADV_POPULATE_READ);
+      lock.lock();
+      done = rc == 0 ? done + len : job.nbytes;  // the kernel cannot (EINVAL), or the file shrank (EFAULT)
+    }
+  }
 }
 
 }  // namespace p2p::cma
