@@ -117,11 +117,13 @@ class _Load:
 
 @dataclass
 class _Peer:
-    """A prefill worker as its side channel describes it."""
+    """A prefill worker as its side channel describes it; `check`: the read of one slot of its
+    hold table into one of our scratch slots, prepared once (run on the request's two)."""
     engine_id: str
     cache: kv.KVCacheHandle
     holds: RemoteTensor | None
     tp_size: int
+    check: object = None
 
 
 class StaleBlocks(RuntimeError):
@@ -235,11 +237,16 @@ class KVTransfer:
                                     LAYOUTS[layout], first_head=first_head)
             # Where hold checks land (host memory: read without a device sync), one int64 a check.
             self._scratch = torch.zeros(_CHECKS, 1, dtype=torch.int64)
+            self._slots = self._scratch.numpy()  # the same memory, read and zeroed without a torch op
+            # A check's page ids: its scratch slot (fixed) and the request's hold slot (set per check).
+            self._check_ids = torch.arange(_CHECKS)
+            self._hold_ids = torch.zeros(_CHECKS, dtype=torch.int64)
             self._regions.append(self.engine.register(self._scratch))
             served = None
             if holds is not None:
                 self._regions.append(self.engine.register(holds, "r"))
                 served = _shared.b64(self._regions[-1].remote.to_bytes())
+            self._block_bytes = self.cache.block_bytes
             self.info = json.dumps(dict(engine_id=engine_id, layers=self.names, compat=self.compat, tp_size=tp_size,
                                         holds=served, handle=_shared.b64(self.cache.handle.to_bytes()))).encode()
             try:
@@ -348,12 +355,12 @@ class KVTransfer:
                 raise RuntimeError(f"more than {_CHECKS} loads in flight")
             i = self._free_checks.pop()
         load.checks.append(i)
-        self._scratch[i] = 0
+        self._slots[i, 0] = 0
+        self._hold_ids.numpy()[i] = load.hold[0]
 
         def read():
             start = time.perf_counter()
-            f = self.engine.read_slices([pages(self._scratch, [i])], [pages(peer.holds, [load.hold[0]])],
-                                        timeout=self.timeout)
+            f = peer.check.run_pages(self._check_ids[i:i + 1], self._hold_ids[i:i + 1])
             f.add_done_callback(lambda _: setattr(load, "check_seconds",
                                                   max(load.check_seconds, time.perf_counter() - start)))
             return f
@@ -379,7 +386,7 @@ class KVTransfer:
             return
         slot, token = load.hold
         for peer, i in zip(load.peers, load.checks):
-            seen = int(self._scratch[i, 0])
+            seen = int(self._slots[i, 0])
             if seen != token:
                 raise StaleBlocks(f"request {load.request_id}: prefill engine {peer.engine_id} no longer held the "
                                   f"blocks once they were read (hold slot {slot} holds {seen}, not {token}: its lease "
@@ -399,7 +406,7 @@ class KVTransfer:
             self._free_checks.extend(load.checks)
             load.checks = []
         seconds = time.perf_counter() - load.issued if load.issued else 0.0
-        return Pulled(load.request_id, len(load.local_blocks), len(load.local_blocks) * self.cache.block_bytes,
+        return Pulled(load.request_id, len(load.local_blocks), len(load.local_blocks) * self._block_bytes,
                       seconds, load.handshake, error, load.check_seconds)
 
     def _handshake(self, where: tuple[str, int], remote_engine_id: str) -> _Peer:
@@ -419,6 +426,9 @@ class KVTransfer:
         holds = info.get("holds")
         peer = _Peer(remote_engine_id, kv.KVCacheHandle.from_bytes(_shared.unb64(info["handle"])),
                      None if holds is None else RemoteTensor.from_bytes(_shared.unb64(holds)), int(info["tp_size"]))
+        if peer.holds is not None:
+            peer.check = self.engine.prepare_read([pages(self._scratch, [0])], [pages(peer.holds, [0])],
+                                                  timeout=self.timeout)
         self._peers[where] = peer
         return peer
 
@@ -428,8 +438,9 @@ class KVTransfer:
         another round)."""
         deadline = time.monotonic() + seconds
         with self._lock:
-            handshakes = list(self._handshakes)
-        wait_for_jobs(handshakes, timeout=seconds)
+            handshakes = [job for job in self._handshakes if not job.done()]
+        if handshakes:
+            wait_for_jobs(handshakes, timeout=seconds)
         with self._lock:
             pending = [f for p in self._pulls for f in p.futures if not f.done()]
         if not pending:
