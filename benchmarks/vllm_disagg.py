@@ -8,6 +8,8 @@ Per prompt length, medians over the repeats:
             timed around LLM.generate inside its instance
   load      in the decode worker, from the step that starts the request's load to the step
             that reports it done (benchmarks/_vllm_timed.py: one clock for both connectors)
+  floor     the same clock around a load that moves nothing (TorchP2PConnector's decode
+            side with its pulls taken out): vLLM's own steps, under every connector's load
   pull      TorchP2PConnector's own log: the pull alone, issued to seen done (NixlConnector
             logs no such time), and inside it the hold check (the read that tells whether the
             prefill side still held the blocks once they were read)
@@ -44,6 +46,7 @@ from tiny_model import WORDS, make_tiny_llama  # noqa: E402
 CONNECTORS = {
     "torch_p2p": ("TimedTorchP2PConnector", {}, lambda port: {}),
     "nixl": ("TimedNixlConnector", {"backends": ["UCX"]}, lambda port: {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}),
+    "floor": ("TimedFloorConnector", {}, lambda port: {}),
 }
 
 
@@ -83,6 +86,8 @@ def run(name: str, model: str, lengths: list[int], repeats: int, port: int) -> d
             rows[n] = (statistics.median(ttft), statistics.median(done),
                        statistics.median(p for p, _ in pulls) if pulls else float("nan"),
                        statistics.median(c for _, c in pulls) if pulls else float("nan"), repeats - len(ttft))
+        if name == "floor":
+            return rows
         # A request held, then the prefill instance killed before the decode side loads it.
         tokens = prompt(lengths[0], offset=999)
         held = prefill.ask(tokens, 1, {"do_remote_decode": True}, timeout=300)["kv_transfer_params"]
@@ -116,15 +121,16 @@ def main() -> None:
     print(f"\nLlama {args.layers} layers, hidden {args.hidden} (KV {kib:.0f} KiB a token, float32), "
           f"block 32, medians of {args.repeats}; ratio = torch_p2p / nixl")
     print(f"{'tokens':>7} {'KV MiB':>7} | {'TTFT torch_p2p':>14} {'TTFT nixl':>10} {'ratio':>6} | "
-          f"{'load torch_p2p':>14} {'load nixl':>10} {'ratio':>6} | {'memcpy':>9} | {'pull torch_p2p':>14} "
+          f"{'load torch_p2p':>14} {'load nixl':>10} {'ratio':>6} {'floor':>9} | {'memcpy':>9} | {'pull torch_p2p':>14} "
           f"{'hold check':>10} | failed (ours, nixl)")
     for n in args.lengths:
         (t_ours, l_ours, pull, check, f_ours), (t_nixl, l_nixl, _, _, f_nixl) = results["torch_p2p"][n], results["nixl"][n]
+        floor = results["floor"][n][1]
         copy = memcpy_seconds(int(-(-n // 32) * 32 * kib * 1024))
         print(f"{n:>7} {n * kib / 1024:>7.1f} | {t_ours * 1e3:>11.1f} ms {t_nixl * 1e3:>7.1f} ms {t_ours / t_nixl:>6.2f} | "
-              f"{l_ours * 1e3:>11.2f} ms {l_nixl * 1e3:>7.2f} ms {l_ours / l_nixl:>6.2f} | {copy * 1e3:>6.3f} ms | "
+              f"{l_ours * 1e3:>11.2f} ms {l_nixl * 1e3:>7.2f} ms {l_ours / l_nixl:>6.2f} {floor * 1e3:>6.3f} ms | {copy * 1e3:>6.3f} ms | "
               f"{pull * 1e3:>11.2f} ms {check * 1e3:>7.3f} ms | {f_ours}, {f_nixl} of {args.repeats}")
-    for name in CONNECTORS:
+    for name in ("torch_p2p", "nixl"):
         seconds, reason = results[name]["kill"]
         print(f"prefill killed, {name}: the decode request ended {seconds:.2f} s after the kill ({reason})")
 
