@@ -190,8 +190,9 @@ void Route::map(const Peer& p, core::Grants::Grant& grant) {
     for (size_t i = fd >= 0 ? 1 : 0; i < fds.size(); ++i) close(fds[i]);  // one file per region
   }
   errno = 0;
-  if (fd >= 0) grant.mapped = map_file(fd, *file, grant.nbytes, grant.access & core::kRemoteWrite);
-  populator_.add(grant.mapped, grant.nbytes, grant.access & core::kRemoteWrite);
+  const bool writable = grant.access & core::kRemoteWrite;
+  if (fd >= 0) grant.mapped = map_file(fd, *file, grant.nbytes, writable);
+  populator_.add(grant.mapped, grant.nbytes, writable);
   if (!logged_maps_.insert(p.incarnation).second) return;
   if (grant.mapped)
     P2P_LOG(Info, "the cma route maps the shared memory of peer ", hex(p.incarnation), " (pid ", p.address.pid, ")");

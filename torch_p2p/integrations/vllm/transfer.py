@@ -241,6 +241,7 @@ class KVTransfer:
             # A check's page ids: its scratch slot (fixed) and the request's hold slot (set per check).
             self._check_ids = torch.arange(_CHECKS)
             self._hold_ids = torch.zeros(_CHECKS, dtype=torch.int64)
+            self._hold_slots = self._hold_ids.numpy()  # set without a torch op, as _slots
             self._regions.append(self.engine.register(self._scratch))
             served = None
             if holds is not None:
@@ -356,7 +357,7 @@ class KVTransfer:
             i = self._free_checks.pop()
         load.checks.append(i)
         self._slots[i, 0] = 0
-        self._hold_ids.numpy()[i] = load.hold[0]
+        self._hold_slots[i] = load.hold[0]
 
         def read():
             start = time.perf_counter()
