@@ -187,14 +187,18 @@ const std::shared_ptr<RemoteView>* view_of(PyObject* obj) {
   return v ? &v->get_value_and_holder(slot.view_type, false).holder<std::shared_ptr<RemoteView>>() : nullptr;
 }
 
+// The ids of a Pages or of run_pages: a tensor (dtype and shape are checked where they are used).
+const at::Tensor& page_ids(py::handle ids) {
+  if (!THPVariable_Check(ids.ptr())) throw py::type_error(kPageIdForm);
+  return THPVariable_Unpack(ids.ptr());
+}
+
 // Item i of one side: a tensor (local) or RemoteTensor (remote), or a Pages of one.
 void add_item(size_t i, py::handle item, bool local, CallArgs& a) {
   py::object base = py::reinterpret_borrow<py::object>(item);
   Engine::Pages pages;
   if (is_a(item, classes.pages)) {
-    const py::object ids = attribute(item, ids_name);
-    if (!THPVariable_Check(ids.ptr())) throw py::type_error(kPageIdForm);
-    pages = std::make_tuple(THPVariable_Unpack(ids.ptr()), attribute(item, dim_name).cast<int64_t>());
+    pages = std::make_tuple(page_ids(attribute(item, ids_name)), attribute(item, dim_name).cast<int64_t>());
     base = attribute(item, base_name);
   }
   if (local ? !THPVariable_Check(base.ptr()) : !is_a(base, classes.remote_tensor))
@@ -806,10 +810,8 @@ PYBIND11_MODULE(_C, m) {
       .def("run_pages", [](Engine& e, const py::object& future, const std::shared_ptr<Engine::Prepared>& call,
                            py::handle lids, py::handle rids, py::handle notify) {
         const int64_t tag = notify_tag(notify);
-        for (py::handle ids : {lids, rids})
-          if (!THPVariable_Check(ids.ptr())) throw py::type_error(kPageIdForm);
-        const at::Tensor& l = THPVariable_Unpack(lids.ptr());
-        const at::Tensor& r = THPVariable_Unpack(rids.ptr());
+        const at::Tensor& l = page_ids(lids);
+        const at::Tensor& r = page_ids(rids);
         start(e, future, [&](uint64_t id) {
           std::optional<py::gil_scoped_release> release;  // as submit
           if (call->cuda) release.emplace();

@@ -109,6 +109,8 @@ def test_prepared_call_runs_on_other_pages(link):
                 call.run_pages(torch.tensor(lids, dtype=torch.int64), torch.tensor(rids, dtype=torch.int64))
         with pytest.raises(ValueError, match="1-d contiguous int64"):
             call.run_pages(torch.tensor([0], dtype=torch.int32), torch.tensor([1]))
+        with pytest.raises(TypeError, match="1-d contiguous int64"):
+            call.run_pages(torch.tensor([0]), [1])
         read = link.engine.prepare_read(local, [p2p.pages(h, theirs) for _, h in named])
         with pytest.raises(ValueError, match="destination page 1 is named twice"):
             read.run_pages(torch.tensor([1, 1]), torch.tensor([0, 2]))
