@@ -8,6 +8,7 @@ A peer process registers a buffer; this process warms the peer (engine.warm) and
 to back, medians of --trials each (us):
   issue       write_slices() of 4 KiB returning: Python, the argument checks, the queueing
   write       write_slices() of 4 KiB until its future is done
+  p2p.wait    the same, waited for with p2p.wait(future, 60): a wait with a timeout
   empty       disconnect() from an engine it never met (its own address) until its future is
               done: the same path (the call, the worker's turn, the completion, the future)
               with no peer, no route and no copy
@@ -98,6 +99,9 @@ def main() -> None:
             def write():
                 engine.write_slices(one_src, one_dst).wait()
 
+            def write_with_timeout():
+                p2p.wait(engine.write_slices(one_src, one_dst), 60)
+
             def empty():
                 engine.disconnect(nobody).wait()
 
@@ -116,7 +120,8 @@ def main() -> None:
             parts = {"future": torch.futures.Future}
             if cuda:
                 parts["query"] = stream.query
-            for name, fn in (("write", write), ("empty", empty), ("copy", copy), *parts.items()):
+            for name, fn in (("write", write), ("p2p.wait", write_with_timeout), ("empty", empty), ("copy", copy),
+                             *parts.items()):
                 us[name] = timed(fn, args.trials)
             # Issuing alone: in rounds of 16, each round drained before the next; the kinds of
             # call take turns.
@@ -145,7 +150,7 @@ def main() -> None:
                       else "worker not pinned (completions sleep)")
             print(f"# one 4 KiB write to a peer process: {args.device} -> {peer_device}, route "
                   f"{engine.route(remote)}, {pinned}; medians of {args.trials}, us")
-            for name in ("write", "issue", "empty", "empty issue", "copy", "burst", "run issue", *parts):
+            for name in ("write", "p2p.wait", "issue", "empty", "empty issue", "copy", "burst", "run issue", *parts):
                 print(f"{name:>12} {us[name]:8.1f}")
             split = ("copied by the calling thread, no hops" if by_caller else
                      f"issue {us['issue']:.1f} + hops {hops:.1f} + route and copy {route:.1f} us")

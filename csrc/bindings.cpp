@@ -8,6 +8,9 @@
 #include <structmember.h>  // PyMemberDef, T_OBJECT_EX
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <optional>
 
 #include "bindings_internal.h"
@@ -185,6 +188,47 @@ const std::shared_ptr<RemoteView>* view_of(PyObject* obj) {
   const ViewSlot& slot = view_slot();
   py::detail::instance* v = view_instance(obj, slot);
   return v ? &v->get_value_and_holder(slot.view_type, false).holder<std::shared_ptr<RemoteView>>() : nullptr;
+}
+
+// Waits, without the GIL, for a torch future: spinning first (a small call's completion comes
+// within spin_us on a pinned engine), then on a condition variable that a callback of the
+// future's own sets, from whichever thread completes it: no thread takes the GIL to tell the
+// waiter, as a Python callback setting a threading.Event would. Unlike Future.wait(), a timeout
+// and Ctrl-C end it. A wait that ends first leaves its callback (a few bytes) on the future
+// until the future completes: torch has no way to take one back.
+bool wait_done(const py::object& future, int spin_us, double timeout_s) {
+  struct Waiter {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  const c10::intrusive_ptr<c10::ivalue::Future> fut =
+      future.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+  if (fut->completed()) return true;
+  py::gil_scoped_release release;
+  spin_until([&] { return fut->completed(); }, spin_us);
+  if (fut->completed() || timeout_s <= 0) return fut->completed();
+  auto waiter = std::make_shared<Waiter>();
+  fut->addCallback([waiter](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(waiter->mu);
+    waiter->done = true;
+    waiter->cv.notify_all();
+  });
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = timeout_s < 1e9  // inf, or any time past a process's life: no deadline
+      ? Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s))
+      : Clock::time_point::max();
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(waiter->mu);
+      if (waiter->cv.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)),
+                                [&] { return waiter->done; }))
+        return true;
+    }
+    if (Clock::now() >= deadline) return false;
+    py::gil_scoped_acquire gil;  // not under waiter->mu: a thread holding the GIL may complete the future
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
 }
 
 // The ids of a Pages or of run_pages: a tensor (dtype and shape are checked where they are used).
@@ -874,11 +918,9 @@ PYBIND11_MODULE(_C, m) {
         "remote.view(*shape) for a RemoteTensor: torch.Tensor.view's shape rules, as a RemoteTensor.");
   m.def("_pages", &make_pages, py::arg("base"), py::arg("ids"), py::arg("dim"),
         "p2p.pages(): a Pages of a tensor or RemoteTensor (see torch_p2p.engine.pages).");
-  m.def("_spin_until_done", [](const py::object& future, int spin_us) {
-    auto fut = future.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
-    py::gil_scoped_release release;
-    spin_until([&] { return fut->completed(); }, spin_us);
-  }, "Spins, without the GIL, until `future` completes or spin_us passed.");
+  m.def("_wait_done", &wait_done, py::arg("future"), py::arg("spin_us"), py::arg("timeout_s"),
+        "Whether `future` completed within timeout_s (inf: no limit), first spinning up to spin_us; "
+        "the GIL released, Python's signal handlers run every 50 ms.");
   m.def("_set_classes", [](py::object pages, py::object remote_tensor, py::object sequence) {
     classes = {pages.release().ptr(), remote_tensor.release().ptr(), sequence.release().ptr()};
   }, "torch_p2p.engine's Pages, RemoteTensor and collections.abc.Sequence, for write_slices' arguments.");

@@ -84,7 +84,8 @@ def test_engine_lets_go_of_completed_futures():
 def test_a_pinned_engines_futures_spin_then_sleep():
     """The futures of a pinned engine spin for their completion before wait() sleeps
     (engine.py's _SpinningFuture): a write's, a message's value, an error, a callback and a
-    future that takes longer than the spin all behave as any torch future's."""
+    future that takes longer than the spin all behave as any torch future's, through wait() and
+    p2p.wait alike."""
     with p2p.Engine("cpu", cpus=[0], **engine_kwargs("tcp")) as a, p2p.Engine("cpu", **engine_kwargs("tcp")) as b:
         assert a.plan.cpu == 0 and a._c.completion_spin_us > 0 and b._c.completion_spin_us == 0
         src = torch.arange(4096, dtype=torch.int32)
@@ -100,3 +101,9 @@ def test_a_pinned_engines_futures_spin_then_sleep():
         late = a.recv(timeout=30)
         threading.Timer(0.05, lambda: b.send(a.address, b"late")).start()
         assert late.wait()[1] == b"late"
+        # p2p.wait spins as wait() does, then waits natively: a timeout, then the value.
+        later = a.recv(timeout=30)
+        with pytest.raises(p2p.TimeoutError):
+            p2p.wait(later, 0.1)
+        b.send(a.address, b"later")
+        assert p2p.wait(later, 30)[1] == b"later"

@@ -4,11 +4,14 @@ once), bytes inside JSON handles and messages (base64), futures chained or joine
 from __future__ import annotations
 
 import base64
+import math
 import os
 import threading
+import time
 
 import torch
 
+from . import _C
 from .errors import TimeoutError
 
 
@@ -100,10 +103,24 @@ def all_of(futures: list) -> torch.futures.Future:
     return out
 
 
+def wait_all(futures, timeout: float | None = None) -> bool:
+    """Whether every one of `futures` (torch futures) completed, well or not, within `timeout`
+    seconds (None: no limit). Waits without the GIL: spinning first on an engine that spins,
+    then on a condition variable that the future's completion sets (no Python callback, so no
+    thread takes the GIL to wake the waiter); Ctrl-C ends it."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for f in futures:
+        left = math.inf if deadline is None else deadline - time.monotonic()
+        if not _C._wait_done(f, getattr(f, "_spin_us", 0), left):
+            return False
+    return True
+
+
 def wait(future, timeout: float | None = None):
-    """future.wait() with a timeout: raises TimeoutError if it is not done in time."""
-    finished = threading.Event()
-    future.add_done_callback(lambda _: finished.set())
-    if not finished.wait(timeout):
+    """future.wait() with a timeout: raises TimeoutError if it is not done in time (waits as
+    wait_all does)."""
+    if not isinstance(future, torch.futures.Future):
+        raise TypeError(f"wait() takes a torch.futures.Future, not {type(future).__name__}")
+    if not wait_all([future], timeout):
         raise TimeoutError(f"the operation did not complete within {timeout} s")
     return future.wait()

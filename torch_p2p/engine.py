@@ -37,8 +37,7 @@ class _SpinningFuture(torch.futures.Future):
     _spin_us = 0
 
     def wait(self):
-        if not self.done():
-            _C._spin_until_done(self, self._spin_us)
+        _C._wait_done(self, self._spin_us, 0.0)
         return super().wait()
 
 

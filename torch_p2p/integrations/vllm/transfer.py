@@ -444,13 +444,9 @@ class KVTransfer:
             wait_for_jobs(handshakes, timeout=seconds)
         with self._lock:
             pending = [f for p in self._pulls for f in p.futures if not f.done()]
-        if not pending:
-            return
-        # Woken by the last completion: the caller sleeps without the GIL, which the engine's
+        # Woken by each completion: the caller sleeps without the GIL, which the engine's
         # completions need, and hears at once (a sleep-and-look loop added up to 0.4 ms a pull).
-        done = threading.Event()
-        _shared.all_of(pending).add_done_callback(lambda _: done.set())
-        done.wait(max(0.0, deadline - time.monotonic()))
+        _shared.wait_all(pending, max(0.0, deadline - time.monotonic()))
 
     # -- prefill side ----------------------------------------------------------------------------
     def hold(self, request_id: str, lease: float | None = None) -> None:
