@@ -74,6 +74,37 @@ def spawn(target, args: tuple, name: str) -> mp.Process:
     return proc
 
 
+def spawn_with_pipe(target, args: tuple, name: str) -> tuple:
+    """(this end of a pipe, a started child running target(its end, *args)). The child's end is
+    closed here, so that recv() on this end raises EOFError once the child has died instead of
+    waiting for it forever."""
+    mine, theirs = mp.get_context("spawn").Pipe()
+    proc = spawn(target, (theirs, *args), name)
+    theirs.close()
+    return mine, proc
+
+
+def first_message(conn, proc: mp.Process, what: str):
+    """The child's first message on `conn`; SystemExit naming the child's exit code if it died
+    first (its own error is above, on the stderr both share)."""
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(5)
+        raise SystemExit(f"{what} exited (exit code {proc.exitcode}) before it answered") from None
+
+
+def dismiss(conns: list, procs: list, message) -> None:
+    """Tells each child it may go (`message` on its pipe, skipped for one gone already), then
+    reaps them."""
+    for conn in conns:
+        try:
+            conn.send(message)
+        except OSError:  # that child is gone already
+            pass
+    reap(procs)
+
+
 def reap(procs: list, grace: float = GRACE_S) -> None:
     """Waits up to `grace` seconds in all for the children to exit, then SIGKILLs the rest."""
     end = time.monotonic() + grace

@@ -31,7 +31,6 @@ says so instead of splitting it.
 """
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -44,13 +43,13 @@ try:
 except ImportError:  # run from a checkout without installing: use the in-place build
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_p2p as p2p
-from _common import exit_on_sigterm, reap, spawn
+from _common import dismiss, exit_on_sigterm, first_message, spawn_with_pipe
 
 PAGE = 4096
 BURST = 16
 
 
-def peer(device: str, conn) -> None:
+def peer(conn, device: str) -> None:
     with p2p.Engine(device) as engine:
         buf = torch.zeros(BURST * PAGE, dtype=torch.uint8, device=device)
         if device == "cpu":
@@ -79,10 +78,9 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     peer_device = args.peer_device or (f"cuda:{1 if gpus > 1 else 0}" if cuda else args.device)
 
-    here, there = mp.get_context("spawn").Pipe()
-    child = spawn(peer, (peer_device, there), "call-cost-peer")
+    here, child = spawn_with_pipe(peer, (peer_device,), "call-cost-peer")
     try:
-        remote = p2p.RemoteTensor.from_bytes(here.recv())
+        remote = p2p.RemoteTensor.from_bytes(first_message(here, child, "call_cost.py: the peer process"))
         with p2p.Engine(args.device) as engine:
             src = torch.ones(BURST * PAGE, dtype=torch.uint8, device=args.device)
             engine.register(src)
@@ -162,8 +160,7 @@ def main() -> None:
                   " + the rest (the future's slot, the transfer, " +
                   ("the copy on this thread" if by_caller else "the queue") + f") {rest:.1f} us")
     finally:
-        here.send(0)
-        reap([child])
+        dismiss([here], [child], 0)
 
 
 if __name__ == "__main__":

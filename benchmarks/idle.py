@@ -15,7 +15,6 @@ this table's baseline, not with back-to-back writes.
 """
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -28,10 +27,10 @@ try:
 except ImportError:  # run from a checkout without installing: use the in-place build
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_p2p as p2p
-from _common import exit_on_sigterm, reap, spawn
+from _common import dismiss, exit_on_sigterm, first_message, spawn_with_pipe
 
 
-def peer(device: str, conn) -> None:
+def peer(conn, device: str) -> None:
     with p2p.Engine(device) as engine:
         buf = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
         conn.send(engine.register(buf).remote.to_bytes())
@@ -56,10 +55,9 @@ def main() -> None:
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
 
-    here, there = mp.get_context("spawn").Pipe()
-    child = spawn(peer, (args.device, there), "idle-peer")
+    here, child = spawn_with_pipe(peer, (args.device,), "idle-peer")
     try:
-        remote = p2p.RemoteTensor.from_bytes(here.recv())
+        remote = p2p.RemoteTensor.from_bytes(first_message(here, child, "idle.py: the peer process"))
         with p2p.Engine(args.device) as engine:
             src = torch.ones(4096, dtype=torch.uint8, device=args.device)
             engine.register(src)
@@ -94,8 +92,7 @@ def main() -> None:
                 w, o = statistics.median(writes), statistics.median(ops)
                 print(f"{gap * 1e6:9.0f} {w:9.0f} {o:12.1f} {w / o:11.2f}", flush=True)
     finally:
-        here.send(0)
-        reap([child])
+        dismiss([here], [child], 0)
 
 
 if __name__ == "__main__":

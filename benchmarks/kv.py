@@ -40,7 +40,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -58,7 +57,7 @@ except ImportError:  # run from a checkout without installing: use the in-place 
 from torch_p2p import kv
 
 import _baselines
-from _common import Progress, aligned, exit_on_sigterm, reap, spawn
+from _common import Progress, aligned, exit_on_sigterm, reap, spawn_with_pipe
 
 BLOCK = 16
 TAIL_TARGET = 0.1  # of a layer's forward: the streamed push ends this soon after the prefill
@@ -712,9 +711,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kv-") as tmp:
         store = os.path.join(tmp, "dist-store")
-        conn, child_conn = mp.get_context("spawn").Pipe()
-        proc = spawn(_decode_main, (child_conn, args.peer_device, store), "kv-decode")
-        child_conn.close()
+        conn, proc = spawn_with_pipe(_decode_main, (args.peer_device, store), "kv-decode")
         try:
             rows = Driver(args, conn, Progress(), store).run()
             conn.send(("bye", {}))

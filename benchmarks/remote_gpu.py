@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -79,7 +78,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import torch_p2p as p2p  # noqa: E402
-from _common import exit_on_sigterm, reap, spawn  # noqa: E402
+from _common import exit_on_sigterm, reap, spawn_with_pipe  # noqa: E402
 
 METHODS = ["local", "local-pinned", "remote-pageable", "remote-pinned", "remote-staged", "remote-direct"]
 DEFAULT_SIZES = "1e4,1e5,1e6,1e7,1e8,4e8"
@@ -260,9 +259,7 @@ class ServerProcess:
     """The client's handle on the child: commands over the pipe, every wait bounded."""
 
     def __init__(self, device: str, engine_kwargs: dict):
-        self._conn, child = mp.get_context("spawn").Pipe()
-        self.proc = spawn(_serve, (child, device, engine_kwargs), "remote_gpu-server")
-        child.close()
+        self._conn, self.proc = spawn_with_pipe(_serve, (device, engine_kwargs), "remote_gpu-server")
 
     def send(self, cmd: str, *args) -> None:
         self._conn.send((cmd, args))

@@ -16,7 +16,6 @@ one call; 4 calls are in flight at a time. Each number is the best of --rounds r
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -31,7 +30,7 @@ except ImportError:  # run from a checkout without installing: use the in-place 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_p2p as p2p
 from torch_p2p import _C  # noqa: E402
-from _common import aligned, reap, spawn  # noqa: E402
+from _common import aligned, dismiss, first_message, spawn_with_pipe  # noqa: E402
 
 TARGET = 0.95
 PAGES, PAGE = 256, 64 << 10
@@ -52,7 +51,7 @@ def allocate(kind: str, device: str) -> dict:
     bufs = {"paged": torch.randint(0, 255, (2 * PAGES, PAGE), dtype=torch.uint8, device=device),
             "contiguous": torch.randint(0, 255, (CONTIGUOUS,), dtype=torch.uint8, device=device)}
     for name, t in bufs.items():
-        n, why = _C._vmm_layout(t.data_ptr(), t.untyped_storage().nbytes())
+        n, why = _C._vmm_layout(t.data_ptr(), t.untyped_storage().nbytes(), t.device.index)
         if (n > 1) != (kind == "vmm"):
             raise SystemExit(f"vmm.py: the {kind} {name} buffer spans {n} VMM mappings ({why or 'VMM memory'}): "
                              "expandable segments did not switch as asked")
@@ -106,12 +105,11 @@ def main() -> int:
         return 0
     device = "cuda:0"
     peer_device = "cuda:1" if torch.cuda.device_count() > 1 else device
-    parent, child = mp.get_context("spawn").Pipe()
-    proc = spawn(owner, (child, peer_device), "vmm-owner")
+    parent, proc = spawn_with_pipe(owner, (peer_device,), "vmm-owner")
     try:
         if not parent.poll(120):
             raise SystemExit("vmm.py: the owner process did not start within 120 s")
-        peer = parent.recv()
+        peer = first_message(parent, proc, "vmm.py: the owner process")
         engine = p2p.Engine(device, **ENGINE)
         local = {kind: allocate(kind, device) for kind in KINDS}
         for bufs in local.values():
@@ -144,11 +142,7 @@ def main() -> int:
         engine.close()
         return 0
     finally:
-        try:
-            parent.send("done")
-        except OSError:  # the owner is gone already
-            pass
-        reap([proc])
+        dismiss([parent], [proc], "done")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ import datetime
 import importlib.util
 import json
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -53,7 +52,7 @@ except ImportError:  # run from a checkout without installing: use the in-place 
 import torch_p2p.weights as pw
 
 import _baselines
-from _common import aligned, exit_on_sigterm, fmt_bytes, freeze_heap, parse_size, reap, spawn
+from _common import aligned, dismiss, exit_on_sigterm, fmt_bytes, freeze_heap, parse_size, spawn_with_pipe
 
 # (vocab, hidden, layers, heads, kv heads, head dim, intermediate, tied embeddings, qkv bias):
 # the models' published configs.
@@ -290,9 +289,9 @@ class Peers:
     def __init__(self, args):
         self.conns, self.procs = [], []
         for rank in range(1, max(args.dests) + 1):
-            mine, theirs = mp.get_context("spawn").Pipe()
-            self.procs.append(spawn(destination, (theirs, rank, args), f"weights-dest{rank}"))
-            self.conns.append(mine)
+            conn, proc = spawn_with_pipe(destination, (rank, args), f"weights-dest{rank}")
+            self.conns.append(conn)
+            self.procs.append(proc)
 
     def ask(self, ranks, *cmd) -> list:
         for r in ranks:
@@ -309,12 +308,7 @@ class Peers:
 
     def close(self) -> list[str]:
         """Says bye to every destination; what went wrong in any of them on the way out."""
-        for c in self.conns:
-            try:
-                c.send(("bye",))
-            except OSError:
-                pass
-        reap(self.procs)
+        dismiss(self.conns, self.procs, ("bye",))
         errors = []
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), 1):
             if proc.exitcode:
