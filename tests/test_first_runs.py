@@ -133,3 +133,21 @@ def test_kv_flags_a_missed_tail_target():
     assert re.search(r"^  tail/layer .*target: < 0\.1", out, re.MULTILINE), out
     # A missed target is not a failure, and the output says so (the exit status is 0: run() checks).
     assert ("not a failure" in out) == (mark == "missed"), out
+
+
+@pytest.mark.timeout(120)
+def test_a_benchmark_whose_peer_dies_first_says_so():
+    """The peer process fails before it answers (a device that is not there): the benchmark ends
+    with the peer's exit code instead of waiting on its pipe forever."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "call_cost.py"), "--device", "cpu",
+                           "--peer-device", "cuda:99", "--trials", "10"], capture_output=True, text=True,
+                          timeout=100, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert proc.stderr.rstrip().endswith("call_cost.py: the peer process exited (exit code 1) before it answered")
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(180)
+def test_vmm_benchmark_runs():
+    out = run("benchmarks/vmm.py", "--rounds", "1", "--seconds", "0.2").stdout
+    assert "vmm GB/s" in out and "contiguous (256 MiB)" in out, out
