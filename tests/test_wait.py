@@ -24,6 +24,16 @@ def test_returns_the_value_set_by_another_thread():
     assert time.monotonic() - start < 10
 
 
+def test_takes_what_then_and_collect_all_return():
+    fut = torch.futures.Future()
+    chained = fut.then(lambda f: f.value() + 1)
+    both = torch.futures.collect_all([fut, chained])
+    assert not isinstance(chained, torch.futures.Future)  # torch._C.Future: torch's own wrapper
+    later(0.1, lambda: fut.set_result(1))
+    assert p2p.wait(chained, 30) == 2
+    assert [f.value() for f in p2p.wait(both, 30)] == [1, 2]
+
+
 def test_a_done_future_returns_at_once_whatever_the_timeout():
     fut = torch.futures.Future()
     fut.set_result("x")

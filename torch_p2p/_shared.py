@@ -119,7 +119,7 @@ def wait_all(futures, timeout: float | None = None) -> bool:
 def wait(future, timeout: float | None = None):
     """future.wait() with a timeout: raises TimeoutError if it is not done in time (waits as
     wait_all does)."""
-    if not isinstance(future, torch.futures.Future):
+    if not isinstance(future, torch._C.Future):  # what then() and collect_all() return too
         raise TypeError(f"wait() takes a torch.futures.Future, not {type(future).__name__}")
     if not wait_all([future], timeout):
         raise TimeoutError(f"the operation did not complete within {timeout} s")
