@@ -301,7 +301,11 @@ class Peers:
     def answer(self, rank: int):
         if not self.conns[rank - 1].poll(_baselines.TIMEOUT_S * 5):
             raise RuntimeError(f"destination {rank} did not answer")
-        status, value = self.conns[rank - 1].recv()
+        try:
+            status, value = self.conns[rank - 1].recv()
+        except EOFError:
+            self.procs[rank - 1].join(5)
+            raise RuntimeError(f"destination {rank} exited (exit code {self.procs[rank - 1].exitcode})") from None
         if status != "ok":
             raise RuntimeError(f"destination {rank} failed: {value}")
         return value
