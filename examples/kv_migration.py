@@ -195,6 +195,7 @@ def main() -> None:
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=decode_process, args=(child_conn, args.provider, args.peer_device))
     child.start()
+    child_conn.close()  # the child's end: if the child dies, conn.recv() raises EOFError instead of waiting
     try:
         model, config = build_model(args.device)
         with p2p.Engine(args.device, **engine_args(args.provider)) as engine:

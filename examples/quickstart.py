@@ -48,6 +48,7 @@ def main() -> None:
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=owner, args=(child_conn, args.provider, args.peer_device))
     child.start()
+    child_conn.close()  # the child's end: if the child dies, conn.recv() raises EOFError instead of waiting
     try:
         with p2p.Engine(args.device, **engine_args(args.provider)) as engine:
             remote = p2p.RemoteTensor.from_bytes(conn.recv())

@@ -130,11 +130,13 @@ def main() -> None:
         mine, theirs = ctx.Pipe()
         procs[name] = ctx.Process(target=inference, args=(name, theirs, args, device(i), rank_pipe), daemon=True)
         procs[name].start()
+        theirs.close()  # the child's end: once the child dies, recv() here raises EOFError
         conns[name] = mine
 
     tp_a, tp_b = ctx.Pipe()
     for i, (name, pipe) in enumerate([("replica-a", None), ("replica-b", None), ("tp-0", tp_a), ("tp-1", tp_b)]):
         start(name, i + 1, pipe)
+    tp_a.close(), tp_b.close()  # the two tensor-parallel ranks' own pipe
     for name in list(conns):
         assert answer(conns[name]) == "joined"
     ok = True
