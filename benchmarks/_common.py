@@ -84,9 +84,9 @@ def spawn_with_pipe(target, args: tuple, name: str) -> tuple:
     return mine, proc
 
 
-def first_message(conn, proc: mp.Process, what: str):
-    """The child's first message on `conn`; SystemExit naming the child's exit code if it died
-    first (its own error is above, on the stderr both share)."""
+def message_from(conn, proc: mp.Process, what: str):
+    """The child's next message on `conn`; SystemExit naming the child's exit code if it died
+    before sending one (its own error is above, on the stderr both share)."""
     try:
         return conn.recv()
     except EOFError:

@@ -43,7 +43,7 @@ try:
 except ImportError:  # run from a checkout without installing: use the in-place build
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_p2p as p2p
-from _common import dismiss, exit_on_sigterm, first_message, spawn_with_pipe
+from _common import dismiss, exit_on_sigterm, message_from, spawn_with_pipe
 
 PAGE = 4096
 BURST = 16
@@ -80,7 +80,7 @@ def main() -> None:
 
     here, child = spawn_with_pipe(peer, (peer_device,), "call-cost-peer")
     try:
-        remote = p2p.RemoteTensor.from_bytes(first_message(here, child, "call_cost.py: the peer process"))
+        remote = p2p.RemoteTensor.from_bytes(message_from(here, child, "call_cost.py: the peer process"))
         with p2p.Engine(args.device) as engine:
             src = torch.ones(BURST * PAGE, dtype=torch.uint8, device=args.device)
             engine.register(src)

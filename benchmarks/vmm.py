@@ -30,7 +30,7 @@ except ImportError:  # run from a checkout without installing: use the in-place 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_p2p as p2p
 from torch_p2p import _C  # noqa: E402
-from _common import aligned, dismiss, first_message, spawn_with_pipe  # noqa: E402
+from _common import aligned, dismiss, message_from, spawn_with_pipe  # noqa: E402
 
 TARGET = 0.95
 PAGES, PAGE = 256, 64 << 10
@@ -109,7 +109,7 @@ def main() -> int:
     try:
         if not parent.poll(120):
             raise SystemExit("vmm.py: the owner process did not start within 120 s")
-        peer = first_message(parent, proc, "vmm.py: the owner process")
+        peer = message_from(parent, proc, "vmm.py: the owner process")
         engine = p2p.Engine(device, **ENGINE)
         local = {kind: allocate(kind, device) for kind in KINDS}
         for bufs in local.values():

@@ -52,7 +52,7 @@ except ImportError:  # run from a checkout without installing: use the in-place 
 import torch_p2p.weights as pw
 
 import _baselines
-from _common import aligned, dismiss, exit_on_sigterm, fmt_bytes, freeze_heap, parse_size, spawn_with_pipe
+from _common import aligned, dismiss, exit_on_sigterm, fmt_bytes, freeze_heap, message_from, parse_size, spawn_with_pipe
 
 # (vocab, hidden, layers, heads, kv heads, head dim, intermediate, tied embeddings, qkv bias):
 # the models' published configs.
@@ -301,11 +301,7 @@ class Peers:
     def answer(self, rank: int):
         if not self.conns[rank - 1].poll(_baselines.TIMEOUT_S * 5):
             raise RuntimeError(f"destination {rank} did not answer")
-        try:
-            status, value = self.conns[rank - 1].recv()
-        except EOFError:
-            self.procs[rank - 1].join(5)
-            raise RuntimeError(f"destination {rank} exited (exit code {self.procs[rank - 1].exitcode})") from None
+        status, value = message_from(self.conns[rank - 1], self.procs[rank - 1], f"weights.py: destination {rank}")
         if status != "ok":
             raise RuntimeError(f"destination {rank} failed: {value}")
         return value
