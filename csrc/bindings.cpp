@@ -723,6 +723,7 @@ PYBIND11_MODULE(_C, m) {
     d["own_endpoint_names"] = p.own_endpoint_names;
     d["peers_must_release"] = p.peers_must_release;
     d["target_progress"] = p.target_progress;
+    d["shares_own_endpoints"] = p.shares_own_endpoints;
     d["known_problem"] = p.known_problem ? py::object(py::str(p.known_problem)) : py::none();
     return d;
   }, py::arg("provider"), "What the engine does differently on a provider (csrc/fabric/profile.h), a dict.");

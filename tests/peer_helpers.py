@@ -611,3 +611,41 @@ def closed_engine_address(state, provider: str) -> bytes:
     address = gone.address
     gone.close()
     return address
+
+
+def close_two_at_once(state, provider: str, rounds: int) -> int:
+    """Two engines of this process, each with writes, reads and messages to the other in
+    flight, closed at the same time from two threads, `rounds` times. Returns how many of
+    their futures were still pending afterwards (a crash ends the process)."""
+    pending = 0
+    for _ in range(rounds):
+        a, b = (p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=2)) for _ in range(2))
+        ra, rb = (e.register(torch.zeros(1 << 20, dtype=torch.uint8)).remote for e in (a, b))
+        sa, sb = torch.ones(4096, dtype=torch.uint8), torch.ones(4096, dtype=torch.uint8)
+        a.register(sa)
+        b.register(sb)
+        p2p.wait(a.connect(b.address), 10)
+        p2p.wait(b.connect(a.address), 10)
+        futures = [a.write_slices(sa, [rb[:4096]]) for _ in range(100)] + \
+            [b.read_slices(sb, [ra[:4096]]) for _ in range(100)] + \
+            [a.send(b.address, b"a") for _ in range(20)] + [b.send(a.address, b"b") for _ in range(20)]
+        closing = threading.Thread(target=b.close)
+        closing.start()
+        a.close()
+        closing.join()
+        pending += outcomes(futures, 0).count("pending")
+    return pending
+
+
+def own_shm_files(state) -> list[int]:
+    """How many shm endpoint files of this process exist: with two shm engines open, once the
+    first has closed, once both have."""
+    def count():
+        return sum(name.startswith(f"p2p-{os.getpid()}-") for name in os.listdir("/dev/shm"))
+
+    a, b = (p2p.Engine("cpu", **engine_kwargs("shm")) for _ in range(2))
+    counts = [count()]
+    b.close()
+    counts.append(count())
+    a.close()
+    return counts + [count()]

@@ -382,19 +382,44 @@ def test_nobody_listens(provider):
             p2p.wait(a.connect(other.address), 10)
 
 
+# shm (libfabric 1.17) reaches an endpoint of its own process through that endpoint's mapping,
+# which closing it unmaps, and keeps the stale pointer: fi_av_insert of a closed one's address,
+# or progress of one still open after its peer of the process closed, crashed the process. The
+# engine parks a closed endpoint while another of the process is open and refuses the address
+# of one that has closed (fabric/rail.cpp, OwnEndpoints). Each test runs in a child, so that a
+# crash fails it alone.
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(bool(os.environ.get("TORCH_P2P_SANITIZED")),
-                    reason="crashes a child on purpose; scripts/sanitize.sh would count the SEGV as a report")
-# Not gated on the version: 2.6.0 crashes too. The child's death reaches us as PeerDied.
-@pytest.mark.xfail(strict=True, raises=PeerDied, reason="BUG (shm provider, libfabric 1.17; 2.6.0 crashes too): fi_av_insert() of the address "
-                   "of an shm endpoint that was closed in the same process segfaults (in Rail::insert "
-                   "<- Worker::peer_for <- Worker::connect); the whole process dies")
-def test_connect_to_engine_closed_in_same_process_shm():
+@pytest.mark.parametrize("open_first", [True, False], ids=["closed-while-another-open", "closed-before"])
+def test_connect_to_engine_closed_in_same_process_shm(open_first):
+    """Refused at once (not after peer_timeout), whether the closed engine's endpoint is
+    parked (another was open) or unmapped (none was)."""
     with Peer() as host:
-        host.call(ph.start_engine, "shm", peer_timeout=PEER_TIMEOUT)
+        if open_first:
+            host.call(ph.start_engine, "shm", peer_timeout=PEER_TIMEOUT)
         gone = host.call(ph.closed_engine_address, "shm")
-        host.call(ph.issue, [("connect", gone)])
-        assert host.call(ph.settle, PEER_TIMEOUT + 5)["errors"] == ["PeerError"]
+        if not open_first:
+            host.call(ph.start_engine, "shm", peer_timeout=PEER_TIMEOUT)
+        start = host.call(ph.issue, [("connect", gone)])
+        result = host.call(ph.settle, PEER_TIMEOUT + 5)
+        assert result["errors"] == ["PeerError"], result
+        assert "of this process that has closed" in result["messages"][0]
+        assert result["ended"] - start < PEER_TIMEOUT
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_two_engines_of_one_process_close_at_once(provider):
+    """Each with writes, reads and messages to the other in flight. Before parking, shm
+    crashed the process (SIGSEGV in fi_cq_read under the last engine's goodbye) within a few
+    of these rounds."""
+    with Peer() as host:
+        assert host.call(ph.close_two_at_once, provider, 20) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_shm_endpoint_stays_mapped_while_another_of_the_process_is_open():
+    with Peer() as host:
+        assert host.call(ph.own_shm_files) == [2, 2, 0]
 
 
 @pytest.mark.timeout(120)

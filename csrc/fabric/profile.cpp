@@ -6,19 +6,19 @@ namespace p2p::fabric {
 
 const std::vector<Profile>& profiles() {
   // name, rank, remote, rdma, dmabuf, auto_progress, rails_from_cores, max_chunk, unchecked_fast_rma,
-  // cuda_ipc_rma, own_endpoint_names, peers_must_release, target_progress, known_problem
+  // cuda_ipc_rma, own_endpoint_names, peers_must_release, target_progress, shares_own_endpoints, known_problem
   static const std::vector<Profile> table = {
-      {"efa", 1, true, true, true, false, false, 0, false, false, false, false, false, nullptr},
-      {"verbs", 2, true, true, true, false, false, 0, false, false, false, false, false, nullptr},
-      {"tcp", 3, true, false, false, true, true, 0, false, false, false, false, false, nullptr},
-      {"shm", 0, false, false, false, false, false, 64 << 20, true, true, true, true, true,
+      {"efa", 1, true, true, true, false, false, 0, false, false, false, false, false, false, nullptr},
+      {"verbs", 2, true, true, true, false, false, 0, false, false, false, false, false, false, nullptr},
+      {"tcp", 3, true, false, false, true, true, 0, false, false, false, false, false, false, nullptr},
+      {"shm", 0, false, false, false, false, false, 64 << 20, true, true, true, true, true, true,
        "libfabric 1.17's shm can wedge when a peer is killed with transfers in flight"},
   };
   return table;
 }
 
 const Profile& profile(std::string_view provider) {
-  static const Profile none{"", 0, true, false, false, false, false, 0, false, false, false, false, false, nullptr};
+  static const Profile none{"", 0, true, false, false, false, false, 0, false, false, false, false, false, false, nullptr};
   const std::string_view first = provider.substr(0, provider.find(';'));
   for (const Profile& p : profiles())
     if (first == p.name) return p;

@@ -43,6 +43,10 @@ struct Profile {
   // nothing wakes an idle target when one arrives: it would nap 50-100 us a step. A requester
   // with RMA in flight sends it a KeepPolling message now and then (routes/fabric/route.h).
   bool target_progress;
+  // An endpoint reaches another endpoint of its own process through that one's mapping of its
+  // shared memory, which closing it unmaps: the engine parks a closed endpoint while another of
+  // the process is open (fabric/rail.cpp, OwnEndpoints).
+  bool shares_own_endpoints;
   const char* known_problem;  // what doctor warns of when it is chosen, or null
 };
 

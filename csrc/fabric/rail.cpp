@@ -12,6 +12,10 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <mutex>
+#include <unordered_set>
+#include <vector>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -73,6 +77,54 @@ InfoPtr for_rail(const fi_info* info, uint16_t port) {
   return copy;
 }
 
+// Profile::shares_own_endpoints (shm, libfabric 1.17): an endpoint reaches another endpoint of
+// its own process through that one's own mapping of its shared memory, not a mapping of its
+// own, and closing an endpoint unmaps it; the provider also keeps a closed endpoint's name
+// listed, the stale pointer with it. So an endpoint closed while another of the process is
+// open leaves that one writing into unmapped memory (answering what the closed one sent,
+// completing its own sends to it: a SIGSEGV when two engines of one process closed at once),
+// or into whatever is mapped there next. Here a closing endpoint is parked: left open and
+// silent (nothing polls it) until no endpoint of the process is open, then closed with the
+// others. An address of one that has closed, parked or not, is refused: inserting it would
+// follow the stale pointer once it is unmapped. Parked endpoints keep their shared memory
+// (about 4 MiB each) until then.
+class OwnEndpoints {
+ public:
+  using Close = std::function<void()>;
+
+  void opened() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++open_;
+  }
+  // `close` closes the endpoint's objects, now or once no endpoint of the process is open.
+  void closing(const std::string& address, Close close) {
+    std::vector<Close> now;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_.insert(address);
+      parked_.push_back(std::move(close));
+      if (--open_ > 0) return;
+      now.swap(parked_);
+    }
+    for (Close& c : now) c();  // no endpoint is open that could reach them
+  }
+  bool closed(const std::string& address) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return closed_.count(address) > 0;
+  }
+
+ private:
+  std::mutex mu_;
+  int open_ = 0;
+  std::vector<Close> parked_;
+  std::unordered_set<std::string> closed_;  // addresses carry 64 random bits: never reused
+};
+
+OwnEndpoints& own_endpoints() {
+  static auto* endpoints = new OwnEndpoints;  // never destroyed: an engine may close at exit
+  return *endpoints;
+}
+
 }  // namespace
 
 Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port, const QueryOptions& options)
@@ -131,16 +183,24 @@ Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port, const QueryOption
   max_iov_ = shm_fast ? 1 : std::max<size_t>(1, std::min(info_->tx_attr->iov_limit, info_->tx_attr->rma_iov_limit));
   efa_shaped_ = options.efa_shaped;
   if (efa_shaped_) max_iov_ = EfaShape::kRmaIov;
+  shares_own_endpoints_ = profile(prov).shares_own_endpoints;
+  if (shares_own_endpoints_) own_endpoints().opened();
 }
 
 Rail::~Rail() {
   // The endpoint goes first: closing it cancels what is still posted.
-  close_fid(ep_);
-  close_fid(av_);
-  close_fid(cq_);
-  close_fid(eq_);
-  close_fid(domain_);
-  close_fid(fabric_);
+  auto close = [ep = ep_, av = av_, cq = cq_, eq = eq_, domain = domain_, fabric = fabric_]() mutable {
+    close_fid(ep);
+    close_fid(av);
+    close_fid(cq);
+    close_fid(eq);
+    close_fid(domain);
+    close_fid(fabric);
+  };
+  if (shares_own_endpoints_)
+    own_endpoints().closing(address_, std::move(close));
+  else
+    close();
 }
 
 fi_addr_t Rail::insert(const std::string& raw_address) {
@@ -149,6 +209,8 @@ fi_addr_t Rail::insert(const std::string& raw_address) {
     ++it->second.users;
     return it->second.addr;
   }
+  P2P_CHECK(!shares_own_endpoints_ || !own_endpoints().closed(raw_address), ErrorKind::Peer,
+            "the address names an endpoint on ", domain_name(), " of an engine of this process that has closed");
   fi_addr_t addr = FI_ADDR_NOTAVAIL;
   const int n = fi_av_insert(av_, raw_address.data(), 1, &addr, 0, nullptr);
   P2P_CHECK(n == 1, ErrorKind::Peer, "fi_av_insert on ", domain_name(),

@@ -111,6 +111,7 @@ class Rail {
   bool peers_must_release_ = false;
   bool target_progress_ = false;
   bool cuda_ipc_ = false;
+  bool shares_own_endpoints_ = false;  // Profile::shares_own_endpoints: see OwnEndpoints
   std::string address_;
   struct AvEntry {
     fi_addr_t addr;
