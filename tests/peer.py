@@ -68,6 +68,11 @@ def stacks(pid: int) -> str:
     return "".join("\n" + o for o in out)
 
 
+def shm_endpoint_files(pid: int) -> list[str]:
+    """The shm endpoint files of process `pid` (the engine names them p2p-<pid>-<random>)."""
+    return glob.glob(f"/dev/shm/p2p-{pid}-*")
+
+
 class Peer:
     def __init__(self, env: dict | None = None):
         ctx = mp.get_context("spawn")
@@ -127,10 +132,10 @@ class Peer:
         if self.proc.is_alive():
             self.kill()
         self._conn.close()
-        # A child killed with shm endpoints open leaves their files (the engine names them
-        # p2p-<pid>-<random>): tests kill many, so remove them.
+        # A child killed with shm endpoints open leaves their files: tests kill many, so remove
+        # them.
         if not self.proc.is_alive():
-            for leftover in glob.glob(f"/dev/shm/p2p-{self.proc.pid}-*"):
+            for leftover in shm_endpoint_files(self.proc.pid):
                 try:
                     os.unlink(leftover)
                 except OSError:

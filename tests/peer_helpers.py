@@ -24,6 +24,7 @@ import torch
 import torch_p2p as p2p
 from conftest import engine_kwargs
 from helpers import close_engine, close_region, fetch, put, start_engine, target  # noqa: F401 - steps for Peer children
+from peer import shm_endpoint_files
 from torch_p2p import _C
 
 # -- forged handles ----------------------------------------------------------------------------
@@ -641,7 +642,7 @@ def own_shm_files(state) -> list[int]:
     """How many shm endpoint files of this process exist: with two shm engines open, once the
     first has closed, once both have."""
     def count():
-        return sum(name.startswith(f"p2p-{os.getpid()}-") for name in os.listdir("/dev/shm"))
+        return len(shm_endpoint_files(os.getpid()))
 
     a, b = (p2p.Engine("cpu", **engine_kwargs("shm")) for _ in range(2))
     counts = [count()]
