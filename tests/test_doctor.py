@@ -177,6 +177,21 @@ def test_warns_ptrace_opened_to_any(tmp_path, monkeypatch):
     assert not any("TORCH_P2P_CMA_PTRACE" in p for p in problems(report))
 
 
+def test_says_how_a_failed_call_stops_and_warns_when_it_would_not(tmp_path):
+    """Each provider's way of stopping a failed call is in the report (efa's limit named), and
+    FI_AV_REMOVE_CLEANUP=0, which keeps a dead peer's connections, is a warning."""
+    env = {"FI_EFA_USE_DEVICE_RDMA": "1"}
+    report, _ = aws_report(p5(tmp_path), env=env)
+    assert "cannot revoke the keys" in report["failed_calls"]
+    assert "a failed call (efa): " in doctor.render(report, [])
+    report, _ = aws_report(p5(tmp_path / "a"), provider="tcp", env={"TORCH_P2P_PROVIDER": "tcp"})
+    assert "connections are cut" in report["failed_calls"]
+    assert not any("FI_AV_REMOVE_CLEANUP" in p for p in problems(report))
+    report, _ = aws_report(p5(tmp_path / "b"), env={**env, "FI_AV_REMOVE_CLEANUP": "0"})
+    assert report["failed_calls"].startswith("not stopped")
+    assert any("FI_AV_REMOVE_CLEANUP is off" in p for p in problems(report))
+
+
 def test_no_provider_at_all():
     report = doctor.collect(env={}, offers={p: ABSENT for p in doctor.PROVIDERS}, gpu_pcis=[])
     assert report["default_provider"] is None

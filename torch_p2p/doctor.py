@@ -125,6 +125,26 @@ def routes(gpus: int, peer_access: Callable[[int, int], bool], offer: dict[str, 
     return rows
 
 
+# How each provider stops a failed call (docs/design.md, "A failed call has stopped").
+FAILED_CALLS = {
+    "efa": "the NIC completes or fails what was posted; an owner cannot revoke the keys a peer it gave up "
+           "on holds (connectionless), so RMA a stopped peer posted before it stopped can land when it resumes",
+    "verbs": "a dead peer's connections are cut: what was posted to it is flushed, and it can no longer reach us",
+    "tcp": "a dead peer's connections are cut: what was posted to it is flushed, and it can no longer reach us",
+    "shm": "cannot cancel: what a stopped peer has not served is given up 2 s after its failure, and may still "
+           "move when it resumes",
+}
+
+
+def failed_calls(provider: str | None, env: dict[str, str]) -> str | None:
+    """How a failed call to a peer of `provider` stops moving bytes, as this process will do it."""
+    if provider is None:
+        return None
+    if env.get("FI_AV_REMOVE_CLEANUP", "1") in ("0", "false", "no"):
+        return "not stopped: FI_AV_REMOVE_CLEANUP is off, so a dead peer's connections stay"
+    return FAILED_CALLS.get(provider.split(";")[0])
+
+
 def settings(env: dict[str, str]) -> dict[str, str]:
     """TORCH_P2P_* and the FI_* variables that change what the engine gets."""
     return {k: v for k, v in sorted(env.items()) if k.startswith(("TORCH_P2P_", "FI_"))}
@@ -155,6 +175,7 @@ def collect(*, env: dict[str, str] | None = None, offers: dict[str, dict] | None
         "ptrace": ptrace_consent(scope, env),
         "settings": settings(env),
         "host_plan": host_plan(chosen, offer),
+        "failed_calls": failed_calls(chosen, env),
     }
 
 
@@ -224,6 +245,10 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
              "process that opens an engine, as if kernel.yama.ptrace_scope were 0",
              "unset it (each process then consents to one peer); tensors in shared memory "
              "(share_memory_() before register) reach every peer without consent")
+    if env.get("FI_AV_REMOVE_CLEANUP", "1") in ("0", "false", "no"):
+        warn("FI_AV_REMOVE_CLEANUP is off: a dead peer's connections are not cut, so a failed call's "
+             "operations may still move bytes until the provider gives them up",
+             "unset it (the engine sets FI_AV_REMOVE_CLEANUP=1 when it loads)")
     if env.get("TORCH_P2P_SHM_FAST") == "1":
         warn("TORCH_P2P_SHM_FAST=1: shm RMA checks no key, access or bounds",
              "unset it unless every local process of this user is trusted")
@@ -263,6 +288,8 @@ def render(report: dict[str, Any], warnings: list[dict[str, str]]) -> str:
     for r in report["routes"]:
         lines.append(f"  {r['from']} -> {r['to']}: {r['route']}")
     lines.append(f"ptrace: {report['ptrace']}")
+    if report.get("failed_calls"):
+        lines.append(f"a failed call ({report['default_provider']}): {report['failed_calls']}")
     lines.append("settings: " + (", ".join(f"{k}={v}" for k, v in report["settings"].items()) or "none set"))
     if "check" in report:
         lines.append("check (loopback, this process; baseline: memcpy of the same bytes, same run):")

@@ -10,7 +10,8 @@
 //    Only a peer that something waits on is watched; an idle one costs nothing.
 //  - A HELLO that fails while the connection under it is torn down is sent again after a
 //    growing pause, until the deadline; any other failure is final.
-//  - Dead or Left: final until the peer is contacted again (connect()).
+//  - Dead or Left: final for every call of that contact; a later call or connect() to the peer
+//    begins a new contact (Connecting), unless its process is gone (Peer::closed).
 #pragma once
 
 #include <cstdint>

@@ -39,8 +39,14 @@ struct Peer {
   size_t busy = 0;                 // transfers, jobs and messages involving it (begin_work())
   uint64_t disconnect_id = 0;
   uint32_t next_message = 0;
-  bool revivable = false;          // left by our own disconnect(): a later use reconnects
-  bool closed = false;             // its engine closed (on_bye()): never contact it again
+  // Its engine closed (on_bye()), its process exited, or another process took its address:
+  // never contact it again.
+  bool closed = false;
+  // After it failed: the rail threads' Forget markers still out (its connections are cut once
+  // all are back, Peers::cut) and when ops the provider still holds for it are given up on
+  // (Worker::peer_failed). 0: nothing of it is draining.
+  size_t forgets_out = 0;
+  double drain_until = 0;
   int pidfd = -1;                  // same-host peers we map: their process, to see it exit
   bool process_gone = false;       // its process had exited when we came to watch it
   std::unordered_set<uint64_t> closed_regions;  // its regions it told us it deregistered
@@ -63,6 +69,7 @@ struct Peer {
   PeerState state() const { return live.state(); }
   bool failed() const { return live.failed(); }
   bool waits() const { return live.waits(); }  // new transfers wait for its answer
+  bool draining() const { return drain_until > 0; }
 };
 
 // A peer's failure, as each part that keeps something of the peer hears it (Peers::fail).

@@ -21,7 +21,7 @@ void wake(int fd) {
 }  // namespace
 
 RailDriver::RailDriver(const std::vector<fabric::Rail*>& rails, std::vector<uint16_t> mine, size_t capacity,
-                       size_t batch, int spin_us, int main_wake_fd, std::atomic<bool>* main_sleeping,
+                       size_t batch, int spin_us, double stall_s, int main_wake_fd, std::atomic<bool>* main_sleeping,
                        const cpu_set_t& cpus, const std::string& name)
     : rails_(rails.size(), nullptr),
       mine_(std::move(mine)),
@@ -30,6 +30,7 @@ RailDriver::RailDriver(const std::vector<fabric::Rail*>& rails, std::vector<uint
       out_(capacity),
       batch_(batch),
       spin_us_(spin_us),
+      stall_s_(stall_s),
       main_wake_fd_(main_wake_fd),
       main_sleeping_(main_sleeping),
       cpus_(cpus),
@@ -62,11 +63,14 @@ void RailDriver::kick() {
 }
 
 void RailDriver::run() {
-  double idle_since = now();
+  double idle_since = now(), last_turn = idle_since;
   while (!stop_.load(std::memory_order_relaxed)) {
     bool busy = false;
     Op* op;
     while (in_.pop(op)) busy |= take(op);
+    const double turn = now();
+    if (turn - last_turn > stall_s_) drop_pending(turn - last_turn);
+    last_turn = turn;
     busy |= post_pending();
     busy |= poll();
     const double t = now();
@@ -101,6 +105,27 @@ bool RailDriver::take(Op* op) {
   }
   emit({op, 0, 0, 0, nullptr});
   return true;
+}
+
+// NOTE: a process stopped (SIGSTOP, a VM pause) past its peers' timeout comes back to peers
+// that declared it dead and cut its connections, but also to connections they did not cut:
+// what it queued before it stopped belongs to calls its peers no longer wait for, and posted
+// now it would reach their memory on a new connection. It goes back unposted instead; ops the
+// provider held already fail on the cut connections.
+void RailDriver::drop_pending(double stalled_s) {
+  for (uint16_t r : mine_) {
+    Ring<Op*>& q = pending_[r];
+    for (size_t i = q.size(); i > 0; --i) {
+      Op* queued = q.front();
+      q.pop_front();
+      if (queued->kind == OpKind::Recv) {
+        q.push_back(queued);
+        continue;
+      }
+      emit({queued, FI_ECANCELED, 0, 0,
+            new std::string(cat("dropped unposted: this process stalled for ", stalled_s, " s, past its peers' patience"))});
+    }
+  }
 }
 
 // The worker's posting, for our rails.

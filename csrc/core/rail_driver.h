@@ -139,9 +139,11 @@ class RailDriver {
   // rails: the engine's rails, indexed like Op::rail; `mine` the indices this driver owns.
   // cpus: the cores the driver may run on (the process's own set: a driver must not inherit
   // the pinned worker's single core). name: the thread's name, for tools like top -H. An idle
-  // driver (no op out) polls for spin_us, then sleeps until kick() or a completion.
+  // driver (no op out) polls for spin_us, then sleeps until kick() or a completion. stall_s:
+  // a gap between two turns longer than this (the process was stopped, or starved) drops what
+  // is queued here unposted, since the peers may have given up on this process meanwhile.
   RailDriver(const std::vector<fabric::Rail*>& rails, std::vector<uint16_t> mine, size_t capacity,
-             size_t batch, int spin_us, int main_wake_fd, std::atomic<bool>* main_sleeping,
+             size_t batch, int spin_us, double stall_s, int main_wake_fd, std::atomic<bool>* main_sleeping,
              const cpu_set_t& cpus, const std::string& name);
   ~RailDriver();
   RailDriver(const RailDriver&) = delete;
@@ -164,6 +166,7 @@ class RailDriver {
  private:
   void run();
   bool take(Op* op);
+  void drop_pending(double stalled_s);
   bool post_pending();
   bool poll();
   void emit(const Event& e);
@@ -176,6 +179,7 @@ class RailDriver {
   SpscRing<Event> out_;
   size_t batch_;
   int spin_us_;
+  double stall_s_;
   int main_wake_fd_;
   std::atomic<bool>* main_sleeping_;
   int wake_fd_ = -1, epoll_fd_ = -1;

@@ -65,7 +65,8 @@ void Rails::start_drivers(bool auto_progress, const cpu_set_t& node_cpus, int wa
     // NOTE: drivers sleep after a millisecond idle even beside a pinned worker that always
     // spins: a CUDA engine on tcp whose peers take the IPC route would otherwise keep a core per
     // rail busy doing nothing (8 per GPU engine on the 32-core GPU machine).
-    drivers_.push_back(std::make_unique<RailDriver>(rails, mine, capacity, config_.batch, 1000, wake_fd,
+    drivers_.push_back(std::make_unique<RailDriver>(rails, mine, capacity, config_.batch, 1000,
+                                                    config_.peer_timeout_s / 2, wake_fd,
                                                     worker_sleeping, cpus, cat("p2p-rail", d)));
     for (uint16_t r : mine) rails_[r].driver = drivers_.back().get();
   }
@@ -181,8 +182,9 @@ bool Rails::hand_over(RailState& rs, OpSink& sink) {
   return any;
 }
 
-void Rails::forget(Peer* p) {
+size_t Rails::forget(Peer* p) {
   for (auto& d : drivers_) forgets_.push_back({d.get(), p});  // at the rail threads' next turn
+  return drivers_.size();
 }
 
 // Tells the rail threads about failed peers (Forget markers), in order with the ops handed over.

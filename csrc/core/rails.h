@@ -82,8 +82,9 @@ class Rails {
   void post_receive(Op* op, OpSink& sink);
   // A posted op is over: its credit returns.
   void uncount(const Op& op) { --rails_[op.rail].inflight; }
-  // The rail threads drop what they hold for p, in order with the ops handed to them.
-  void forget(Peer* p);
+  // The rail threads drop what they hold for p, in order with the ops handed to them; each
+  // hands its Forget marker back once it has. Returns how many markers will come back.
+  size_t forget(Peer* p);
 
   // Registers [ptr, ptr + nbytes) on every rail in pieces of `piece` bytes, in `mrs` (piece-major).
   // dmabuf, if given, is asked for each piece's dma-buf (fd -1: that piece by address); the

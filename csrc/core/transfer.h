@@ -91,9 +91,12 @@ struct Transfer final : OpOwner, TransferCall {
   //    state an op fails (Queued, Running, Notifying) and that state must be kept.
   //  - acked: the peer acknowledged it. A message's UserAck may arrive before the send's own
   //    completion, that is, before the transfer reaches AwaitingAck.
+  //  - report_due: it failed with ops, slot jobs or copies still out; the future hears once
+  //    they are back (Worker::maybe_free), so that no byte of the call moves after it.
   bool queued = false;
   bool held = false;
   bool acked = false;
+  bool report_due = false;
 
   bool reported() const { return state == TransferState::Reported; }
   bool routed() const { return route != kNoRoute; }
@@ -106,7 +109,7 @@ struct Transfer final : OpOwner, TransferCall {
   void pages_to_runs();
 
   void op_done(RouteHost& host, Op& op, const Status& status) override;
-  bool abandoned() const override { return reported(); }
+  bool abandoned() const override { return reported() || !status.ok(); }  // nothing more of a failed call goes out
   // Back to a new transfer's state, keeping the buffers' capacity (TransferPool).
   void recycle();
 };

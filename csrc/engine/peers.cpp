@@ -84,8 +84,8 @@ Peer* Peers::find_peer(const std::string& address_bytes, Contact how) {
                 "again once that attempt has ended (within peer_timeout)");
       readdress(p, std::move(a), address_bytes);
       revive(p);
-    } else if (p.failed() && !p.closed && (how != Contact::Implicit || p.revivable)) {
-      revive(p);
+    } else if (p.failed() && !p.closed && !p.draining()) {
+      revive(p);  // a new contact: every call of the old one has failed
     }
     return &p;
   }
@@ -107,7 +107,6 @@ void Peers::readdress(Peer& p, EngineAddress a, const std::string& address_bytes
 void Peers::revive(Peer& p) {
   p.live.connect(now());
   p.failure = Status{};
-  p.revivable = false;
   send_hello(p);
 }
 
@@ -176,7 +175,6 @@ void Peers::finish_disconnect(Peer& p) {
   if (p.state() == PeerState::Ready || p.state() == PeerState::Connecting)
     send(p, message(Bye{false}, p), nullptr, true);
   fail(p, Status::error(ErrorKind::Peer, cat(describe(p), " was disconnected by this engine")), PeerState::Left);
-  p.revivable = true;
   reports_.add(id, Status{});
 }
 
@@ -205,6 +203,7 @@ void Peers::on_hello_ack(const MsgHeader& h, const HelloAck& m) {
   Peer& p = *it->second;
   if (h.from != m.expected) {
     if (a.rails[0] != p.address.rails[0]) return;  // from an address it no longer has
+    p.closed = true;
     return fail(p, Status::error(ErrorKind::Peer,
                                       cat(describe(p), " restarted: the process at its address is now "
                                           "incarnation ", hex(h.from),
@@ -223,9 +222,11 @@ void Peers::on_hello_ack(const MsgHeader& h, const HelloAck& m) {
 void Peers::on_hello(const MsgHeader& h, const Hello& m) {
   const EngineAddress a = sender_address(h, m.address);
   for (auto& [inc, q] : peers_) {
-    if (inc != a.incarnation && !q->failed() && q->address.rails[0] == a.rails[0])
+    if (inc != a.incarnation && !q->failed() && q->address.rails[0] == a.rails[0]) {
+      q->closed = true;
       fail(*q, Status::error(ErrorKind::Peer, cat(describe(*q), " restarted (a new process now "
                                                            "answers at its address)")));
+    }
   }
   Peer* p;
   try {
@@ -274,8 +275,31 @@ void Peers::fail(Peer& p, Status why, PeerState state) {
 // RMA (and tcp;ofi_rxm then drops the connection), or a new process may have taken its address.
 // A HELLO finds out (check()); p is dead if that fails or goes unanswered.
 void Peers::op_failed(Peer& p, bool hello, int err, const Status& status) {
+  if (p.failed()) return;  // its ops come back as its connections are cut
   if (hello) return hello_failed(p, err, status);
-  check(p, now() + config_.peer_timeout_s);
+  // NOTE: a connection lost under an op (tcp's teardown flushes with FI_ECANCELED) was closed
+  // by the peer's kernel: its process died, closed or restarted, or its provider refused an RMA.
+  // A live owner answers the check in milliseconds; a dead one's address refuses connections,
+  // which ofi_rxm retries unseen. So such a check is given kLostConnectionCheckS, not
+  // peer_timeout: a killed peer on another host is dead in a second, not after its silence.
+  const bool lost = err == FI_ECANCELED || err == FI_ECONNRESET || err == FI_ENOTCONN || err == EPIPE ||
+                    err == FI_ECONNABORTED || err == FI_ECONNREFUSED;
+  check(p, now() + (lost ? std::min(config_.peer_timeout_s, kLostConnectionCheckS) : config_.peer_timeout_s));
+}
+
+void Peers::cut(Peer& p) {
+  const size_t remote = p.remote_rails();
+  for (size_t i = 0; i < p.fi.size(); ++i) {
+    const size_t rail = i / remote;
+    const fi_addr_t old = p.fi[i];
+    const fi_addr_t fresh = rails_->rail(rail).cut(old);
+    if (fresh == old) continue;
+    for (auto& [inc, q] : peers_) {
+      const size_t r = q->remote_rails();
+      for (size_t k = 0; k < q->fi.size(); ++k)
+        if (k / r == rail && q->fi[k] == old) q->fi[k] = fresh;
+    }
+  }
 }
 
 void Peers::begin_work(Peer& p) {
@@ -322,9 +346,11 @@ void Peers::check_processes() {
     if (p->failed()) continue;
     if (p->process_gone || (p->pidfd >= 0 && p2p::exited(p->pidfd))) gone.push_back(p.get());
   }
-  for (Peer* p : gone)
+  for (Peer* p : gone) {
+    p->closed = true;
     fail(*p, Status::error(ErrorKind::Peer, cat("peer ", hex(p->incarnation), " is dead: its process (pid ",
                                                      p->address.pid, ") exited")));
+  }
 }
 
 // Closing: connects in flight end with `closed`; disconnects succeed.

@@ -35,6 +35,8 @@ class PeerEvents {
 
 class Peers {
  public:
+  // How long a peer whose connection was lost under an op has to answer its check (op_failed).
+  static constexpr double kLostConnectionCheckS = 1.0;
   // How an address reached peer_for(): a transfer's handle, connect(), or the process's own HELLO.
   enum class Contact : uint8_t { Implicit, Connect, Introduction };
 
@@ -59,6 +61,10 @@ class Peers {
   // One of our ops to p failed (hello: a HELLO): a check finds out whether p is still there.
   void op_failed(Peer& p, bool hello, int err, const Status& status);
   void fail(Peer& p, Status why, PeerState state = PeerState::Dead);
+  // Tears down the connections to p on every rail (Rail::cut): the provider flushes what is
+  // posted to it, and nothing queued for it goes out later. Peers sharing its addresses (a
+  // process restarted at them) get the new entries.
+  void cut(Peer& p);
 
   // Something now waits on p (a transfer, a job serving it, a message); end_work(): it is over,
   // and a disconnect() waiting for it goes on.

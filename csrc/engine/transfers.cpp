@@ -139,11 +139,10 @@ void Worker::transfer_op_done(Transfer& t, const Status& status) {
   --t.pending;
   if (!status.ok() && t.status.ok()) {
     t.status = status;
-    // The peer may have refused the op, lost a connection, or been replaced at its address by
-    // a new process: the caller hears once a check of the peer tells which (check(), which
-    // op_failed() starts).
-    const bool telling = status.kind == ErrorKind::Peer || status.kind == ErrorKind::Remote;
-    t.held = telling && t.peer && !t.peer->failed();
+    // A refusal may come from the peer, or from a new process that took its address: the
+    // caller hears once a check of the peer tells which (check(), which op_failed() starts).
+    // A lost connection fails the call at once: what was on it came back with the loss.
+    t.held = status.kind == ErrorKind::Remote && t.peer && !t.peer->failed();
   }
   advance(t);
 }
@@ -201,7 +200,12 @@ void Worker::finish(Transfer& t, Status status) {
   }
   t.enter(TransferState::Reported);
   answer_orders(t);
-  reports_.add(t.id, t.status);
+  // A failure is told once nothing of the call is out: its ops drain (a failed peer's are
+  // flushed as its connections are cut), its copies end; then no byte of it moves.
+  if (t.status.ok() || t.pending == 0)
+    reports_.add(t.id, t.status);
+  else
+    t.report_due = true;
 }
 
 void Worker::fail(Transfer& t, Status status) {
@@ -210,7 +214,12 @@ void Worker::fail(Transfer& t, Status status) {
 }
 
 void Worker::maybe_free(Transfer& t) {
-  if (!t.reported() || t.pending > 0 || t.queued) return;
+  if (!t.reported() || t.pending > 0) return;
+  if (t.report_due) {
+    t.report_due = false;
+    reports_.add(t.id, t.status);
+  }
+  if (t.queued) return;
   if (t.cuda_event) copier_->release_event(t.cuda_event);
   Peer* p = t.peer;
   finished_->give(transfers_.remove(t));  // t is gone from here on
@@ -251,21 +260,53 @@ void Worker::peer_ready(Peer& p) {
 }
 
 // The peer's transfers fail; the routes let go of their work for it (the staged route's jobs
-// report into their transfers); posted ops to it may never complete (shm), so their owners hear
-// now and the credits return (a completion that still arrives only frees the op); the rail
-// threads and the region table forget it.
+// report into their transfers). The rail threads drop the ops to it they hold; a dead peer's
+// connections are then cut (Peers::cut, once every Forget marker is back): the provider flushes what
+// was posted to it, and the failed transfers report as their ops come back (finish()). What a
+// provider does not give back within kCancelMarginS is let go (drain_peer()).
 void Worker::peer_failed(const PeerFailure& f) {
+  Peer& p = f.peer;
   std::vector<Transfer*> affected;
   transfers_.for_each([&](Transfer& t) {
-    if (t.peer == &f.peer && !t.reported()) affected.push_back(&t);
+    if (t.peer == &p && !t.reported()) affected.push_back(&t);
   });
   for (Transfer* t : affected) {
     if (t->held) t->status = f.why;  // what the check found out is the answer
     fail(*t, f.why);
   }
-  for (auto& r : routes_) r->peer_failed(f.peer);
+  for (auto& r : routes_) r->peer_failed(p);
+  const size_t forgets = rails_->forget(&p);
+  // A peer that left said goodbye or was let go with nothing in flight: its connections stay.
+  if (f.state == PeerState::Dead) {
+    p.drain_until = now() + kCancelMarginS;
+    p.forgets_out = forgets;
+    if (forgets == 0) peers_.cut(p);
+  }
+  regions_.forget_peer(p.incarnation);
+}
+
+// While p drains: done once nothing posted to it is out; past its margin, what the provider
+// still holds is orphaned (its owners hear now, its regions stay pinned until it comes back).
+// NOTE: tcp and verbs (ofi_rxm) flush at once when cut; shm cannot cancel an op its peer has
+// not served, so a frozen shm peer's ops are orphaned: its failure says so (docs/design.md).
+void Worker::drain_peer(Peer& p, double t) {
+  size_t out = 0;
   rails_->pool().for_each_in_use([&](Op& op) {
-    if (op.peer != &f.peer || !op.posted || op.orphaned || op.kind == OpKind::Recv) return;
+    out += op.peer == &p && op.posted && !op.orphaned && op.kind != OpKind::Recv && op.kind != OpKind::Forget;
+  });
+  if (out == 0 && p.forgets_out == 0) {
+    p.drain_until = 0;
+    return;
+  }
+  if (t < p.drain_until) return;
+  p.drain_until = 0;
+  P2P_LOG(Warn, "the provider still holds ", out, " operations to peer ", hex(p.incarnation), " ",
+          kCancelMarginS, " s after its connections were cut: it cannot cancel them, and their bytes may still "
+          "move when the peer resumes");
+  const Status why = Status::error(ErrorKind::Peer, cat(p.failure.message, "; the provider could not cancel ", out,
+                                                        " operations to it, whose bytes may still move"));
+  rails_->pool().for_each_in_use([&](Op& op) {
+    if (op.peer != &p || !op.posted || op.orphaned || op.kind == OpKind::Recv || op.kind == OpKind::Forget) return;
     op.orphaned = true;
     rails_->uncount(op);
     if (op.region) {
@@ -275,10 +316,8 @@ void Worker::peer_failed(const PeerFailure& f) {
     }
     OpOwner* owner = op.owner;
     op.owner = nullptr;
-    if (owner) owner->op_done(*this, op, f.why);
+    if (owner) owner->op_done(*this, op, why);
   });
-  rails_->forget(&f.peer);
-  regions_.forget_peer(f.peer.incarnation);
 }
 
 }  // namespace p2p::engine

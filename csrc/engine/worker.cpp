@@ -258,7 +258,12 @@ void Worker::idle_wait() {
 
 void Worker::completed(Op* op, size_t len) {
   if (!op) return;
-  if (op->kind == OpKind::Forget) return rails_->pool().release(op);
+  if (op->kind == OpKind::Forget) {
+    Peer* p = op->peer;
+    rails_->pool().release(op);
+    if (p && p->forgets_out > 0 && --p->forgets_out == 0 && p->failed()) peers_.cut(*p);
+    return;
+  }
   if (op->kind == OpKind::Recv) {
     on_message(static_cast<const char*>(op->local()), len);
     rails_->post_receive(op, *this);
@@ -277,6 +282,7 @@ void Worker::failed(Op* op, int err, int prov_errno, const std::string& message)
   Peer* peer = op->peer;
   std::string who = peer ? cat(" to peer ", hex(peer->incarnation)) : std::string();
   Status status = Status::error(classify(err), cat(op_name(op->kind), who, " failed: ", message));
+  P2P_LOG(Debug, status.message, " (", fi_error_name(err), ")");
   const bool hello = op->hello, orphaned = op->orphaned;
   complete(op, status);
   if (peer && !orphaned && !stopping_.load()) peers_.op_failed(*peer, hello, err, status);
@@ -393,6 +399,9 @@ void Worker::tick() {
   }
   inbox_.expire(t);
   peers_.tick();
+  peers_.each([&](Peer& p) {
+    if (p.draining()) drain_peer(p, t);
+  });
   for (auto& r : routes_) r->tick();
   regions_.finish(now(), [this](Region& r) { rails_->deregister(r.mrs); });
 }
@@ -456,6 +465,7 @@ void Worker::release_held_resources() {
   routes_.clear();
   transfers_.for_each([&](Transfer& t) {
     if (t.cuda_event) copier_->release_event(t.cuda_event);
+    if (t.report_due) reports_.add(t.id, t.status);  // the rails are closed: nothing of it moves
   });
   transfers_.clear();
 }

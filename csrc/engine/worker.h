@@ -133,6 +133,10 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
   // PeerEvents (peers.h): what the worker's parts do when a peer answers or fails.
   void peer_ready(Peer& p) override;
   void peer_failed(const PeerFailure& f) override;
+  void drain_peer(Peer& p, double now);
+  // NOTE: how long a failed peer's posted ops may take to come back once its connections are
+  // cut; tcp and verbs flush them at once (microseconds), shm never does.
+  static constexpr double kCancelMarginS = 2.0;
 
   // worker.cpp: thread, start-up, loop, control messages, timers, shutdown.
   void run(std::promise<void>& ready);

@@ -16,6 +16,13 @@
 namespace p2p::fabric {
 namespace {
 
+// NOTE: libfabric reads FI_AV_REMOVE_CLEANUP once, at its first query. With it, removing a
+// peer's address tears down the connections under it (ofi_rxm closes the msg endpoint, whose
+// provider flushes every posted op with FI_ECANCELED): the one way to take back, from tcp and
+// verbs, the buffers of ops to a peer that stopped answering (Worker::peer_failed). Set when
+// this library loads, before anything queries libfabric; a value the user set is kept.
+const bool kAvRemoveCleanup = [] { return setenv("FI_AV_REMOVE_CLEANUP", "1", 0) == 0; }();
+
 // NOTE: ask for the runtime's own API version (capped at one we have read the semantics
 // of), never the compile-time one: EFA turns on device RDMA and FI_HMEM only for >= 1.18,
 // and a 1.17 runtime refuses newer requests with -FI_ENOSYS.

@@ -12,7 +12,9 @@ const std::vector<Profile>& profiles() {
       {"verbs", 2, true, true, true, false, false, 0, false, false, false, false, false, false, nullptr},
       {"tcp", 3, true, false, false, true, true, 0, false, false, false, false, false, false, nullptr},
       {"shm", 0, false, false, false, false, false, 64 << 20, true, true, true, true, true, true,
-       "libfabric 1.17's shm can wedge when a peer is killed with transfers in flight"},
+       "libfabric 1.17's shm can wedge when a peer is killed with transfers in flight, and cannot "
+       "cancel an operation that a stopped peer has not served: a call failed after the peer froze "
+       "may still move bytes when it resumes"},
   };
   return table;
 }

@@ -219,15 +219,18 @@ fi_addr_t Rail::insert(const std::string& raw_address) {
   return addr;
 }
 
-void Rail::release(fi_addr_t addr) {
-  for (auto it = av_entries_.begin(); it != av_entries_.end(); ++it) {
-    if (it->second.addr != addr) continue;
-    if (--it->second.users == 0) {
-      fi_av_remove(av_, &addr, 1, 0);
-      av_entries_.erase(it);
-    }
-    return;
+fi_addr_t Rail::cut(fi_addr_t addr) {
+  for (auto& [raw, entry] : av_entries_) {
+    if (entry.addr != addr) continue;
+    fi_av_remove(av_, &addr, 1, 0);
+    fi_addr_t again = FI_ADDR_NOTAVAIL;
+    const int n = fi_av_insert(av_, raw.data(), 1, &again, 0, nullptr);
+    P2P_CHECK(n == 1, ErrorKind::Peer, "fi_av_insert on ", domain_name(), " rejected a peer address again (",
+              n < 0 ? fi_error_name(-n) : "0 inserted", ")");
+    entry.addr = again;
+    return again;
   }
+  return addr;
 }
 
 MrHandle Rail::register_memory(void* ptr, size_t len, uint64_t access, int cuda_device, const DmaBuf* dmabuf) {

@@ -47,9 +47,12 @@ class Rail {
   size_t tx_depth() const { return info_->tx_attr->size; }
 
   // Address vector entries are shared by every peer that names the same raw address (a
-  // restarted peer reuses its predecessor's) and removed with the last user.
+  // restarted peer reuses its predecessor's) and kept for the rail's life.
   fi_addr_t insert(const std::string& raw_address);
-  void release(fi_addr_t addr);
+  // Removes the entry and inserts it again: the provider tears down the connections under it
+  // and flushes what was posted on them (FI_AV_REMOVE_CLEANUP, info.cpp); the next op to the
+  // address connects anew. Returns the entry's new fi_addr (the same one, on most providers).
+  fi_addr_t cut(fi_addr_t addr);
 
   // access: FI_READ/FI_WRITE/FI_SEND/FI_RECV/FI_REMOTE_READ/FI_REMOTE_WRITE bits.
   // cuda_device < 0 registers host memory.
