@@ -47,6 +47,7 @@ struct Peer {
   // (Worker::peer_failed). 0: nothing of it is draining.
   size_t forgets_out = 0;
   double drain_until = 0;
+  bool revive_when_drained = false;  // a call came meanwhile: a new contact begins once drained
   int pidfd = -1;                  // same-host peers we map: their process, to see it exit
   bool process_gone = false;       // its process had exited when we came to watch it
   std::unordered_set<uint64_t> closed_regions;  // its regions it told us it deregistered
@@ -69,6 +70,8 @@ struct Peer {
   PeerState state() const { return live.state(); }
   bool failed() const { return live.failed(); }
   bool waits() const { return live.waits(); }  // new transfers wait for its answer
+  // New transfers fail at once; unless a new contact begins once it has drained, which they wait for.
+  bool refuses() const { return failed() && !revive_when_drained; }
   bool draining() const { return drain_until > 0; }
 };
 

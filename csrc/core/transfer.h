@@ -97,6 +97,7 @@ struct Transfer final : OpOwner, TransferCall {
   bool held = false;
   bool acked = false;
   bool report_due = false;
+  double take_back_until = 0;  // timed out or cancelled: when its posted ops are let go (Worker::let_go)
 
   bool reported() const { return state == TransferState::Reported; }
   bool routed() const { return route != kNoRoute; }

@@ -84,8 +84,13 @@ Peer* Peers::find_peer(const std::string& address_bytes, Contact how) {
                 "again once that attempt has ended (within peer_timeout)");
       readdress(p, std::move(a), address_bytes);
       revive(p);
-    } else if (p.failed() && !p.closed && !p.draining()) {
-      revive(p);  // a new contact: every call of the old one has failed
+    } else if (p.failed() && !p.closed) {
+      // A new contact: every call of the old one has failed. Not before the old one's
+      // connections are cut and its ops are back (Worker::drain_peer, then drained()).
+      if (p.draining())
+        p.revive_when_drained = true;
+      else
+        revive(p);
     }
     return &p;
   }
@@ -149,7 +154,7 @@ void Peers::connect(uint64_t id, const std::string& address) {
     return reports_.add(id, Status::error(e.kind(), e.what()));
   }
   if (p->state() == PeerState::Ready) return reports_.add(id, Status{});
-  if (p->failed()) return reports_.add(id, p->failure);  // it closed: that process is gone
+  if (p->refuses()) return reports_.add(id, p->failure);  // it closed: that process is gone
   p->connect_waiters.push_back(id);
 }
 
@@ -300,6 +305,13 @@ void Peers::cut(Peer& p) {
         if (k / r == rail && q->fi[k] == old) q->fi[k] = fresh;
     }
   }
+}
+
+void Peers::drained(Peer& p) {
+  p.drain_until = 0;
+  if (!p.revive_when_drained) return;
+  p.revive_when_drained = false;
+  revive(p);
 }
 
 void Peers::begin_work(Peer& p) {

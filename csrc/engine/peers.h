@@ -65,6 +65,8 @@ class Peers {
   // posted to it, and nothing queued for it goes out later. Peers sharing its addresses (a
   // process restarted at them) get the new entries.
   void cut(Peer& p);
+  // Nothing of p's failed contact is out any more: a contact asked for meanwhile begins.
+  void drained(Peer& p);
 
   // Something now waits on p (a transfer, a job serving it, a message); end_work(): it is over,
   // and a disconnect() waiting for it goes on.

@@ -45,8 +45,8 @@ void Worker::start(Transfer* raw) {
   }
   Peer& p = *t.peer;
   peers_.begin_work(p);
-  if (p.failed()) return fail(t, p.failure);
-  if (p.waits()) {
+  if (p.refuses()) return fail(t, p.failure);
+  if (p.waits() || p.revive_when_drained) {
     t.enter(TransferState::WaitingForPeer);
     p.waiting.push_back(&t);  // check_remote() needs the live regions its answer lists
     return;
@@ -209,8 +209,29 @@ void Worker::finish(Transfer& t, Status status) {
 }
 
 void Worker::fail(Transfer& t, Status status) {
+  const bool given_up = status.kind == ErrorKind::Timeout || status.kind == ErrorKind::Cancelled;
   finish(t, std::move(status));
+  if (given_up && t.report_due) take_back(t);
   maybe_free(t);
+}
+
+// NOTE: a call timed out or cancelled while its ops are posted to a peer that does not serve
+// them (stopped, or behind a full link) would otherwise be told only when the peer fails; its
+// connections are cut instead, so the call is told at once and its other calls in flight fail
+// with it (a lost connection), and a check of the peer follows (Peers::op_failed).
+void Worker::take_back(Transfer& t) {
+  Peer* p = t.peer;
+  if (!p || p->failed() || posted_ops([&](const Op& op) { return op.owner == &t; }) == 0) return;
+  peers_.cut(*p);
+  t.take_back_until = now() + kCancelMarginS;  // then what the provider still holds is let go
+}
+
+// A call taken back whose provider has not returned its ops in time (shm): they are orphaned.
+void Worker::let_go(Transfer& t, double now) {
+  if (!t.report_due || t.take_back_until == 0 || now < t.take_back_until) return;
+  t.take_back_until = 0;
+  auto held = [&](const Op& op) { return op.owner == &t; };
+  if (const size_t out = posted_ops(held)) orphan(held, out, cat("peer ", hex(t.peer->incarnation)));
 }
 
 void Worker::maybe_free(Transfer& t) {
@@ -290,23 +311,25 @@ void Worker::peer_failed(const PeerFailure& f) {
 // NOTE: tcp and verbs (ofi_rxm) flush at once when cut; shm cannot cancel an op its peer has
 // not served, so a frozen shm peer's ops are orphaned: its failure says so (docs/design.md).
 void Worker::drain_peer(Peer& p, double t) {
-  size_t out = 0;
-  rails_->pool().for_each_in_use([&](Op& op) {
-    out += op.peer == &p && op.posted && !op.orphaned && op.kind != OpKind::Recv && op.kind != OpKind::Forget;
-  });
-  if (out == 0 && p.forgets_out == 0) {
-    p.drain_until = 0;
-    return;
-  }
+  auto held = [&](const Op& op) { return op.peer == &p; };
+  const size_t out = posted_ops(held);
+  if (out == 0 && p.forgets_out == 0) return peers_.drained(p);
   if (t < p.drain_until) return;
-  p.drain_until = 0;
-  P2P_LOG(Warn, "the provider still holds ", out, " operations to peer ", hex(p.incarnation), " ",
-          kCancelMarginS, " s after its connections were cut: it cannot cancel them, and their bytes may still "
-          "move when the peer resumes");
-  const Status why = Status::error(ErrorKind::Peer, cat(p.failure.message, "; the provider could not cancel ", out,
-                                                        " operations to it, whose bytes may still move"));
+  orphan(held, out, cat("peer ", hex(p.incarnation)));
+  peers_.drained(p);
+}
+
+// The posted ops `held` picks (not receives) that the provider has not given back
+// kCancelMarginS after they were taken back: their owners hear now, with a warning and an error
+// that say their bytes may still move; the regions they point into stay pinned until they return.
+template <typename Held>
+void Worker::orphan(const Held& held, size_t out, const std::string& to) {
+  P2P_LOG(Warn, "the provider still holds ", out, " operations to ", to, " ", kCancelMarginS,
+          " s after they were taken back: it cannot cancel them, and their bytes may still move");
+  const Status why = Status::error(ErrorKind::Peer, cat("the provider could not cancel ", out, " operations to ", to,
+                                                        ", whose bytes may still move"));
   rails_->pool().for_each_in_use([&](Op& op) {
-    if (op.peer != &p || !op.posted || op.orphaned || op.kind == OpKind::Recv || op.kind == OpKind::Forget) return;
+    if (!op.posted || op.orphaned || op.kind == OpKind::Recv || op.kind == OpKind::Forget || !held(op)) return;
     op.orphaned = true;
     rails_->uncount(op);
     if (op.region) {
@@ -318,6 +341,15 @@ void Worker::drain_peer(Peer& p, double t) {
     op.owner = nullptr;
     if (owner) owner->op_done(*this, op, why);
   });
+}
+
+template <typename Held>
+size_t Worker::posted_ops(const Held& held) {
+  size_t out = 0;
+  rails_->pool().for_each_in_use([&](Op& op) {
+    out += op.posted && !op.orphaned && op.kind != OpKind::Recv && op.kind != OpKind::Forget && held(op);
+  });
+  return out;
 }
 
 }  // namespace p2p::engine

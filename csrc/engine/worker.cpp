@@ -387,10 +387,12 @@ void Worker::on_user(Peer& p, const UserFragment& m) {
 
 void Worker::tick() {
   const double t = now();
-  std::vector<Transfer*> late;
+  std::vector<Transfer*> late, taken_back;
   transfers_.for_each([&](Transfer& tr) {
     if (!tr.reported() && tr.deadline > 0 && t > tr.deadline) late.push_back(&tr);
+    if (tr.take_back_until > 0) taken_back.push_back(&tr);
   });
+  for (Transfer* tr : taken_back) let_go(*tr, t);
   for (Transfer* tr : late) {
     const char* what = tr->kind == TransferKind::Write ? "write_slices"
                        : tr->kind == TransferKind::Read ? "read_slices" : "send";

@@ -164,6 +164,12 @@ class Worker final : public RouteHost, OpSink, PeerEvents {
   // to it. fail() is both, for callers that are done with the transfer.
   void finish(Transfer& t, Status status);
   void fail(Transfer& t, Status status);
+  void take_back(Transfer& t);  // a timed-out or cancelled call's posted ops
+  void let_go(Transfer& t, double now);
+  template <typename Held>
+  size_t posted_ops(const Held& held);
+  template <typename Held>
+  void orphan(const Held& held, size_t out, const std::string& to);
   void maybe_free(Transfer& t);
   StreamOrder order_of(const Transfer& t);
   void answer_orders(const Transfer& t);  // stream_order() answers due once t takes its route
