@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, checkout_env
+
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bw  # noqa: E402
@@ -19,7 +20,7 @@ import weights  # noqa: E402
 
 def run(script: str, *args: str, env: dict | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})))
+                          timeout=timeout, cwd=ROOT, env=checkout_env(**(env or {})))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return proc
 
@@ -141,7 +142,7 @@ def test_a_benchmark_whose_peer_dies_first_says_so():
     with the peer's exit code instead of waiting on its pipe forever."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "call_cost.py"), "--device", "cpu",
                            "--peer-device", "cuda:99", "--trials", "10"], capture_output=True, text=True,
-                          timeout=100, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                          timeout=100, cwd=ROOT, env=checkout_env())
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert proc.stderr.rstrip().endswith("call_cost.py: the peer process exited (exit code 1) before it answered")
 

@@ -50,7 +50,7 @@ def sample_tensors(seed: int) -> list[torch.Tensor]:
 
 def digest(t: torch.Tensor) -> str:
     """dtype, shape and every byte of `t`."""
-    data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode() + data).hexdigest()
 
 

@@ -138,7 +138,7 @@ class TorchP2PWeightTransferEngine(WeightTransferEngine[TorchP2PInitInfo, TorchP
         if self._receiving is None:
             raise RuntimeError("the torch_p2p weight transfer is not initialized: call "
                                "init_weight_transfer_engine (the trainer engine's trainer_init) first")
-        return self._dest
+        return self._receiving
 
 
 @dataclasses.dataclass
