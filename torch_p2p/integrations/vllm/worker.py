@@ -8,7 +8,8 @@ from . import holds
 from .config import engine_port, setting
 from .metadata import TorchP2PConnectorMetadata
 from .tp_mapping import sources
-from .transfer import KVTransfer, expand_blocks
+from .cache_layout import expand_blocks
+from .transfer import KVTransfer
 
 logger = init_logger("vllm.torch_p2p")  # under "vllm": the logger vLLM configures
 
