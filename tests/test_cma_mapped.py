@@ -218,6 +218,16 @@ def test_no_caller_copy_after_the_owner_takes_its_region_back():
         buf = torch.zeros(n, dtype=torch.uint8)
         seen = {"ok": 0, "closed": 0, "other": [], "wrong": 0}
         stop = threading.Event()
+        counted = threading.Condition()
+
+        def count(key: str) -> None:
+            with counted:
+                seen[key] += 1
+                counted.notify_all()
+
+        def until(check) -> None:
+            with counted:
+                assert counted.wait_for(check, 30), seen
 
         def reader():
             while not stop.is_set():
@@ -225,21 +235,22 @@ def test_no_caller_copy_after_the_owner_takes_its_region_back():
                 try:
                     p2p.wait(a.read_slices([buf], [remote]), 30)
                 except p2p.ClosedError:
-                    seen["closed"] += 1
+                    count("closed")
                     continue
                 except Exception as e:  # noqa: BLE001 - reported below
                     seen["other"].append(repr(e))
                     return
-                seen["ok"] += 1
                 seen["wrong"] += int(not bool((buf == 1).all()))
+                count("ok")
         with a.register(buf):
             p2p.wait(a.read_slices([buf], [remote]), 30)
             thread = threading.Thread(target=reader)
             thread.start()
-            time.sleep(0.2)
+            until(lambda: seen["ok"] >= 3)  # reads copied by the caller are under way
             b.call(ph.close_region, "t")
             b.call(ph.put, "t", torch.full((n,), 2, dtype=torch.uint8))
-            time.sleep(0.2)
+            refused = seen["closed"]
+            until(lambda: seen["closed"] > refused)  # a read began after the owner's new bytes
             stop.set()
             thread.join(30)
             error = ph.wait_all([a.read_slices([buf], [remote])], 30)[0]

@@ -101,6 +101,19 @@ class Node:
 
     # -- probes ------------------------------------------------------------------------------
     @ray.method(concurrency_group="probe")
+    def engine_address(self) -> bytes:
+        from ray.experimental.rdt.util import get_tensor_transport_manager
+
+        return get_tensor_transport_manager("TORCH_P2P").engine("cpu").address
+
+    @ray.method(concurrency_group="probe")
+    def route_to(self, address: bytes) -> str:
+        """The route this process's cpu engine takes to the engine at `address`."""
+        from ray.experimental.rdt.util import get_tensor_transport_manager
+
+        return get_tensor_transport_manager("TORCH_P2P").engine("cpu").route(address)
+
+    @ray.method(concurrency_group="probe")
     def counts(self) -> dict:
         """The transport's counts in this process (zeros before its first use) and its RSS."""
         from ray.experimental.rdt.util import get_tensor_transport_manager, transport_manager_info

@@ -39,6 +39,7 @@ def test_dtypes_shapes_and_views_arrive_bitwise(pair):
     expected = ray.get(a.digests_of.remote(7))
     assert expected == [digest(t) for t in sample_tensors(7)]  # the same tensors here and there
     assert ray.get(b.digests.remote(ref)) == expected  # actor to actor
+    assert ray.get(b.route_to.remote(ray.get(a.engine_address.remote()))) == "cma"  # the path it took
     assert [digest(t) for t in ray.get(ref)] == expected  # into the driver (its ray.get fetches)
 
 
@@ -65,6 +66,7 @@ def test_256_mib_arrives_bitwise(pair):
     ref = a.random.remote(size, 3)
     expected = ray.get(a.digests_of.remote(3, size))
     assert ray.get(b.digests.remote(ref)) == expected
+    assert ray.get(b.route_to.remote(ray.get(a.engine_address.remote()))) == "cma"
     del ref
 
 

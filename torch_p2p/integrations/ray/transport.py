@@ -29,7 +29,7 @@ import ray
 from ray.experimental.rdt.tensor_transport_manager import (CommunicatorMetadata, FetchRequest,
                                                            TensorTransportManager, TensorTransportMetadata)
 
-from ... import RemoteTensor, errors, wait
+from ... import Engine, RemoteTensor, errors, wait
 from . import NAME
 from .receive_pool import ReceivePool
 from .registrations import Registrations, local_bytes, remote_bytes
@@ -246,6 +246,10 @@ class TorchP2PTransport(TensorTransportManager):
             engine.cancel(future)
 
     # -- bookkeeping -------------------------------------------------------------------------
+    def engine(self, device) -> "Engine":
+        """This process's engine for `device`, made on first use (its address, its routes)."""
+        return self._registrations.engine(torch.device(device))
+
     def counts(self) -> dict[str, int]:
         """What this process holds now: storages and engine regions registered, objects owned,
         fetches in flight (tests check that none of them grows)."""
