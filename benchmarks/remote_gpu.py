@@ -1,7 +1,7 @@
 """Client host arrays -> a remote GPU -> pairwise sum -> back, against a local GPU.
 
 Reproduces the experiment of "Data Transfer to Remote GPUs Over High-Performance Networks"
-(Marafi, Bocci; /work/shared/seeds/remote-gpu-transfer-paper.md) with torch_p2p. The client
+(Marafi, Bocci, CERN) with torch_p2p. The client
 (this process) holds two float32 arrays a and b in host memory. They go to a GPU, which
 computes c = a + b (``--reps-sum K`` times, to emulate heavier compute), and c comes back
 to the client's host memory, which checks it. Methods, one row group each:

@@ -123,7 +123,11 @@ def main() -> None:
     source = pw.WeightSource(engine, pw.whole(model.state_dict()))
     args.leader = source.address
 
-    ctx = mp.get_context("spawn")
+    # Every inference process needs torch and transformers, several seconds of CPU to import
+    # each: a fork server (a fresh process, none of this one's engine threads) imports them
+    # once and forks every inference process from itself.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers.models.llama.modeling_llama", "torch_p2p.weights"])
     procs, conns = {}, {}
 
     def start(name: str, i: int, rank_pipe=None) -> None:

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -25,6 +27,16 @@ PEER_TIMEOUT = 2.0
 
 # The route a host engine of each provider takes to a peer of the same provider on this host.
 ROUTES = {"tcp": "direct", "shm": "direct", "cma": "cma", "mapped": "cma"}
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
+
+
+def checkout_env(**extra: str) -> dict:
+    """This process's environment for a child that must import this checkout's torch_p2p (and
+    what it had on PYTHONPATH after it), plus `extra`."""
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **extra)
 
 
 def engine_kwargs(provider: str, **extra) -> dict:

@@ -6,10 +6,9 @@ import sys
 
 import pytest
 
+from conftest import ROOT, checkout_env
 from torch_p2p import doctor
 from topologies import FakeSysfs, efa, p4d, p5, p5en
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -43,7 +42,7 @@ def problems(report):
 
 def test_runs_here_and_prints_json():
     out = subprocess.run([sys.executable, "-m", "torch_p2p.doctor", "--json"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+                         text=True, timeout=120, env=checkout_env())
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     tcp = report["providers"]["tcp"]

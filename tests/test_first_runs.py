@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, checkout_env
+
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bw  # noqa: E402
@@ -19,7 +20,7 @@ import weights  # noqa: E402
 
 def run(script: str, *args: str, env: dict | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})))
+                          timeout=timeout, cwd=ROOT, env=checkout_env(**(env or {})))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return proc
 
@@ -34,7 +35,7 @@ def budget_args(dests: int) -> argparse.Namespace:
 
 def test_budget_is_per_process_on_its_own_device():
     """Four H200 with one process each: each may fill most of its own GPU, and the whole
-    Llama-3-8B fits (the budget used to be half of cuda:0 split over every process)."""
+    Llama-3-8B fits (a budget of half of cuda:0 split over every process would not)."""
     budget = weights.process_budget(["cuda:0", "cuda:1", "cuda:2", "cuda:3"], free=lambda d: 140 * GB)
     assert budget == int(140 * GB * weights.USABLE)
     assert weights.fit_layers(budget_args(3), "llama3-8b", budget) is None
@@ -61,8 +62,8 @@ def test_budget_on_host_memory_is_shared_by_every_process():
 
 def test_budget_on_host_memory_is_capped_to_end_in_minutes():
     """The 2-core box, 22 GB available: 4.4 GB each took Llama-3-8B cut to 5 layers, whose gloo
-    rows did not end within three minutes; under the cap most of llama3.2-1b fits (it used to be
-    cut to 2 of its 16 layers when the budget was half of one device's for every process)."""
+    rows did not end within three minutes; under the cap most of llama3.2-1b fits (half of one device's
+    memory for every process would cut it to 2 of its 16 layers)."""
     budget = weights.process_budget(["cpu"] * 4, free=lambda d: 22 * GB)
     assert budget == weights.HOST_DEFAULT_BYTES < int(22 * GB * weights.USABLE) // 4
     assert weights.fit_layers(budget_args(3), "llama3-8b", budget) == 0
@@ -141,7 +142,7 @@ def test_a_benchmark_whose_peer_dies_first_says_so():
     with the peer's exit code instead of waiting on its pipe forever."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "call_cost.py"), "--device", "cpu",
                            "--peer-device", "cuda:99", "--trials", "10"], capture_output=True, text=True,
-                          timeout=100, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                          timeout=100, cwd=ROOT, env=checkout_env())
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert proc.stderr.rstrip().endswith("call_cost.py: the peer process exited (exit code 1) before it answered")
 

@@ -21,12 +21,11 @@ import torch
 import helpers
 import peer_helpers as ph
 import torch_p2p as p2p
-from conftest import PEER_GPU, engine_kwargs
+from conftest import PEER_GPU, ROOT, ROUTES, engine_kwargs
 from peer import Peer
 from torch_p2p import kv
 
 pytestmark = pytest.mark.timeout(240)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -- caches as serving systems hold them (both processes build them alike) ----------------------
@@ -196,7 +195,10 @@ class Caches:
         name = f"kv{len(self.there)}"
         blob = self.link.peer.call(peer_cache, self.link.key, name, spec, seed)
         self.there.append(name)
-        return name, kv.KVCacheHandle.from_bytes(blob)
+        handle = kv.KVCacheHandle.from_bytes(blob)
+        # The path the bytes of every case here take: the provider's, not a fallback.
+        assert self.link.engine.route(handle.mailbox) == ROUTES[self.link.provider]
+        return name, handle
 
     def tensors(self, name: str) -> list:
         return self.link.peer.call(peer_tensors, name)
@@ -344,8 +346,7 @@ def test_streamed_push_notifies_after_all_layers(caches):
     peer.call(peer_expect, name, 21, spec.layers)
     stream = mine.stream(theirs, [0, 1, 2, 3, 9], [5, 6, 7, 8, 2], notify=21)
     for layer in (2, 0, 3):
-        wait(stream.push(layer))
-    time.sleep(0.2)
+        wait(stream.push(layer))  # done once the peer has counted its notification
     assert not peer.call(peer_expect_done, name), "notified before the last layer"
     with pytest.raises(ValueError, match=r"layers \[0\] were pushed already"):
         stream.push([1, 0])

@@ -1,19 +1,17 @@
 """Importing torch_p2p leaves the process's signal handlers as they were: Debian's libfabric
 links libinfinipath, whose constructor installs handlers for SIGILL, SIGABRT, SIGBUS, SIGSEGV
 and SIGTERM that end the process with exit() from inside the handler."""
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import checkout_env
 
 
 def run(code: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=checkout_env(), capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_import_keeps_every_signal_handler():

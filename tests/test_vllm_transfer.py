@@ -15,7 +15,8 @@ import torch
 from peer import Peer
 from torch_p2p.integrations.vllm import holds
 from torch_p2p.integrations.vllm.tp_mapping import Sources, sources
-from torch_p2p.integrations.vllm.transfer import KVTransfer, Pulled, StaleBlocks, compat_differences, fetch
+from torch_p2p.integrations.vllm.side_channel import fetch
+from torch_p2p.integrations.vllm.transfer import KVTransfer, Pulled, StaleBlocks, compat_differences
 
 PEER_GPU = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 LAYERS, BLOCKS, HEADS, TOKENS, DIM = 3, 24, 4, 16, 64

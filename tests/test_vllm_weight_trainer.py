@@ -1,6 +1,7 @@
 """The trainer side of the vLLM weight backend (WeightTrainer) without vLLM: the calls it makes,
-against a stand-in for a vLLM instance whose worker joins with a real WeightDestination and
-refuses a start while an update is open, as vLLM's worker does. Real vLLM: tests_vllm."""
+against a stand-in for a vLLM instance whose worker receives as the real backend does
+(pw.ReceiveBuffers, its version check included) and refuses a start while an update is open,
+as vLLM's worker does. Real vLLM: tests_vllm."""
 from __future__ import annotations
 
 import subprocess
@@ -21,8 +22,7 @@ class Instance:
         self.calls: list[str] = []
         self.open = False    # vLLM's worker: an update started and not finished
         self.reachable = True
-        self.engine = self.dest = None
-        self.buffers: dict[str, torch.Tensor] = {}
+        self.receiving: pw.ReceiveBuffers | None = None
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -31,11 +31,9 @@ class Instance:
 
     def init_weight_transfer_engine(self, info: dict) -> None:
         self._call("init")
-        self.buffers = {n: torch.empty(s, dtype=getattr(torch, d))
-                        for n, d, s in zip(info["names"], info["dtype_names"], info["shapes"])}
-        self.engine = p2p.Engine("cpu", provider=info["provider"])
-        self.dest = pw.WeightDestination(self.engine, pw.whole(self.buffers), bytes.fromhex(info["leader"]))
-        p2p.wait(self.dest.join(), 30)
+        self.receiving = pw.ReceiveBuffers(pw.Layout.from_json(info["layout"]), bytes.fromhex(info["leader"]),
+                                           provider=info["provider"])
+        p2p.wait(self.receiving.join(), 30)
 
     def start_weight_update(self) -> None:
         self._call("start")
@@ -45,7 +43,7 @@ class Instance:
 
     def update_weights(self, info: dict) -> None:
         self._call("update")
-        assert p2p.wait(self.dest.wait_for(info["version"]), 30) == info["version"]
+        self.receiving.version_ready(info["version"], 30)
 
     def finish_weight_update(self, weight_version=None) -> None:
         self._call("finish")
@@ -54,9 +52,8 @@ class Instance:
         self.open = False
 
     def close(self) -> None:
-        if self.dest is not None:
-            self.engine.close()
-            self.dest.close(timeout=0)
+        if self.receiving is not None:
+            self.receiving.close()
 
 
 @pytest.fixture
@@ -77,7 +74,7 @@ def test_the_trainer_imports_no_vllm_and_sends_versions(instance):
         for version in (1, 2):
             tensors["a"].add_(1)
             assert trainer.send_weights() == version
-            assert torch.equal(instance.buffers["a"], tensors["a"]) and torch.equal(instance.buffers["b"], tensors["b"])
+            assert torch.equal(instance.receiving.buffers["a"], tensors["a"]) and torch.equal(instance.receiving.buffers["b"], tensors["b"])
         assert instance.calls == ["init"] + ["start", "update", "finish"] * 2
         with pytest.raises(ValueError, match="names registered at init"):
             trainer.send_weights({"a": tensors["a"]})

@@ -452,8 +452,8 @@ def dest_rejoin(state, key) -> int:
 def test_destination_stalled_past_peer_timeout_learns_it_is_out(peers, stalls):
     """A destination stopped for longer than peer_timeout, before a push or in the middle of
     it, is dropped (the push ends for the others); resumed, it still names the last version
-    whose every byte arrived, learns that it is out (it used to wait as a member for versions
-    that never came), joins again and receives the next version bitwise."""
+    whose every byte arrived, learns that it is out (rather than waiting as a member for versions
+    that never come), joins again and receives the next version bitwise."""
     a, _, _ = peers
     with Peer() as slow, Setup("tcp", shapes=BIG, chunk_bytes=64 << 10, window=1) as s:
         s.add(a, "fine")

@@ -29,27 +29,35 @@ def worker_env(**extra: str) -> dict:
     return {"env_vars": dict(PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)}
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster with TORCH_P2P registered in the driver, for one module: the verl
-    tests start their own, with the CPUs that verl's resource pools reserve."""
+def start_ray(num_cpus: int, **options) -> None:
+    """ray.init of a local cluster for one test module, its workers on worker_env(). Ray starts
+    an idle worker per CPU it is told of (logical CPUs: actors that ask for none take none). On
+    a loaded 2-core machine its raylet can miss its start-up deadlines (30 s for the raylet, its
+    agents' registration, its GCS requests): longer ones, and a second try."""
     import ray
 
-    import torch_p2p.integrations.ray as p2p_ray
-
-    # Ray starts an idle worker per CPU it is told of: two, and actors that ask for none. It
-    # gives its raylet 30 s to come up, which a loaded 2-core machine can miss: a second try.
-    # On a loaded machine the raylet may wait long for its agents to say their ports.
     os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
+    os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
     for attempt in (1, 2):
         try:
-            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=1 << 30, log_to_driver=False,
-                     runtime_env=worker_env())
-            break
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env=worker_env(),
+                     **options)
+            return
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
             ray.shutdown()
             if attempt == 2 or "timed out during startup" not in str(e):
                 raise
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster with TORCH_P2P registered in the driver, for one module."""
+    import ray
+
+    import torch_p2p.integrations.ray as p2p_ray
+
+    start_ray(2, object_store_memory=1 << 30)
     p2p_ray.register()  # before any actor is created
     try:
         yield ray

@@ -50,7 +50,7 @@ def sample_tensors(seed: int) -> list[torch.Tensor]:
 
 def digest(t: torch.Tensor) -> str:
     """dtype, shape and every byte of `t`."""
-    data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode() + data).hexdigest()
 
 
@@ -85,6 +85,12 @@ class Node:
         return [digest(t) for t in tensors]
 
     # -- receiver ----------------------------------------------------------------------------
+    @ray.method(tensor_transport="TORCH_P2P")
+    def relay(self, tensors) -> list[torch.Tensor]:
+        """Returns the tensors it received through TORCH_P2P, as they arrived (views of the
+        receive pool's buffer): owner -> this relay -> whoever asks."""
+        return tensors
+
     def digests(self, tensors) -> list[str]:
         return [digest(t) for t in (tensors if isinstance(tensors, list) else [tensors])]
 
@@ -94,6 +100,19 @@ class Node:
         return n if bool((t == n).all()) else -1
 
     # -- probes ------------------------------------------------------------------------------
+    @ray.method(concurrency_group="probe")
+    def engine_address(self) -> bytes:
+        from ray.experimental.rdt.util import get_tensor_transport_manager
+
+        return get_tensor_transport_manager("TORCH_P2P").engine("cpu").address
+
+    @ray.method(concurrency_group="probe")
+    def route_to(self, address: bytes) -> str:
+        """The route this process's cpu engine takes to the engine at `address`."""
+        from ray.experimental.rdt.util import get_tensor_transport_manager
+
+        return get_tensor_transport_manager("TORCH_P2P").engine("cpu").route(address)
+
     @ray.method(concurrency_group="probe")
     def counts(self) -> dict:
         """The transport's counts in this process (zeros before its first use) and its RSS."""

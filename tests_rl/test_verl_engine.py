@@ -1,7 +1,7 @@
 """verl's ``torch_p2p`` checkpoint engine under verl's own CheckpointEngineManager, on a local
 Ray cluster: 2 trainer ranks, rollout replicas of 2 ranks (verl's CheckpointEngineWorker
-actors). The tests share one cluster and run in order: three updates, a replica added, a live
-replica removed and added again, then the trainer killed mid-update."""
+actors). Each test builds its own trainers, replicas and manager (the cluster is the
+module's), so any one runs alone or in any order."""
 from __future__ import annotations
 
 import os
@@ -16,6 +16,7 @@ from verl.checkpoint_engine.base import _worker_cls  # noqa: E402
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup  # noqa: E402
 
 import verl_helpers as vh  # noqa: E402
+from conftest import eventually, start_ray  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -23,26 +24,25 @@ KILL_BOUND_S = 20.0  # the engine's peer_timeout (10 s) finds the dead trainer, 
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    started = not ray.is_initialized()
-    if started:
-        here = os.path.dirname(os.path.abspath(__file__))
-        path = os.pathsep.join([os.path.dirname(here), here] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-        env = {"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}}
-        if os.environ.get("RAY_ADDRESS"):  # a running cluster
-            ray.init(log_to_driver=False, runtime_env=env)
-        else:
-            # On a loaded 2-core machine the raylet may take more than Ray's default 60 s to
-            # register. Logical CPUs: verl's resource pools reserve one per worker.
-            os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
-            os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
-            ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, runtime_env=env)
+def ray_started():
+    start_ray(16)  # logical CPUs: verl's resource pools reserve one per worker
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def cluster(ray_started):
+    """Fresh trainers (2 ranks), 2 replicas and their manager; released after the test, each
+    checkpoint engine closed first."""
     config = vh.config(timeout=60.0, join_timeout=60.0)
     trainers = vh.trainer_group(config)
     replicas = [vh.Replica(i, config) for i in range(2)]
     yield config, trainers, replicas, vh.manager(config, trainers, replicas)
-    if started:
-        ray.shutdown()
+    for r in replicas:
+        vh.release(r.workers, r.pool)
+    vh.release(trainers.workers, trainers.pool)
 
 
 def expected(step: int) -> dict[str, str]:
@@ -78,49 +78,54 @@ def test_three_updates_bitwise_once_per_byte(cluster):
 
 def test_added_replica_joins_without_disturbing(cluster):
     config, trainers, replicas, mgr = cluster
+    mgr.update_weights(global_steps=1)
     added = vh.Replica(2, config)
     mgr.add_replicas([added])
     replicas.append(added)
-    mgr.update_weights(global_steps=4)
-    check_last_update(replicas, 4)
+    mgr.update_weights(global_steps=2)
+    check_last_update(replicas, 2)
     for r in replicas[:2]:
-        assert r.engines("joins") == [1, 1] and r.engines("version") == [4, 4]
-        assert [len(s) for s in r.steps()] == [4, 4]
-    assert added.engines("joins") == [1, 1] and added.engines("version") == [4, 4]
+        assert r.engines("joins") == [1, 1] and r.engines("version") == [2, 2]
+        assert [len(s) for s in r.steps()] == [2, 2]
+    assert added.engines("joins") == [1, 1] and added.engines("version") == [2, 2]
     assert [len(s) for s in added.steps()] == [1, 1]
 
 
 def received_versions(replica) -> list:
     """Per worker: the last version whose every byte reached its buffers."""
-    return ray.get([w.__ray_call__.remote(lambda self: self.checkpoint_engine.dest.version) for w in replica.workers])
+    return ray.get([w.__ray_call__.remote(lambda self: self.checkpoint_engine.receiving.dest.version)
+                    for w in replica.workers])
 
 
 def test_removed_live_replica_is_left_out(cluster):
     config, trainers, replicas, mgr = cluster
+    mgr.update_weights(global_steps=1)
     removed = replicas.pop(0)
     mgr.remove_replicas([removed])
-    mgr.update_weights(global_steps=5)
-    check_last_update(replicas, 5)
-    # Alive and still holding version 4, the removed replica got no byte of version 5: the push
+    mgr.update_weights(global_steps=2)
+    check_last_update(replicas, 2)
+    # Alive and still holding version 1, the removed replica got no byte of version 2: the push
     # neither wrote to it nor waited for it.
-    assert received_versions(removed) == [4, 4]
-    assert removed.engines("version") == [4, 4]
+    assert received_versions(removed) == [1, 1]
+    assert removed.engines("version") == [1, 1]
     mgr.add_replicas([removed])
     replicas.append(removed)
-    mgr.update_weights(global_steps=6)
-    check_last_update(replicas, 6)
-    assert removed.engines("joins") == [2, 2] and received_versions(removed) == [6, 6]
+    mgr.update_weights(global_steps=3)
+    check_last_update(replicas, 3)
+    assert removed.engines("joins") == [2, 2] and received_versions(removed) == [3, 3]
 
 
-def test_trainer_killed_mid_update_fails_receivers(cluster):
+def test_trainer_killed_mid_update_fails_receivers(cluster, tmp_path):
     config, trainers, replicas, mgr = cluster
+    mgr.update_weights(global_steps=1)  # every rollout rank has joined
     workers = [w for r in replicas for w in r.workers]
     rollout = RayWorkerGroup(worker_handles=workers, ray_cls_with_init=RayClassWithInitArgs(cls=_worker_cls))
     mgr.build_process_group(rollout)  # what update_weights does before moving anything
-    trainers.set_delay(0.5)  # each tensor takes the trainer 0.5 s to produce
-    trainer_refs = trainers.update_weights(global_steps=7)
-    rollout_refs = rollout.update_weights(global_steps=7)
-    time.sleep(2.0)
+    started = str(tmp_path / "trainer-started")
+    trainers.set_delay(0.5, started)  # each tensor takes the trainer 0.5 s to produce
+    trainer_refs = trainers.update_weights(global_steps=2)
+    rollout_refs = rollout.update_weights(global_steps=2)
+    assert eventually(lambda: os.path.exists(started), timeout=60), "the trainer's update never began"
     ready, _ = ray.wait(rollout_refs, timeout=0)
     assert not ready, "the receivers finished before the trainer could be killed"
     ray.kill(trainers.workers[0])

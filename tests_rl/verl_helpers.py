@@ -8,7 +8,7 @@ and the inference server are stand-ins.
 """
 from __future__ import annotations
 
-import hashlib
+import itertools
 import os
 import time
 
@@ -22,7 +22,10 @@ from verl.utils.import_utils import import_external_libs
 from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutReplica
 
+from ray_actors import digest  # noqa: F401 - the tests' and the benchmark's digest, as the Ray tests'
+
 MODULE = "torch_p2p.integrations.verl"
+_groups = itertools.count()  # worker groups of one process get names of their own
 
 
 def state_dict(step: int, scale: int = 1, contiguous: bool = False) -> dict[str, torch.Tensor]:
@@ -42,12 +45,6 @@ def state_dict(step: int, scale: int = 1, contiguous: bool = False) -> dict[str,
     if contiguous:
         sd["lm_head.weight"] = sd["lm_head.weight"].contiguous()
     return sd
-
-
-def digest(t: torch.Tensor) -> str:
-    """A tensor's dtype, shape and bytes: equal digests mean bitwise equal tensors."""
-    raw = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    return f"{t.dtype}{list(t.shape)}:" + hashlib.sha256(raw).hexdigest()
 
 
 def config(backend: str = "torch_p2p", module: str = MODULE, tp: int = 2, bucket_mib: int = 2048,
@@ -75,6 +72,7 @@ class TrainerWorker(Worker):
             **ce.engine_kwargs.get(ce.backend, {}))
         self.scale, self.delay_s, self.contiguous = scale, delay_s, contiguous
         self.step, self.sd = None, None
+        self.started_file = None  # created once an update's generator has yielded its first tensor
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def make_weights(self, step: int) -> None:
@@ -96,7 +94,9 @@ class TrainerWorker(Worker):
         self.make_weights(global_steps)
 
         def per_tensor_param():
-            for name, t in self.sd.items():
+            for i, (name, t) in enumerate(self.sd.items()):
+                if i == 1 and self.started_file:
+                    open(self.started_file, "w").close()
                 time.sleep(self.delay_s)  # a trainer gathering its next tensor
                 yield name, t
 
@@ -107,8 +107,8 @@ class TrainerWorker(Worker):
         return getattr(self.checkpoint_engine, method)(*args, **kwargs)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def set_delay(self, delay_s: float):
-        self.delay_s = delay_s
+    def set_delay(self, delay_s: float, started_file: str | None = None):
+        self.delay_s, self.started_file = delay_s, started_file
 
 
 class LoadingAdapter:
@@ -144,8 +144,8 @@ class Replica(RolloutReplica):
 
     def __init__(self, replica_rank: int, rollout_config: RolloutConfig):
         super().__init__(replica_rank, rollout_config, model_config=None, gpus_per_node=8)
-        pool = RayResourcePool([self.world_size], use_gpu=False, max_colocate_count=1)
-        group = RayWorkerGroup(resource_pool=pool, name_prefix=f"rollout{replica_rank}_{os.getpid()}",
+        self.pool = pool = RayResourcePool([self.world_size], use_gpu=False, max_colocate_count=1)
+        group = RayWorkerGroup(resource_pool=pool, name_prefix=f"rollout{replica_rank}_{os.getpid()}_{next(_groups)}",
                                ray_cls_with_init=RayClassWithInitArgs(
                                    cls=ray.remote(CheckpointEngineWorker), rollout_config=rollout_config,
                                    model_config=None, server_adapter=LoadingAdapter()))
@@ -169,9 +169,22 @@ class Replica(RolloutReplica):
 
 def trainer_group(rollout_config: RolloutConfig, world: int = 2, **kwargs) -> RayWorkerGroup:
     pool = RayResourcePool([world], use_gpu=False, max_colocate_count=1)
-    return RayWorkerGroup(resource_pool=pool, name_prefix=f"trainer_{os.getpid()}",
-                          ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainerWorker),
-                                                                 rollout_config=rollout_config, **kwargs))
+    group = RayWorkerGroup(resource_pool=pool, name_prefix=f"trainer_{os.getpid()}_{next(_groups)}",
+                           ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainerWorker),
+                                                                  rollout_config=rollout_config, **kwargs))
+    group.pool = pool  # for release()
+    return group
+
+
+def release(group, pool: RayResourcePool) -> None:
+    """Closes each worker's checkpoint engine (what a process's exit does too), then frees the
+    workers and their pool's reserved CPUs (removing a placement group ends its actors)."""
+    from ray.util.placement_group import remove_placement_group
+
+    closes = [w.__ray_call__.remote(lambda self: self.checkpoint_engine.close()) for w in group]
+    ray.wait(closes, num_returns=len(closes), timeout=60)
+    for pg in pool.pgs or []:
+        remove_placement_group(pg)
 
 
 def manager(rollout_config: RolloutConfig, trainers: RayWorkerGroup, replicas: list) -> CheckpointEngineManager:

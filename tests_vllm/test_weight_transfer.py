@@ -29,8 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKOUT = os.path.dirname(HERE)
 PROMPTS = [prompt(5), prompt(23, offset=3), prompt(60, offset=11)]
 MAX_TOKENS = 16
-# The trainer-side engine's peer_timeout: how long a destination used to wait for a dead
-# leader's answer when a new trainer replaced it.
+# The trainer-side engine's peer_timeout: how long a destination closed before its engine
+# would wait for a dead leader's answer when a new trainer replaces it.
 PEER_TIMEOUT = 10.0
 
 

@@ -103,6 +103,14 @@ def all_of(futures: list) -> torch.futures.Future:
     return out
 
 
+def positive(value, what: str = "timeout") -> float:
+    """`value` as a float number of seconds; ValueError naming `what` unless it is a positive
+    number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{what} must be positive (a number of seconds), not {value!r}")
+    return float(value)
+
+
 def wait_all(futures, timeout: float | None = None) -> bool:
     """Whether every one of `futures` (torch futures) completed, well or not, within `timeout`
     seconds (None: no limit). Waits without the GIL: spinning first on an engine that spins,

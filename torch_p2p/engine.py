@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _C, errors, topology
-from ._shared import then as _then
+from ._shared import positive, then as _then
 from .remote import RemoteTensor
 
 log = logging.getLogger("torch_p2p")
@@ -263,6 +263,11 @@ class Engine:
         return self._c.rails
 
     @property
+    def num_regions(self) -> int:
+        """How many regions this engine has registered and not yet deregistered."""
+        return len(self._regions)
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -501,13 +506,7 @@ def _close_all():
             pass
 
 
-def _positive(timeout) -> float:
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive, not {timeout}")
-    return float(timeout)
-
-
 def _worker_timeout(timeout) -> float:
     """A timeout as the worker takes it; None is 0: the engine's default for transfers and
     messages, no deadline for recv() and notification()."""
-    return 0.0 if timeout is None else _positive(timeout)
+    return 0.0 if timeout is None else positive(timeout)

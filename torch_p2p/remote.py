@@ -109,6 +109,12 @@ class RemoteTensor:
         it; made natively: a view costs well under a microsecond."""
         return _index(self, index)
 
+    def as_strided(self, size, stride, storage_offset: int = 0) -> "RemoteTensor":
+        """A view of this tensor's region with the given shape, strides and offset (in
+        elements of this dtype from the region's start), as ``torch.Tensor.as_strided``;
+        ValueError where it reaches outside the region."""
+        return RemoteTensor(self._v.view(int(storage_offset), [int(s) for s in size], [int(s) for s in stride]))
+
     def view(self, *shape) -> "RemoteTensor":
         """The same elements in another shape, by ``torch.Tensor.view``'s rules (one -1 is
         inferred; the strides must allow it without a copy; ValueError otherwise)."""

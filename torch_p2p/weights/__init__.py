@@ -28,13 +28,16 @@ from typing import Callable, Mapping
 
 import torch
 
+from .._shared import positive as positive_seconds
 from .._shared import wait
+from ..engine import Engine
 from ._dest import Receiver
-from ._plan import Layout, Plan, PlanError, TensorSpec, make_plan
+from ._plan import Layout, Plan, PlanError, TensorSpec, dtype_name, make_plan, parse_dtype
 from ._source import Follower, Leader, PushResult
 
-__all__ = ["Shard", "whole", "split", "plan", "Plan", "PlanError", "WeightSource", "WeightDestination",
-           "PushResult", "CHUNK_BYTES", "WINDOW", "FANOUT", "STAGING_SLOTS"]
+__all__ = ["Shard", "whole", "split", "plan", "Plan", "PlanError", "Layout", "WeightSource", "WeightDestination",
+           "ReceiveBuffers", "PushResult", "dtype_name", "parse_dtype", "positive_seconds", "CHUNK_BYTES", "WINDOW",
+           "FANOUT", "STAGING_SLOTS"]
 
 # Defaults; benchmarks/weights.py measures them (--chunk, --window, --fanout).
 CHUNK_BYTES = 64 << 20
@@ -292,3 +295,57 @@ class WeightDestination:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class ReceiveBuffers:
+    """A receiving rank's bring-up in one object: one buffer per tensor of a whole-tensor
+    `layout` (what the trainer sends, e.g. ``Layout.from_json`` of its ``Layout.of(tensors)
+    .to_json()``), allocated on `device`, registered with `engine` (or an engine of its own,
+    opened on `device` with `provider`), and the WeightDestination over them. Pushes land in
+    `buffers`; the caller joins with ``join()`` and loads from the buffers once
+    ``version_ready`` says a version is whole.
+
+    `floating_dtype`: floating tensors are received in it (the source converts on the way),
+    other tensors in the layout's dtype. Not thread-safe: one owner thread."""
+
+    def __init__(self, layout: Layout, leader: bytes, *, engine=None, device="cpu", provider: str | None = None,
+                 name: str | None = None, floating_dtype: torch.dtype | None = None):
+        if not layout.whole():
+            raise ValueError("ReceiveBuffers takes a layout of whole tensors")
+        self.buffers = {
+            n: torch.empty(s.shape, device=device,
+                           dtype=floating_dtype if floating_dtype is not None and s.dtype.is_floating_point else s.dtype)
+            for n, s in layout.specs.items()}
+        self._own_engine = engine is None
+        self.engine = Engine(str(device), provider=provider) if engine is None else engine
+        try:
+            self.dest = WeightDestination(self.engine, whole(self.buffers), leader, name=name)
+        except BaseException:
+            if self._own_engine:
+                self.engine.close()
+            raise
+
+    def join(self) -> torch.futures.Future:
+        return self.dest.join()
+
+    def version_ready(self, version: int, timeout: float) -> None:
+        """Returns once `version` has wholly arrived and the buffers hold it with no later push
+        arriving (waiting up to `timeout`: TimeoutError); RuntimeError if they hold another."""
+        got = wait(self.dest.wait_for(version), positive_seconds(timeout))
+        arriving, _, _ = self.dest.progress  # the version of the last push that began here
+        if got != version or arriving != version:
+            raise RuntimeError(f"asked to load version {version}, but the receive buffers hold version {got} and "
+                               f"version {arriving} is arriving (None: this rank was dropped from the push group): "
+                               f"the trainer pushes only after an update ends")
+
+    def close(self) -> None:
+        """Stops receiving and deregisters the buffers. With an engine of its own, that engine
+        closes first, deregistering the buffers at once: a destination closed first waits for
+        its leader's answer to the leave and its release of the buffers, which a dead leader
+        never gives (the engine's peer_timeout); a live leader hears of the close."""
+        if self._own_engine:
+            self.engine.close()
+            self.dest.close(timeout=0)  # stops its thread; the closed engine sends nothing
+        else:
+            self.dest.close()
+

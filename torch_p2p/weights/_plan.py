@@ -41,26 +41,53 @@ class TensorSpec:
         return volume(self.box) * _elem(self.dtype)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """How layouts name a dtype on the wire: "float32", "bfloat16", ..."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name) -> torch.dtype:
+    """The dtype `dtype_name` names ("torch.float32" too); ValueError for anything else."""
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r} (expected e.g. 'float32', 'bfloat16')")
+    return dtype
+
+
 class Layout:
-    """Name -> TensorSpec, in a fixed order. `key` identifies equal layouts (relay groups)."""
+    """Name -> TensorSpec, in a fixed order. `key` identifies equal layouts (relay groups).
+    `to_json()` is the one wire form of a layout: [[name, shape, box, dtype name], ...]."""
 
     def __init__(self, specs: dict[str, TensorSpec]):
         self.specs = dict(specs)
         self.key = hashlib.sha1(json.dumps(self.to_json()).encode()).hexdigest()[:16]
 
     def to_json(self) -> list:
-        return [[name, list(s.shape), [list(b) for b in s.box], str(s.dtype).removeprefix("torch.")]
-                for name, s in self.specs.items()]
+        return [[name, list(s.shape), [list(b) for b in s.box], dtype_name(s.dtype)] for name, s in self.specs.items()]
 
     @classmethod
     def from_json(cls, data) -> "Layout":
         specs = {}
-        for name, shape, box, dtype in data:
-            dt = getattr(torch, str(dtype), None)
-            if not isinstance(dt, torch.dtype):
-                raise ValueError(f"unknown dtype {dtype!r}")
-            specs[str(name)] = TensorSpec(tuple(int(x) for x in shape), tuple((int(a), int(b)) for a, b in box), dt)
+        try:
+            for name, shape, box, dtype in data:
+                specs[str(name)] = TensorSpec(tuple(int(x) for x in shape), tuple((int(a), int(b)) for a, b in box),
+                                              parse_dtype(dtype))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"not a layout ([[name, shape, box, dtype], ...]): {e}") from None
+        for name, s in specs.items():
+            if len(s.box) != len(s.shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(s.box, s.shape)):
+                raise ValueError(f"{name!r}: box {list(s.box)} is not a slice of shape {list(s.shape)}")
         return cls(specs)
+
+    @classmethod
+    def of(cls, tensors: dict) -> "Layout":
+        """The layout of whole tensors (name -> tensor)."""
+        return cls({name: TensorSpec(tuple(t.shape), tuple((0, n) for n in t.shape), t.dtype)
+                    for name, t in tensors.items()})
+
+    def whole(self) -> bool:
+        """Whether every tensor is held whole (each box its full shape)."""
+        return all(s.box == tuple((0, n) for n in s.shape) for s in self.specs.values())
 
     @property
     def nbytes(self) -> int:

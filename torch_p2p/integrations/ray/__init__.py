@@ -1,7 +1,8 @@
 """torch_p2p as a Ray Direct Transport: ``@ray.method(tensor_transport="TORCH_P2P")``.
 
-One call in the driver, before it creates the actors that use the transport (Ray copies the
-driver's registrations to each actor when the actor is first used with a tensor transport):
+One call before the actor classes are defined, in every process that defines or creates them
+(``@ray.method`` checks the transport's name; Ray copies the registrations of the process that
+creates an actor to that actor): at the top of the module that defines the actors (docs/ray.md):
 
     import torch_p2p.integrations.ray as p2p_ray
     p2p_ray.register()
@@ -22,8 +23,8 @@ NAME = "TORCH_P2P"
 
 
 def register() -> None:
-    """Registers ``TORCH_P2P`` with Ray in this process, for cpu and cuda tensors. Call it in
-    the driver before creating the actors that use it; calling it again does nothing."""
+    """Registers ``TORCH_P2P`` with Ray in this process, for cpu and cuda tensors. Call it before
+    defining the classes whose methods name it; calling it again does nothing."""
     import torch
     from ray.experimental import register_tensor_transport
 

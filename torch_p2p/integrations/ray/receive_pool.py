@@ -58,7 +58,7 @@ class ReceivePool:
         self._lock = threading.Lock()
         self._idle: list[_Buffer] = []  # least recently returned first
         self._idle_bytes = 0
-        self._leased = 0
+        self._leased: dict[int, _Buffer] = {}  # memory address -> buffer, while tensors view it
 
     def tensors(self, engine: Engine, meta: list) -> tuple[list[torch.Tensor], list[torch.Tensor], _Buffer | None]:
         """For Ray's (shape, dtype) list: the tensors to hand the user, the byte views the engine
@@ -86,7 +86,16 @@ class ReceivePool:
 
     def counts(self) -> dict[str, int]:
         with self._lock:
-            return {"pool_idle": len(self._idle), "pool_idle_bytes": self._idle_bytes, "pool_leased": self._leased}
+            return {"pool_idle": len(self._idle), "pool_idle_bytes": self._idle_bytes,
+                    "pool_leased": len(self._leased)}
+
+    def region_of(self, t: torch.Tensor) -> Region | None:
+        """The region of the leased buffer that `t`'s storage is (a received tensor), else None."""
+        if t.device.type != "cpu":
+            return None
+        with self._lock:
+            buffer = self._leased.get(t.untyped_storage().data_ptr())
+            return buffer.region if buffer is not None else None
 
     def _take(self, engine: Engine, nbytes: int) -> _Buffer:
         with self._lock:
@@ -94,20 +103,20 @@ class ReceivePool:
                 if len(buffer.memory) == nbytes and buffer.region.engine is engine:
                     del self._idle[i]
                     self._idle_bytes -= nbytes
-                    self._leased += 1
+                    self._leased[buffer.tensor.data_ptr()] = buffer
                     return buffer
         # New memory, faulted in here (MAP_POPULATE) rather than page by page under the copy.
         memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
         tensor = torch.frombuffer(memory, dtype=torch.uint8)
         buffer = _Buffer(memory, tensor, engine.register(tensor))
         with self._lock:
-            self._leased += 1
+            self._leased[tensor.data_ptr()] = buffer
         return buffer
 
     def _give_back(self, buffer: _Buffer) -> None:
         # Runs where the last tensor on the lease died (any thread): never blocks.
         with self._lock:
-            self._leased -= 1
+            del self._leased[buffer.tensor.data_ptr()]
             dropped = [buffer] if buffer.spoiled else []
             if not buffer.spoiled:
                 self._idle.append(buffer)

@@ -40,7 +40,8 @@ def byte_layout(t: torch.Tensor) -> tuple[int, list[int], list[int]]:
 
 def remote_bytes(region: Region, t: torch.Tensor) -> RemoteTensor:
     """The handle a peer reads `t` through: its bytes in `region` (its storage's region)."""
-    return RemoteTensor(region.remote._v.view(*byte_layout(t)))
+    offset, shape, strides = byte_layout(t)
+    return region.remote.as_strided(shape, strides, offset)
 
 
 def local_bytes(region: Region, t: torch.Tensor) -> torch.Tensor:
@@ -54,10 +55,15 @@ class _Entry:
     region: Region
     users: int = 0
     closing: bool = False
+    lent: bool = False  # another part's region (a receive buffer): never deregistered here
 
 
 class Registrations:
-    def __init__(self):
+    def __init__(self, lent=lambda t: None):
+        """`lent(t)`: the region that already holds `t`'s storage, registered by another part
+        of the transport (the receive pool's buffer a fetch read `t` into), else None; a
+        relay that returns a tensor it received hands out views of that region."""
+        self._lent = lent
         # Reentrant: a fetch request dropped unwaited releases its storages from __del__,
         # whichever thread the collector runs on, perhaps one holding the lock.
         self._lock = threading.RLock()
@@ -89,8 +95,12 @@ class Registrations:
                     raise TimeoutError(f"TORCH_P2P: the storage's old registration did not close in {engine.timeout} s")
                 entry = self._table.get(key)
             if entry is None:
-                flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-                entry = self._table[key] = _Entry(self.engine(t.device).register(flat))
+                region = self._lent(t)
+                if region is not None:
+                    entry = self._table[key] = _Entry(region, lent=True)
+                else:
+                    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+                    entry = self._table[key] = _Entry(self.engine(t.device).register(flat))
             entry.users += 1
             return key, entry.region
 
@@ -102,7 +112,9 @@ class Registrations:
                 if entry is None:
                     continue
                 entry.users -= 1
-                if entry.users == 0:
+                if entry.users == 0 and entry.lent:
+                    del self._table[key]  # its owner deregisters it
+                elif entry.users == 0:
                     self.close_later(lambda key=key, entry=entry: self._close_unused(key, entry))
 
     def close_later(self, close) -> None:
@@ -117,7 +129,7 @@ class Registrations:
         """What is registered now: storages in the table, regions the engines hold."""
         with self._lock:
             return {"storages": len(self._table),
-                    "engine_regions": sum(len(e._regions) for e in self._engines.values())}
+                    "engine_regions": sum(e.num_regions for e in self._engines.values())}
 
     def _close(self) -> None:
         while True:

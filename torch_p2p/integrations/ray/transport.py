@@ -18,20 +18,25 @@ engine's peer_timeout, or at once on the cma route) when the owner dies.
 from __future__ import annotations
 
 import collections
+import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import ray
-from ray._private import ray_constants
 from ray.experimental.rdt.tensor_transport_manager import (CommunicatorMetadata, FetchRequest,
                                                            TensorTransportManager, TensorTransportMetadata)
 
-from ... import RemoteTensor, errors, wait
+from ... import Engine, RemoteTensor, errors, wait
 from . import NAME
 from .receive_pool import ReceivePool
 from .registrations import Registrations, local_bytes, remote_bytes
+
+# Ray's RDT fetch timeout (its ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS, read from the same
+# variable with the same default): every read is bounded by it.
+FETCH_TIMEOUT_S = int(os.environ.get("RAY_rdt_fetch_fail_timeout_milliseconds", 60000)) / 1000
 
 # Aborts that came before their fetch started, remembered so that the fetch fails; bounded,
 # since an abort may also come after a fetch that already ended.
@@ -39,7 +44,7 @@ _EARLY_ABORTS = 1024
 
 
 @dataclass(eq=False)
-class TorchP2PMetadata(TensorTransportMetadata):
+class TorchP2PTransportMetadata(TensorTransportMetadata):
     """Ray's shapes and dtypes, plus one handle per tensor: the tensor's bytes in the owner's
     registered storage (None for a tensor without elements)."""
 
@@ -85,7 +90,7 @@ def _has_torch_p2p(actor_self) -> bool:
 
 class TorchP2PTransport(TensorTransportManager):
     def __init__(self):
-        self._registrations = Registrations()
+        self._registrations = Registrations(lent=lambda t: self._pool.region_of(t))
         self._pool = ReceivePool(self._registrations.close_later)
         # Reentrant: a request dropped unwaited closes itself from __del__, whichever thread
         # the collector runs on, perhaps one holding the lock.
@@ -93,7 +98,8 @@ class TorchP2PTransport(TensorTransportManager):
         self._owned: dict[str, list] = {}  # object id -> the storages its tensors hold
         self._fetches: dict[str, list[TorchP2PFetchRequest]] = {}
         self._aborted: collections.OrderedDict = collections.OrderedDict()
-        self._actors_with_transport: set = set()
+        # Handles compare by actor id; weak, so that the cache keeps no actor alive.
+        self._actors_with_transport: weakref.WeakSet = weakref.WeakSet()
 
     def tensor_transport_backend(self) -> str:
         return NAME
@@ -108,19 +114,19 @@ class TorchP2PTransport(TensorTransportManager):
 
     def actor_has_tensor_transport(self, actor: "ray.actor.ActorHandle") -> bool:
         # Ray asks before every call of a TORCH_P2P method; the answer does not change.
-        if actor._actor_id in self._actors_with_transport:
+        if actor in self._actors_with_transport:
             return True
         call = actor.__ray_call__.options(concurrency_group="_ray_system").remote(_has_torch_p2p)
-        if not ray.get(call, timeout=ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS):
+        if not ray.get(call, timeout=FETCH_TIMEOUT_S):
             return False
-        self._actors_with_transport.add(actor._actor_id)
+        self._actors_with_transport.add(actor)
         return True
 
     def get_communicator_metadata(self, src_actor, dst_actor, backend=None) -> CommunicatorMetadata:
         return CommunicatorMetadata()  # the handles say everything a reader needs
 
     # -- owner -------------------------------------------------------------------------------
-    def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: list) -> TorchP2PMetadata:
+    def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: list) -> TorchP2PTransportMetadata:
         kinds = {t.device.type for t in rdt_object}
         if len(kinds) > 1:
             raise ValueError(f"the tensors of one TORCH_P2P object must be on one kind of device, not {sorted(kinds)}")
@@ -145,7 +151,7 @@ class TorchP2PTransport(TensorTransportManager):
             previous = self._owned.pop(obj_id, [])
             self._owned[obj_id] = keys
         self._registrations.release(previous)
-        return TorchP2PMetadata(tensor_meta=[(t.shape, t.dtype) for t in rdt_object],
+        return TorchP2PTransportMetadata(tensor_meta=[(t.shape, t.dtype) for t in rdt_object],
                                 tensor_device=kinds.pop() if kinds else None, handles=handles)
 
     def garbage_collect(self, obj_id: str, tensor_transport_meta, tensors: list) -> None:
@@ -154,10 +160,10 @@ class TorchP2PTransport(TensorTransportManager):
         self._registrations.release(keys)
 
     # -- receiver ----------------------------------------------------------------------------
-    def fetch_multiple_tensors(self, obj_id: str, tensor_transport_metadata: TorchP2PMetadata,
+    def fetch_multiple_tensors(self, obj_id: str, tensor_transport_metadata: TorchP2PTransportMetadata,
                                communicator_metadata, target_buffers=None) -> TorchP2PFetchRequest:
         meta = tensor_transport_metadata
-        if not isinstance(meta, TorchP2PMetadata):
+        if not isinstance(meta, TorchP2PTransportMetadata):
             raise TypeError(f"TORCH_P2P cannot read an object described by {type(meta).__name__}")
         # Host memory comes from the pool (registered and resident already); target buffers
         # and GPU memory (the caching allocator's, resident too) are registered for the read.
@@ -189,7 +195,7 @@ class TorchP2PTransport(TensorTransportManager):
                 remote.append(handle)
             for device, (local, remote) in by_device.items():
                 engine = self._registrations.engine(device)
-                future = engine.read_slices(local, remote, timeout=ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS)
+                future = engine.read_slices(local, remote, timeout=FETCH_TIMEOUT_S)
                 with self._lock:
                     request.reads.append((engine, future))
                     aborted = request.aborted
@@ -240,6 +246,10 @@ class TorchP2PTransport(TensorTransportManager):
             engine.cancel(future)
 
     # -- bookkeeping -------------------------------------------------------------------------
+    def engine(self, device) -> "Engine":
+        """This process's engine for `device`, made on first use (its address, its routes)."""
+        return self._registrations.engine(torch.device(device))
+
     def counts(self) -> dict[str, int]:
         """What this process holds now: storages and engine regions registered, objects owned,
         fetches in flight (tests check that none of them grows)."""

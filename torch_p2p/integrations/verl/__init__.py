@@ -6,7 +6,7 @@ it in every worker when ``checkpoint_engine.custom_backend_module`` names it:
     actor_rollout_ref.rollout.checkpoint_engine.backend=torch_p2p
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=torch_p2p.integrations.verl
 
-verl is imported here and in engine.py only; staging.py, rendezvous.py and waiting.py need
+verl is imported here and in engine.py only; share.py, rendezvous.py and waiting.py need
 torch_p2p alone.
 """
 from .engine import BACKEND, TorchP2PCheckpointEngine

@@ -8,7 +8,7 @@ on the rollout ranks, then finalize. The expensive things happen once instead:
 - prepare opens the process's engines the first time and afterwards only returns their
   addresses; init_process_group records the topology; finalize keeps everything.
 - The first send_weights fixes the model's tensors: each trainer rank copies its share
-  (staging.py) into buffers registered once, and starts a torch_p2p.weights source (rank 0
+  (share.py) into buffers registered once, and starts a torch_p2p.weights source (rank 0
   leads; the others write their shares when it says go).
 - A rollout rank the first time it receives learns the layout from the leader
   (rendezvous.py), allocates and registers one buffer per tensor, and joins: its plan is made
@@ -25,9 +25,11 @@ added again, it joins again. A dead trainer rank or relay fails the update withi
 from __future__ import annotations
 
 import asyncio
+import atexit
 import hashlib
 import logging
 import time
+import weakref
 from typing import Any, AsyncGenerator
 
 import torch
@@ -37,7 +39,7 @@ import torch_p2p
 import torch_p2p.weights as pw
 
 from .rendezvous import LayoutService, encode, request_layout
-from .staging import Staging, dtype_of
+from .share import TrainerShare
 from .waiting import SEND_TIMEOUT_S, check_alive, settled
 
 log = logging.getLogger("torch_p2p.integrations.verl")
@@ -57,10 +59,10 @@ def _default_device() -> str:
     return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
 
 
-def _positive(what: str, value) -> float:
-    if not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{what} must be a positive number of seconds, not {value!r}")
-    return float(value)
+def _close_at_exit(ref: weakref.ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -68,7 +70,7 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
     """One worker's side, trainer or rollout (the role comes with init_process_group).
 
     Args (``checkpoint_engine.engine_kwargs.torch_p2p``):
-        device: where the staging and receive buffers live, "cpu" or "cuda" (default: this
+        device: where the share and receive buffers live, "cpu" or "cuda" (default: this
             process's GPU if it has one): one copy of the rank's share on a trainer rank, one
             copy of the model on a rollout rank.
         provider: the libfabric provider (None: automatic).
@@ -94,8 +96,8 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
         self.device = torch.device(device)
         self.provider = provider
         self.chunk_bytes = int(chunk_bytes)
-        self.timeout = _positive("timeout", timeout)
-        self.join_timeout = _positive("join_timeout", join_timeout)
+        self.timeout = pw.positive_seconds(timeout, "timeout")
+        self.join_timeout = pw.positive_seconds(join_timeout, "join_timeout")
         self.engine: torch_p2p.Engine | None = None
         self.service: LayoutService | None = None  # the leader's
         self.role: str | None = None
@@ -103,10 +105,9 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
         self.trainers: list[bytes] = []
         self.rollouts: list[bytes] = []
         self.service_address: bytes | None = None
-        self.staging: Staging | None = None
+        self.share: TrainerShare | None = None
         self.source: pw.WeightSource | None = None
-        self.dest: pw.WeightDestination | None = None
-        self.buffers: dict[str, torch.Tensor] = {}
+        self.receiving: pw.ReceiveBuffers | None = None
         self.version = 0               # the last version pushed or received
         self.global_steps: int | None = None  # of the last update
         self.joins = 0                 # times this rollout rank joined the leader
@@ -116,6 +117,9 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
         """Opens the engines the first time; returns their addresses (plain data for Ray)."""
         if self.engine is None:
             self.engine = torch_p2p.Engine(str(self.device), provider=self.provider)
+            # verl never closes a checkpoint engine: its process's exit does (leaving the
+            # leader's membership, stopping the threads) before the engines' own atexit.
+            atexit.register(_close_at_exit, weakref.ref(self))
             if self.is_master:
                 self.service = LayoutService(torch_p2p.Engine("cpu", provider=self.provider))
         return {"address": self.engine.address, "is_master": self.is_master,
@@ -161,22 +165,22 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
     async def send_weights(self, weights, global_steps: int | None = None) -> dict:
         if self.role != "trainer":
             raise RuntimeError("send_weights on a worker that init_process_group made a rollout rank")
-        staging = self.staging = self.staging or Staging(self.rank, len(self.trainers), self.device)
-        first = not staging.ready
+        share = self.share = self.share or TrainerShare(self.rank, len(self.trainers), self.device)
+        first = not share.ready
         try:
             async for name, tensor in _items(weights):
-                staging.take(name, tensor)
-            staging.end()
+                share.take(name, tensor)
+            share.end()
         except BaseException:
-            staging.abandon()
+            share.abandon()
             raise
         if self.rank == 0:
-            step = staging.owned.get(STEP)
+            step = share.owned.get(STEP)
             if step is None:
-                step = staging.owned[STEP] = torch.empty(1, dtype=torch.int64, device=self.device)
+                step = share.owned[STEP] = torch.empty(1, dtype=torch.int64, device=self.device)
             step.fill_(-1 if global_steps is None else int(global_steps))
         if first:
-            self._start_source(staging)
+            self._start_source(share)
         version = self.version + 1
         start = time.perf_counter()
         if self.rank == 0:
@@ -196,14 +200,14 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
         return {"torch_p2p/update_s": time.perf_counter() - start,
                 f"torch_p2p/bytes_sent/rank{self.rank}": result.bytes_sent}
 
-    def _start_source(self, staging: Staging) -> None:
-        shards = pw.whole(staging.owned)
+    def _start_source(self, share: TrainerShare) -> None:
+        shards = pw.whole(share.owned)
         leader = None if self.rank == 0 else self.trainers[0]
         self.source = pw.WeightSource(self.engine, shards, rank=self.rank, world=len(self.trainers), leader=leader,
                                       chunk_bytes=self.chunk_bytes, timeout=self.timeout,
                                       ready_timeout=min(30.0, self.timeout))
         if self.rank == 0:
-            layout = staging.layout() + [[STEP, "int64", [1]]]
+            layout = share.layout().to_json() + pw.Layout.of({STEP: share.owned[STEP]}).to_json()
             self.service.publish(layout, self.engine.address)
 
     def _remove_departed(self) -> None:
@@ -216,15 +220,10 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
     async def _wait_for_joins(self) -> None:
         """Until every rollout rank of the topology has joined (a new one joins at its first
         receive_weights, which verl runs beside this call)."""
-        loop_start = time.monotonic()
-        while True:
-            missing = set(self.rollouts) - self.service.joined()
-            if not missing:
-                return
-            if time.monotonic() - loop_start > self.join_timeout:
-                raise torch_p2p.TimeoutError(f"{len(missing)} rollout ranks did not join within "
-                                             f"{self.join_timeout:g} s: {sorted(map(member_name, missing))}")
-            await asyncio.sleep(0.005)
+        missing = await asyncio.to_thread(self.service.wait_joined, set(self.rollouts), self.join_timeout)
+        if missing:
+            raise torch_p2p.TimeoutError(f"{len(missing)} rollout ranks did not join within "
+                                         f"{self.join_timeout:g} s: {sorted(map(member_name, missing))}")
 
     async def _leader_alive(self) -> None:
         await check_alive(self.engine, {"the leading trainer rank": self.trainers[0]})
@@ -237,40 +236,40 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
         still be reading them)."""
         if self.role != "rollout":
             raise RuntimeError("receive_weights on a worker that init_process_group made a trainer rank")
-        if self.dest is not None and not self.dest.joined:  # removed, and now added again
-            self.dest.close()
-            self.dest = None
-        if self.dest is None:
+        if self.receiving is not None and not self.receiving.dest.joined:  # removed, and now added again
+            self.receiving.close()
+            self.receiving = None
+        if self.receiving is None:
             await self._join()
         version = self.version + 1
-        got = await settled(self.dest.wait_for(version), self.timeout, f"receiving weights version {version}",
-                            self._trainers_alive)
+        got = await settled(self.receiving.dest.wait_for(version), self.timeout,
+                            f"receiving weights version {version}", self._trainers_alive)
         if got != version:
             raise RuntimeError(f"waited for weights version {version}, but version {got} arrived: this rank "
                                f"missed an update")
-        step = int(self.buffers[STEP].item())
+        buffers = self.receiving.buffers
+        step = int(buffers[STEP].item())
         if global_steps is not None and step != int(global_steps):
             raise RuntimeError(f"asked to load global_steps {global_steps}, but the weights that arrived are "
                                f"of global_steps {step}")
         self.version, self.global_steps = version, (None if step < 0 else step)
-        for name, tensor in self.buffers.items():
+        for name, tensor in buffers.items():
             if name != STEP:
                 yield name, tensor
 
     async def _join(self) -> None:
         answer = await request_layout(self.engine, self.service_address, self.join_timeout, self._trainers_alive)
-        buffers = {str(name): torch.empty(shape, dtype=dtype_of(dtype), device=self.device)
-                   for name, dtype, shape in answer["tensors"]}
-        dest = pw.WeightDestination(self.engine, pw.whole(buffers), bytes.fromhex(answer["leader"]),
-                                    name=member_name(self.engine.address))
+        receiving = pw.ReceiveBuffers(pw.Layout.from_json(answer["tensors"]), bytes.fromhex(answer["leader"]),
+                                      engine=self.engine, device=self.device, name=member_name(self.engine.address))
         try:
-            await settled(dest.join(), self.join_timeout, "joining the trainer's weight source", self._trainers_alive)
+            await settled(receiving.join(), self.join_timeout, "joining the trainer's weight source",
+                          self._trainers_alive)
             await settled(self.engine.send(self.service_address, encode("joined")), SEND_TIMEOUT_S,
                           "telling the trainer this rank joined")
         except BaseException:
-            dest.close()
+            receiving.close()
             raise
-        self.dest, self.buffers, self.version = dest, buffers, int(answer["version"])
+        self.receiving, self.version = receiving, int(answer["version"])
         self.joins += 1
 
     async def _trainers_alive(self) -> None:
@@ -279,13 +278,13 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
     # -- teardown ----------------------------------------------------------------------------------
     def close(self) -> None:
         """Leaves or stops pushing, deregisters the buffers, closes the engines."""
-        for part in (self.dest, self.source, self.service):
+        for part in (self.receiving, self.source, self.service):
             if part is not None:
                 part.close()
         for engine in (self.engine, self.service.engine if self.service is not None else None):
             if engine is not None:
                 engine.close()
-        self.dest = self.source = self.service = self.engine = None
+        self.receiving = self.source = self.service = self.engine = None
 
 
 async def _items(weights):

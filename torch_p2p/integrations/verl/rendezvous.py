@@ -80,13 +80,22 @@ class LayoutService:
         with self._lock:
             return set(self._joined)
 
+    def wait_joined(self, addresses: set[bytes], timeout: float) -> set[bytes]:
+        """Waits until every one of `addresses` has joined (at most `timeout` seconds, or until
+        close()); returns those that have not."""
+        with self._lock:
+            self._lock.wait_for(lambda: addresses <= self._joined or self._stopping, timeout)
+            return addresses - self._joined
+
     def forget(self, addresses: set[bytes]) -> None:
         """Rollout ranks that left the topology: one added again must join again."""
         with self._lock:
             self._joined -= addresses
 
     def close(self) -> None:
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
         self._thread.join(5.0)
 
     def _run(self) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
                                                                 KVConnectorTransferResults)
 
-from .metadata import TorchP2PMetadata
+from .metadata import TorchP2PConnectorMetadata
 
 
 class TorchP2PConnector(KVConnectorBase_V1):
@@ -42,7 +42,7 @@ class TorchP2PConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output) -> TorchP2PMetadata:
+    def build_connector_meta(self, scheduler_output) -> TorchP2PConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:

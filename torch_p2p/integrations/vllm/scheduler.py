@@ -12,7 +12,7 @@ from vllm.v1.request import RequestStatus
 
 from .config import engine_port, setting
 from .holds import Holds
-from .metadata import Load, TorchP2PMetadata
+from .metadata import Load, TorchP2PConnectorMetadata
 
 logger = init_logger("vllm.torch_p2p")  # under "vllm": the logger vLLM configures
 _REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids",
@@ -31,7 +31,7 @@ class Scheduler:
         self.pp_size = parallel.pipeline_parallel_size
         self.dcp_size = parallel.decode_context_parallel_size
         self.holds = Holds([self.port + r for r in range(self.tp_size)]) if config.is_kv_producer else None
-        self._meta = TorchP2PMetadata()
+        self._meta = TorchP2PConnectorMetadata()
         self._loads: dict[str, Load | None] = {}  # decode requests: the load their params ask for
 
     # -- decode side -------------------------------------------------------------------------------
@@ -59,8 +59,8 @@ class Scheduler:
         load.local_blocks = [int(b) for b in blocks.get_unhashed_block_ids()] if num_external_tokens > 0 else []
         self._meta.loads.append(load)  # without blocks to fill: only tells the prefill side to free them
 
-    def build_connector_meta(self, scheduler_output) -> TorchP2PMetadata:
-        meta, self._meta = self._meta, TorchP2PMetadata()
+    def build_connector_meta(self, scheduler_output) -> TorchP2PConnectorMetadata:
+        meta, self._meta = self._meta, TorchP2PConnectorMetadata()
         return meta
 
     # -- both --------------------------------------------------------------------------------------

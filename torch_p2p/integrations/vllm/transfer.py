@@ -1,12 +1,8 @@
 """What a TorchP2PConnector worker moves, free of vLLM so that it runs (and is tested) where
-vLLM is not installed: a worker's KV caches registered once as a ``kv.KVCache``, the side
-channel that hands their handle to decode workers, the decode side's pulls (each telling the
-prefill side it may free the blocks) and the prefill side's leases on blocks awaiting a pull.
-
-vLLM gives each attention layer's cache as a tensor of logical shape [blocks, kv heads,
-tokens, 2 x head dim] (any strides). ``LAYOUTS`` names where K and V sit inside it: the CPU
-backend reads each head's block as all K rows then all V rows, CUDA backends keep a token's K
-and V side by side.
+vLLM is not installed: a worker's KV caches registered once as a ``kv.KVCache`` (their layout:
+cache_layout.py), served to decode workers over the side channel (side_channel.py), the decode
+side's pulls (each telling the prefill side it may free the blocks) and the prefill side's
+leases on blocks awaiting a pull.
 
 A decode worker keeps what it pulled only if the prefill side still held the blocks for its
 request once the data had landed: it then reads the request's slot of the prefill worker's hold
@@ -19,9 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import re
-import socket
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,49 +27,11 @@ from ... import Engine, _shared, kv, pages
 from ...errors import ClosedError
 from ...errors import TimeoutError as P2PTimeout
 from ...remote import RemoteTensor
+from .cache_layout import CACHE_LAYOUTS, layer_order, layer_view, share_in_place
+from .side_channel import SideChannel, fetch
 
-LAYOUTS = {"cpu": "blocks heads kv tokens dim", "cuda": "blocks heads tokens kv dim"}
-_HEADER = struct.Struct("!I")
 _log = logging.getLogger("vllm.torch_p2p")  # the logger the connector's worker half uses
-_MAX_INFO = 1 << 24
 _CHECKS = 4096  # hold checks in flight at once (a slot each of a registered scratch tensor)
-
-
-def layer_view(cache: torch.Tensor, layout: str) -> torch.Tensor:
-    """`cache` ([blocks, heads, tokens, 2 x dim]) with K and V as an axis of its own, as
-    LAYOUTS[layout] names the axes."""
-    if cache.dim() != 4 or cache.shape[-1] % 2:
-        raise ValueError(f"expected a KV cache of shape [blocks, heads, tokens, 2 x head dim], "
-                         f"got {tuple(cache.shape)}")
-    blocks, heads, tokens, both = cache.shape
-    if layout == "cpu":
-        return cache.view(blocks, heads, 2, tokens, both // 2)
-    if layout == "cuda":
-        return cache.unflatten(-1, (2, both // 2))
-    raise ValueError(f"unknown layout {layout!r}: use one of {sorted(LAYOUTS)}")
-
-
-def share_in_place(tensors) -> None:
-    """Moves the tensors' storages into shared memory; every view of them (the model's own)
-    follows, as ``Tensor.share_memory_()`` swaps a storage's memory in place."""
-    for t in tensors:
-        try:
-            t.share_memory_()  # a storage already shared is left as it is
-        except (RuntimeError, OSError) as e:
-            raise RuntimeError(f"moving the KV cache ({t.untyped_storage().nbytes()} bytes) into shared memory "
-                               f"failed ({e}): make /dev/shm larger, or turn share_cpu_cache off "
-                               "(transfers then take the kernel's cross-memory copy)") from e
-
-
-def layer_order(names) -> list[str]:
-    """Layer names in model order (layers.10 after layers.2), the order both sides pair."""
-    return sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
-
-
-def expand_blocks(ids, per_block: int) -> list[int]:
-    """Scheduler block ids as the cache tensor's blocks, where a kernel block is smaller than
-    the scheduler's (`per_block` kernel blocks each)."""
-    return [b * per_block + i for b in ids for i in range(per_block)]
 
 
 @dataclass
@@ -145,61 +100,6 @@ def _warn_if_untold(told: torch.futures.Future, request_id: str) -> None:
                      "(%s: %s): they are freed when its lease ends", request_id, type(e).__name__, e)
 
 
-class SideChannel:
-    """A TCP listener that hands `info` (bytes) to whoever connects, then closes: one
-    round trip, no state between connections."""
-
-    def __init__(self, host: str, port: int, info: bytes):
-        self._info = _HEADER.pack(len(info)) + info
-        self._sock = socket.create_server((host, port))
-        self._sock.settimeout(0.2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="torch_p2p-side-channel", daemon=True)
-        self._thread.start()
-
-    @property
-    def port(self) -> int:
-        return self._sock.getsockname()[1]
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except (socket.timeout, OSError):
-                continue
-            with conn:
-                try:
-                    conn.settimeout(5)
-                    conn.sendall(self._info)
-                except OSError:
-                    pass  # the asker went away; it will ask again
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-        self._sock.close()
-
-
-def fetch(host: str, port: int, timeout: float) -> bytes:
-    """What a SideChannel at host:port serves; OSError (refused, reset, timeout) otherwise."""
-    with socket.create_connection((host, port), timeout=timeout) as s:
-        s.settimeout(timeout)
-        size = _HEADER.unpack(_read(s, _HEADER.size))[0]
-        if size > _MAX_INFO:
-            raise ValueError(f"side channel at {host}:{port} announced {size} bytes: not a torch_p2p peer")
-        return _read(s, size)
-
-
-def _read(s: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = s.recv(n - len(out))
-        if not chunk:
-            raise ConnectionError(f"side channel closed after {len(out)} of {n} bytes")
-        out += chunk
-    return bytes(out)
-
-
 class KVTransfer:
     """One worker's caches and transfers.
 
@@ -234,7 +134,7 @@ class KVTransfer:
         self.cache = None
         try:
             self.cache = kv.KVCache(self.engine, [layer_view(caches[n], layout) for n in self.names],
-                                    LAYOUTS[layout], first_head=first_head)
+                                    CACHE_LAYOUTS[layout], first_head=first_head)
             # Where hold checks land (host memory: read without a device sync), one int64 a check.
             self._scratch = torch.zeros(_CHECKS, 1, dtype=torch.int64)
             self._slots = self._scratch.numpy()  # the same memory, read and zeroed without a torch op

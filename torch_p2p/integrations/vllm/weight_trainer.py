@@ -97,18 +97,14 @@ class WeightTrainer:
         self.version = 0
         self.last_result: pw.PushResult | None = None
         self.push_seconds = 0.0    # the last push, start to every byte at every worker
-        self.update_seconds = 0.0  # the last send_weights, start to every instance finished
         self._source = None
         self._engine = torch_p2p.Engine(str(devices.pop()), provider=provider)
         try:
             self._source = pw.WeightSource(self._engine, pw.whole(self.tensors), chunk_bytes=chunk_bytes,
                                            timeout=timeout)
             # TorchP2PInitInfo's fields: what a worker needs to size its buffers and join.
-            self.init_info = dict(
-                leader=self._source.address.hex(), names=list(self.tensors),
-                dtype_names=[str(t.dtype).removeprefix("torch.") for t in self.tensors.values()],
-                shapes=[list(t.shape) for t in self.tensors.values()], timeout=float(join_timeout),
-                provider=provider)
+            self.init_info = dict(leader=self._source.address.hex(), layout=pw.Layout.of(self.tensors).to_json(),
+                                  timeout=float(join_timeout), provider=provider)
             for client in clients:
                 self.connect(client)
         except BaseException:
@@ -146,7 +142,6 @@ class WeightTrainer:
         for client in self.clients:
             client.finish_weight_update(weight_version=str(version))
         self.version, self.last_result = version, result
-        self.update_seconds = time.perf_counter() - start
         return version
 
     def shutdown(self) -> None:

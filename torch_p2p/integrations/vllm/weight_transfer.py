@@ -36,28 +36,14 @@ from .weight_trainer import WeightTrainer
 BACKEND = "torch_p2p"
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype name {name!r} (expected e.g. 'float32', 'bfloat16')")
-    return dtype
-
-
-def _positive(what: str, value) -> float:
-    if not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{what} must be a positive number of seconds, not {value!r}")
-    return float(value)
-
-
 @dataclasses.dataclass
 class TorchP2PInitInfo(WeightTransferInitInfo):
     """What a worker needs to join: the leader's engine address (hex) and the trainer's tensors
-    (HF names, wire dtypes, shapes), from which it sizes its receive buffers."""
+    (HF names, dtypes, shapes) as a torch_p2p.weights layout (``Layout.to_json``), from which
+    it sizes its receive buffers."""
 
     leader: str
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
+    layout: list
     timeout: float = 60.0      # for joining the leader
     provider: str | None = None
 
@@ -66,16 +52,12 @@ class TorchP2PInitInfo(WeightTransferInitInfo):
             self.leader_address = bytes.fromhex(self.leader)
         except (TypeError, ValueError):
             raise ValueError(f"leader must be the hex of the trainer's engine address, not {self.leader!r}") from None
-        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
-            raise ValueError(f"names, dtype_names and shapes must be of one length: got {len(self.names)}, "
-                             f"{len(self.dtype_names)} and {len(self.shapes)}")
-        if len(set(self.names)) != len(self.names):
-            raise ValueError("names must be distinct")
-        self.dtypes = [_dtype(d) for d in self.dtype_names]
-        for name, shape in zip(self.names, self.shapes):
-            if not all(isinstance(s, int) and s >= 0 for s in shape):
-                raise ValueError(f"{name!r}: shape {shape!r} is not a list of sizes")
-        self.timeout = _positive("timeout", self.timeout)
+        self.tensors = pw.Layout.from_json(self.layout)
+        if len(self.tensors.specs) != len(self.layout):
+            raise ValueError("the layout names a tensor twice")
+        if not self.tensors.whole():
+            raise ValueError("the trainer's layout must hold whole tensors")
+        self.timeout = pw.positive_seconds(self.timeout, "timeout")
 
 
 @dataclasses.dataclass
@@ -88,7 +70,7 @@ class TorchP2PUpdateInfo(WeightTransferUpdateInfo):
     def __post_init__(self):
         if not isinstance(self.version, int) or self.version < 1:
             raise ValueError(f"version must be an integer >= 1, not {self.version!r}")
-        self.timeout = _positive("timeout", self.timeout)
+        self.timeout = pw.positive_seconds(self.timeout, "timeout")
 
 
 class TorchP2PWeightTransferEngine(WeightTransferEngine[TorchP2PInitInfo, TorchP2PUpdateInfo]):
@@ -101,26 +83,18 @@ class TorchP2PWeightTransferEngine(WeightTransferEngine[TorchP2PInitInfo, TorchP
 
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
-        self._engine: torch_p2p.Engine | None = None
-        self._dest: pw.WeightDestination | None = None
-        self._buffers: dict[str, torch.Tensor] = {}
-        self.loaded_version: int | None = None
-        self.bytes_received = 0  # buffer bytes of every version loaded
+        self._receiving: pw.ReceiveBuffers | None = None
 
     def init_transfer_engine(self, init_info: TorchP2PInitInfo) -> None:
         self.shutdown()  # a second init (a new trainer) replaces the first
-        model_dtype = self.model_config.dtype
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         # Floating tensors arrive in the model's dtype: the source converts on the way (half
         # the bytes for an fp32 trainer and a bf16 model), as loading a checkpoint would.
-        self._buffers = {
-            name: torch.empty(shape, dtype=model_dtype if dtype.is_floating_point else dtype, device=self.device)
-            for name, dtype, shape in zip(init_info.names, init_info.dtypes, init_info.shapes)}
-        self._engine = torch_p2p.Engine(str(self.device), provider=init_info.provider)
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self._dest = pw.WeightDestination(self._engine, pw.whole(self._buffers), init_info.leader_address,
-                                          name=f"vllm-{os.getpid()}/rank{rank}")
+        self._receiving = pw.ReceiveBuffers(init_info.tensors, init_info.leader_address, device=self.device,
+                                            provider=init_info.provider, name=f"vllm-{os.getpid()}/rank{rank}",
+                                            floating_dtype=self.model_config.dtype)
         try:
-            torch_p2p.wait(self._dest.join(), init_info.timeout)
+            torch_p2p.wait(self._receiving.join(), init_info.timeout)
         except BaseException:
             self.shutdown()
             raise
@@ -140,45 +114,31 @@ class TorchP2PWeightTransferEngine(WeightTransferEngine[TorchP2PInitInfo, TorchP
         from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                              initialize_layerwise_reload)
 
-        dest = self._require_init()
+        receiving = self._require_init()
         # Until every byte of the version is here the model is not touched: a trainer that
         # dies mid-push fails this wait (its timeout), and the model keeps the old weights.
-        version = torch_p2p.wait(dest.wait_for(update_info.version), update_info.timeout)
-        arriving, _, _ = dest.progress
-        if version != update_info.version or arriving != version:
-            # The buffers hold (part of) another push: not the version asked for.
-            raise RuntimeError(f"asked to load version {update_info.version}, but the receive buffers hold version "
-                               f"{version} and version {arriving} is arriving (None: this worker was dropped "
-                               f"from the push group): the trainer pushes only after an update ends")
+        receiving.version_ready(update_info.version, update_info.timeout)
         initialize_layerwise_reload(self.model)
         try:
-            self.model.load_weights(self._buffers.items())
+            self.model.load_weights(receiving.buffers.items())
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
-        self.loaded_version = version
-        self.bytes_received += sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     def finish_weight_update(self) -> None:
         pass  # update_weights closed its reload already
 
     def shutdown(self) -> None:
-        # The engine first: its close deregisters the buffers at once and fails what is in
-        # flight. The destination closed first would wait for its leader's answer to the leave,
-        # then for the leader's release of the buffers (on one host it copied into them), and
-        # a leader killed without shutdown() gives neither: the next trainer's init would wait
-        # the engine's peer_timeout (10 s). A leader still alive hears of the close and drops
-        # this worker at its next push.
-        if self._engine is not None:
-            self._engine.close()
-        if self._dest is not None:
-            self._dest.close(timeout=0)  # stops its thread; the closed engine sends nothing
-        self._dest, self._engine, self._buffers = None, None, {}
+        # Its own engine closes first (ReceiveBuffers.close): a dead leader cannot hold up the
+        # next trainer's init.
+        if self._receiving is not None:
+            self._receiving.close()
+        self._receiving = None
 
-    def _require_init(self) -> pw.WeightDestination:
-        if self._dest is None:
+    def _require_init(self) -> pw.ReceiveBuffers:
+        if self._receiving is None:
             raise RuntimeError("the torch_p2p weight transfer is not initialized: call "
                                "init_weight_transfer_engine (the trainer engine's trainer_init) first")
-        return self._dest
+        return self._receiving
 
 
 @dataclasses.dataclass
@@ -202,7 +162,6 @@ class TorchP2PTrainerWeightTransferEngine(TrainerWeightTransferEngine[TorchP2PTr
 
     def __init__(self, init_info: TorchP2PTrainerInitInfo, *, client, source):
         super().__init__(client=client, source=source, is_sender=init_info.is_sender)
-        self.info = init_info
         self.trainer: WeightTrainer | None = None
         tensors = self._materialize()
         if self.is_sender:

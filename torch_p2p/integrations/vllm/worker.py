@@ -6,9 +6,10 @@ from vllm.logger import init_logger
 
 from . import holds
 from .config import engine_port, setting
-from .metadata import TorchP2PMetadata
+from .metadata import TorchP2PConnectorMetadata
 from .tp_mapping import sources
-from .transfer import KVTransfer, expand_blocks
+from .cache_layout import expand_blocks
+from .transfer import KVTransfer
 
 logger = init_logger("vllm.torch_p2p")  # under "vllm": the logger vLLM configures
 
@@ -59,7 +60,7 @@ class Worker:
         logger.info("TorchP2PConnector: %d layers registered (%s, %s)%s", len(kv_caches), self.transfer.cache,
                     self.transfer.engine.provider, f", side channel on port {self.port}" if serve else "")
 
-    def start_load_kv(self, meta: TorchP2PMetadata, forward: bool) -> None:
+    def start_load_kv(self, meta: TorchP2PConnectorMetadata, forward: bool) -> None:
         """Starts the step's loads; `forward`: whether the step runs the model."""
         assert self.transfer is not None, "register_kv_caches comes first"
         self._wait_now = bool(meta.loads) and not forward

@@ -1,4 +1,4 @@
-"""A trainer rank's share of the weights and the registered copies it sends them from.
+"""TrainerShare: a trainer rank's share of the weights, the registered copies it sends from.
 
 verl hands a checkpoint engine a new generator of (name, tensor) every update, and the tensors
 it yields may be temporaries (FSDP's full_tensor()) or views of a buffer reused for the next
@@ -17,19 +17,10 @@ from __future__ import annotations
 
 import torch
 
-
-def dtype_of(name: str) -> torch.dtype:
-    dtype = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype name {name!r}")
-    return dtype
+from torch_p2p.weights import Layout, dtype_name
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-class Staging:
+class TrainerShare:
     """The copies one trainer rank sends from. `specs` (name, dtype, shape) lists every tensor
     of the model in generator order; `owned` maps the names this rank sends to its buffers.
     Not thread-safe: the engine's caller fills it."""
@@ -102,11 +93,6 @@ class Staging:
         if self._owner[i] == self.rank:
             self.owned[name].copy_(t.detach())
 
-    def layout(self) -> list:
-        """The whole model as JSON: [[name, dtype, shape], ...] (what a rollout rank allocates)."""
-        return [[name, dtype_name(dtype), list(shape)] for name, dtype, shape in self.specs]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of this rank's share."""
-        return sum(t.numel() * t.element_size() for t in self.owned.values())
+    def layout(self) -> Layout:
+        """The whole model, every tensor whole (what a rollout rank allocates)."""
+        return Layout.of({name: torch.empty(shape, dtype=dtype, device="meta") for name, dtype, shape in self.specs})
