@@ -36,7 +36,7 @@ def model_kv(seed: int, mla: bool) -> list[torch.Tensor]:
             for _ in range(count)]
 
 
-def kv_args(role: str, tp_size: int, tp_rank: int, device: str, mla: bool, dtype: str):
+def kv_args(role: str, tp_size: int, tp_rank: int, device: str, mla: bool, dtype: str, head_bytes: int):
     from sglang.srt.disaggregation.base.conn import KVArgs
 
     heads = 1 if mla else HEADS // tp_size
@@ -44,7 +44,7 @@ def kv_args(role: str, tp_size: int, tp_rank: int, device: str, mla: bool, dtype
     if role == "prefill":
         bufs = [b[:, lo:lo + heads].contiguous().to(device) for b in model_kv(1, mla)]
     else:
-        bufs = [torch.zeros(PAGES * PAGE, heads, HEAD_BYTES, dtype=torch.uint8, device=device)
+        bufs = [torch.zeros(PAGES * PAGE, heads, head_bytes, dtype=torch.uint8, device=device)
                 for _ in model_kv(1, mla)]
     aux = [torch.zeros(AUX_ROWS, n, dtype=torch.uint8) for n in AUX_ITEMS]
     if role == "prefill":
@@ -97,7 +97,7 @@ class Rank:
         self.server = None
         if a.role == "prefill" and a.tp_rank == 0:
             self.server = self.classes["bootstrap_server"](host="127.0.0.1", port=a.port)
-        self.args, self.bufs, self.aux = kv_args(a.role, a.tp_size, a.tp_rank, a.device, a.mla, a.dtype)
+        self.args, self.bufs, self.aux = kv_args(a.role, a.tp_size, a.tp_rank, a.device, a.mla, a.dtype, a.head_bytes)
         mode = DisaggregationMode.PREFILL if a.role == "prefill" else DisaggregationMode.DECODE
         self.mgr = self.classes["manager"](self.args, mode, self._topology_args(), is_mla_backend=a.mla)
         self.rooms = {}
@@ -202,6 +202,7 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="torch_p2p")
     p.add_argument("--mla", action="store_true")
+    p.add_argument("--head-bytes", type=int, default=HEAD_BYTES, help="decode only: a model of another head dim")
     rank = Rank(p.parse_args())
     print(json.dumps(dict(ready=True)), flush=True)
     for line in sys.stdin:

@@ -89,15 +89,16 @@ def test_decode_abort_stops_the_prefill_room(ranks):
 def test_incompatible_decode_is_refused_by_name(ranks):
     port = free_port()
     prefill = ranks("prefill", port, device=device())
-    decode = ranks("decode", port, device=device(), dtype="float16")
+    # SGLang itself refuses another dtype or page size; a head of other size only we see.
+    decode = ranks("decode", port, device=device(), head_bytes=16)
+    prefill.call("open", room=41)
     decode.call("open", room=41)
     decode.call("bootstrap", room=41, timeout=30)
-    w = decode.call("wait", room=41, states=[WAITING, FAILED], timeout=30)
-    if w["state"] == WAITING:  # SGLang's own check did not see it: ours must
-        prefill.call("open", room=41)
-        decode.call("metadata", room=41, pages=DST, aux_index=1)
-        assert decode.call("wait", room=41, states=[SUCCESS, FAILED], timeout=30)["state"] == FAILED
-    assert "float16" in decode.call("failure", room=41)["message"]
+    decode.call("metadata", room=41, pages=DST, aux_index=1)
+    assert decode.call("wait", room=41, states=[SUCCESS, FAILED], timeout=30)["state"] == FAILED
+    assert prefill.call("wait", room=41, states=[FAILED], timeout=30)["state"] == FAILED
+    message = decode.call("failure", room=41)["message"]
+    assert "head_bytes 32 here, 16 there" in message, message
 
 
 def _dead_prefill(ranks, stop):
