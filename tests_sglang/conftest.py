@@ -26,8 +26,9 @@ ENV = dict(SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="2", SGLANG_DISAGGREGATION_H
 class Rank:
     """A rank.py process: call(op, **fields) sends one command and returns its reply."""
 
-    def __init__(self, role, port, **opts):
-        argv = [sys.executable, "-W", "ignore", os.path.join(HERE, "rank.py"), role, "--port", str(port)]
+    def __init__(self, role, port=None, script="rank.py", **opts):
+        argv = [sys.executable, "-W", "ignore", os.path.join(HERE, script)]
+        argv += [] if role is None else [role, "--port", str(port)]
         for k, v in opts.items():
             argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
         env = dict(os.environ, **ENV, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
@@ -69,7 +70,7 @@ def ranks():
     """Starts ranks (start(role, port, **opts)); kills them all at the end."""
     started = []
 
-    def start(role, port, **opts):
+    def start(role, port=None, **opts):
         r = Rank(role, port, **opts)
         started.append(r)
         return r
