@@ -15,6 +15,9 @@ import os
 import sys
 import time
 
+# Replies go to the original stdout; libraries that print (UCX, Mooncake) get stderr.
+REPLIES = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
 sys.path.insert(0, os.path.dirname(__file__))
 import stubs  # noqa: E402  (before sglang)
 
@@ -22,8 +25,11 @@ stubs.install()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 
-LAYERS, HEADS, HEAD_BYTES, PAGE, PAGES, AUX_ROWS = 3, 4, 32, 4, 64, 8
+# Pool shape; benchmarks/sglang.py sets larger ones (layers, heads, head bytes, page size, pages).
+LAYERS, HEADS, HEAD_BYTES, PAGE, PAGES = (int(x) for x in os.environ.get("TORCH_P2P_SGLANG_POOL", "3,4,32,4,64").split(","))
+AUX_ROWS = 8
 AUX_ITEMS = (64, 16)  # two aux buffers of different row sizes (as SGLang's MetadataBuffers)
 
 
@@ -56,6 +62,7 @@ def kv_args(role: str, tp_size: int, tp_rank: int, device: str, mla: bool, dtype
     args.kv_data_lens = [b.nbytes for b in bufs]
     args.kv_item_lens = [b[:PAGE].nbytes for b in bufs]
     args.kv_layer_ids = list(range(len(bufs)))
+    args.kv_data_mem_kinds = ["DRAM" if device == "cpu" else "VRAM"] * len(bufs)  # read by SGLang's nixl backend
     args.kv_cache_dtype_str, args.kv_head_num, args.total_kv_head_num = dtype, heads, HEADS
     args.aux_data_ptrs = [a.data_ptr() for a in aux]
     args.aux_data_lens = [a.nbytes for a in aux]
@@ -99,6 +106,10 @@ class Rank:
             self.server = self.classes["bootstrap_server"](host="127.0.0.1", port=a.port)
         self.args, self.bufs, self.aux = kv_args(a.role, a.tp_size, a.tp_rank, a.device, a.mla, a.dtype, a.head_bytes)
         mode = DisaggregationMode.PREFILL if a.role == "prefill" else DisaggregationMode.DECODE
+        if a.backend == "mooncake":  # SGLang's model runner starts its shared engine first
+            from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import \
+                init_mooncake_transfer_engine
+            init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0)
         self.mgr = self.classes["manager"](self.args, mode, self._topology_args(), is_mla_backend=a.mla)
         self.rooms = {}
 
@@ -136,6 +147,17 @@ class Rank:
         for part in np.array_split(np.asarray(pages, dtype=np.int32), chunks):
             sender.send(part)
         return dict(state=int(sender.poll()))
+
+    def timed_send(self, room, pages, aux_index, timeout):
+        """Prefill: send and poll until the room ends; seconds from send to Success (or None)."""
+        sender = self.rooms[room]
+        sender.init(len(pages), aux_index)
+        start = time.perf_counter()
+        sender.send(np.asarray(pages, dtype=np.int32))
+        while (s := int(sender.poll())) not in (int(KVPoll.Success), int(KVPoll.Failed)):
+            if time.perf_counter() - start > timeout:
+                break
+        return dict(seconds=time.perf_counter() - start if s == int(KVPoll.Success) else None, state=s)
 
     def wait(self, room, states, timeout):
         """Polls the room (as the scheduler's event loop does) until it is in one of `states`;
@@ -204,14 +226,14 @@ def main():
     p.add_argument("--mla", action="store_true")
     p.add_argument("--head-bytes", type=int, default=HEAD_BYTES, help="decode only: a model of another head dim")
     rank = Rank(p.parse_args())
-    print(json.dumps(dict(ready=True)), flush=True)
+    print(json.dumps(dict(ready=True)), file=REPLIES, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         try:
             reply = getattr(rank, cmd.pop("op"))(**cmd)
         except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
             reply = dict(error=f"{type(e).__name__}: {e}")
-        print(json.dumps(reply), flush=True)
+        print(json.dumps(reply), file=REPLIES, flush=True)
     os._exit(0)  # SGLang's daemon threads and atexit hooks do not end on their own
 
 

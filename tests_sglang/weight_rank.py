@@ -8,6 +8,9 @@ import json
 import os
 import sys
 
+# Replies go to the original stdout; libraries that print (UCX, Mooncake) get stderr.
+REPLIES = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
 sys.path.insert(0, os.path.dirname(__file__))
 import stubs  # noqa: E402  (before sglang)
 
@@ -57,14 +60,14 @@ class WeightRank:
 
 def main():
     rank = WeightRank()
-    print(json.dumps(dict(ready=True)), flush=True)
+    print(json.dumps(dict(ready=True)), file=REPLIES, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         try:
             reply = getattr(rank, cmd.pop("op"))(**cmd)
         except Exception as e:  # noqa: BLE001 - reported to the test (an update's failure is its result)
             reply = dict(failed=f"{type(e).__name__}: {e}")
-        print(json.dumps(reply), flush=True)
+        print(json.dumps(reply), file=REPLIES, flush=True)
     os._exit(0)
 
 
