@@ -26,7 +26,7 @@ class Rank:
             argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
         env = dict(os.environ, **ENV, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        assert self._line(120).get("ready"), f"{role} rank did not start"
+        assert self._line(300).get("ready"), f"{role} rank did not start"  # SGLang imports for a minute on a busy box
 
     def _line(self, timeout):
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)

@@ -132,3 +132,18 @@ def test_restarted_prefill_serves_again(ranks):
     assert reply["forgotten"], reply
     restarted = ranks("prefill", port, device=device())
     transfer([restarted], [decode], room=62)
+
+
+def test_metadata_before_the_sender(ranks):
+    # Decode's pages may reach prefill before prefill's scheduler creates the sender.
+    prefill, decode, _ = pair(ranks)
+    decode.call("open", room=71)
+    decode.call("bootstrap", room=71, timeout=30)
+    decode.call("wait", room=71, states=[WAITING, FAILED], timeout=30)
+    decode.call("metadata", room=71, pages=DST, aux_index=5)
+    prefill.call("open", room=71)
+    assert prefill.call("wait", room=71, states=[WAITING, FAILED], timeout=30)["state"] == WAITING
+    prefill.call("send", room=71, pages=SRC, aux_index=2)
+    assert prefill.call("wait", room=71, states=[SUCCESS, FAILED], timeout=30)["state"] == SUCCESS
+    assert decode.call("wait", room=71, states=[SUCCESS, FAILED], timeout=30)["state"] == SUCCESS
+    assert decode.call("check", src_pages=SRC, dst_pages=DST, aux_src=2, aux_dst=5)["mismatch"] is None

@@ -84,6 +84,7 @@ class TorchP2PKVManager(CommonKVManager):
         self._peers: dict[str, tuple[kv.KVCacheHandle, list[kv.KVCacheHandle]]] = {}
         self._refused: dict[str, str] = {}  # decode session -> why its rooms fail
         self._in_flight: set[int] = set()  # rooms with a push issued and not ended
+        self._expected: dict[int, int] = {}  # room -> decode ranks it waits for (their metadata says)
         self._lock = threading.Lock()
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._chunks: queue.Queue[_Chunk] = queue.Queue()
@@ -173,8 +174,20 @@ class TorchP2PKVManager(CommonKVManager):
             self.update_status(room, KVPoll.Failed)
             self.send_kv_status_message(targets=[(dest.endpoint, dest.dst_port)], bootstrap_room=room,
                                         status=KVPoll.Failed, failure_reason=why)
-        elif len(infos) == int(msg[6]):
-            self.req_to_decode_prefix_len[room] = 0
+        else:
+            with self._lock:
+                self._expected[room] = int(msg[6])
+            self.room_ready(room)
+
+    def room_ready(self, room: int) -> None:
+        """WaitingForInput once every decode rank of the room sent its pages; called when
+        metadata arrives and when the sender opens the room, whichever comes last (decode's
+        metadata may arrive before prefill's scheduler creates the sender, and a status for a
+        room not opened yet is dropped)."""
+        with self._lock:
+            ready = len(self.transfer_infos.get(room, {})) == self._expected.get(room, -1)
+        if ready:
+            self.req_to_decode_prefix_len.setdefault(room, 0)
             self.update_status(room, KVPoll.WaitingForInput)
 
     def _abort_from_decode(self, msg: list[bytes]) -> None:
@@ -274,6 +287,16 @@ def _settle(future) -> None:
 
 
 class TorchP2PKVSender(CommonKVSender):
+    def __init__(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False):
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+        if self.conclude_state is None:
+            mgr.room_ready(bootstrap_room)
+
+    def clear(self) -> None:
+        super().clear()
+        with self.kv_mgr._lock:
+            self.kv_mgr._expected.pop(self.bootstrap_room, None)
+
     def abort(self):
         super().abort()
         self.kv_mgr.abort_room(self.bootstrap_room)
