@@ -26,7 +26,12 @@ class Rank:
             argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
         env = dict(os.environ, **ENV, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        assert self._line(300).get("ready"), f"{role} rank did not start"  # SGLang imports for a minute on a busy box
+        try:
+            ready = self._line(300).get("ready")  # SGLang imports for a minute on a busy box
+        except BaseException:
+            self.close()  # nobody else holds this rank yet
+            raise
+        assert ready, f"{role} rank did not start"
 
     def _line(self, timeout):
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
