@@ -94,6 +94,15 @@ class Node:
     def digests(self, tensors) -> list[str]:
         return [digest(t) for t in (tensors if isinstance(tensors, list) else [tensors])]
 
+    def keep(self, tensors) -> list[str]:
+        """Holds on to `tensors` (a fetch's, on the receive pool's buffer) and returns their
+        digests; kept_digests() says what they hold later."""
+        self._kept = tensors if isinstance(tensors, list) else [tensors]
+        return self.kept_digests()
+
+    def kept_digests(self) -> list[str]:
+        return [digest(t) for t in self._kept]
+
     def numbered_check(self, t: torch.Tensor) -> int:
         """n if every element of a numbered() tensor is n, else -1."""
         n = int(t[0])

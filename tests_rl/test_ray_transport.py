@@ -159,3 +159,27 @@ def test_abort_cancels_a_fetch_in_flight_and_the_owner_serves_again(fabric_reade
         os.kill(pid, signal.SIGCONT)
     assert ray.get(reader.digests.remote(ref)) == ray.get(owner.digests_of.remote(6, 64 << 20))
     ray.kill(owner)
+
+
+def test_owner_stopped_past_the_timeout_fails_the_fetch_and_serves_after_it_resumes(pair, fabric_reader):
+    """The fetch fails on the engine's peer_timeout; the reader's memory handed out after the
+    failure keeps its bytes once the owner resumes; the next fetch from that owner works."""
+    reader, live = fabric_reader, pair[0]
+    owner, pid, ref, pending = _stopped_owner_fetch(reader, 8)
+    try:
+        stopped = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError, match="TORCH_P2P"):
+            ray.get(pending, timeout=60)
+        assert time.monotonic() - stopped < 15
+        assert eventually(lambda: ray.get(reader.counts.remote())["fetches"] == 0)
+        # The reader goes on: a fetch of the same size from a live owner, kept on its buffer.
+        kept = ray.get(reader.keep.remote(live.random.remote(64 << 20, 9)))
+        assert kept == ray.get(live.digests_of.remote(9, 64 << 20))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # The resumed owner serves the object the failed fetch wanted, and a new one.
+    assert ray.get(reader.digests.remote(ref), timeout=60) == ray.get(owner.digests_of.remote(8, 64 << 20))
+    assert ray.get(reader.digests.remote(owner.random.remote(64 << 20, 10)), timeout=60) == \
+        ray.get(owner.digests_of.remote(10, 64 << 20))
+    assert ray.get(reader.kept_digests.remote()) == kept  # nothing of the failed fetch landed
+    ray.kill(owner)
