@@ -175,7 +175,8 @@ class WeightSource:
         who was dropped. Until it completes the source tensors must not be modified: the push
         reads them from its start until its end (a dropped relay's children may be refilled
         from here). A push called while one is in flight queues behind it (call order); on
-        CUDA it follows the work queued on the current stream before the call."""
+        CUDA it follows the work queued on the current stream before the call. The version of a
+        push that failed may be pushed again."""
         return self._impl.push(version)
 
     def remove(self, addresses) -> None:
@@ -238,7 +239,8 @@ class WeightDestination:
         return self._impl.member is not None
 
     def wait_for(self, version: int) -> torch.futures.Future:
-        """Completes (with the version) once `version` or a later one has fully arrived."""
+        """Completes (with the version) once `version` or a later one has fully arrived; fails
+        with PeerError if the source drops this destination first."""
         fut = torch.futures.Future()
         self._impl.call(self._impl.wait_for, int(version), fut)
         return fut

@@ -16,6 +16,7 @@ from ._memory import TargetViews, register_targets
 from ._plan import Layout, PlanError, make_plan
 from ._relay import Fanout
 from ._source import Member
+from ..errors import PeerError
 
 # How long a destination absorbs a second arrival of a chunk it asked an adopting parent for
 # (the dropped parent's write may still land, with the same bytes).
@@ -67,7 +68,8 @@ class Receiver(Actor):
         self.waiters: list = []
         self.callbacks: list = []
         self.handlers.update(joined=self.on_joined, refused=self.on_refused, left=self.on_left, begin=self.on_begin,
-                             route=self.on_route, dropped=self.on_dropped, want=self.on_want, lacking=self.on_lacking)
+                             route=self.on_route, dropped=self.on_dropped, want=self.on_want, lacking=self.on_lacking,
+                             failed=self.on_failed, ping=lambda sender, msg: self.send(sender, "pong"))
 
     # -- actions (run on the actor's thread through call()) ---------------------------------------------
     def join(self, fut) -> None:
@@ -129,6 +131,8 @@ class Receiver(Actor):
             self.pending_ready = inc.version  # the back buffer still holds an unapplied version
         else:
             self._ready(inc.version)
+        if self.version is not None and self.version >= inc.version:
+            self.version = inc.version - 1  # the version of a failed push again: its bytes are replaced
         if not self.chunks:
             self._complete(inc)
 
@@ -183,10 +187,26 @@ class Receiver(Actor):
             if inc is not None:
                 inc.abandon(self.engine)
             self.member = self.incoming = None
+            # No version comes to a destination that is out: its waiters learn it now.
+            waiters, self.waiters = self.waiters, []
+            for _, fut in waiters:
+                fut.set_exception(PeerError(f"{self.name or 'this destination'} was dropped from version {msg['v']}: "
+                                            f"{msg['reason']}"))
             if self.leaving is not None:
                 self._finish_leave()
         elif inc is not None and inc.version == msg["v"] and inc.fanout is not None:
             inc.fanout.dropped(int(msg["member"]))
+
+    def on_failed(self, sender, msg) -> None:
+        """The push of a version failed at the sources: it will not come (it may be pushed again)."""
+        version, inc = int(msg["v"]), self.incoming
+        if inc is not None and inc.version == version and not inc.complete:
+            inc.abandon(self.engine)
+            self.incoming = None
+        failed = [(v, f) for v, f in self.waiters if v <= version]
+        self.waiters = [(v, f) for v, f in self.waiters if v > version]
+        for _, fut in failed:
+            fut.set_exception(PeerError(f"the push of version {version} failed: {msg['error']}"))
 
     def on_want(self, sender, msg) -> None:
         inc = self.incoming

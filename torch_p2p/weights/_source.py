@@ -26,6 +26,10 @@ from ..errors import P2PError, PeerError
 from ..remote import RemoteTensor
 
 PING_S = 1.0  # how often the leader checks that the engines of a push's members are alive
+# A member or source rank that answers no ping this long is stalled (stopped, starved): its
+# engine may still take messages and writes without it (the kernel copies into a stopped
+# process on one host), so only its answer shows that it runs.
+SILENT_S = 10.0
 
 
 @dataclasses.dataclass
@@ -97,7 +101,7 @@ class SourceBase(Actor):
         self.known: dict[int, Member] = {}
         self.queue: collections.deque[Round] = collections.deque()
         self.current: Round | None = None
-        self.last_version = 0
+        self.last_version = 0  # the last pushed, or the one before a failed last push
         self.last_done = 0
         self.early_drops: dict[int, list] = {}
         self.handlers.update(dropped=self.on_dropped, lacking=self.on_lacking)
@@ -113,6 +117,13 @@ class SourceBase(Actor):
         rnd = Round(version, event)
         self.call(self._enqueue, rnd)
         return rnd.future
+
+    def failed(self, rnd: Round, error: Exception) -> None:
+        """Fails a push. A push that failed may be pushed again, with its version: a trainer
+        retries the step it lost. (Actor thread; push() reads last_version from any thread.)"""
+        if self.last_version == rnd.version:
+            self.last_version = rnd.version - 1
+        rnd.future.set_exception(error)
 
     def close(self) -> None:
         self.stop()
@@ -183,8 +194,10 @@ class Leader(SourceBase):
         self.planning: set[int] = set()  # followers that have every source's layout
         self.next_id = 1
         self.untold: list = []  # dropped members not told yet: (when, until, wait, address, member, version, reason)
+        self.retries: list = []  # (when, resend) of other notices a stalled peer has not taken
+        self.heard: dict[bytes, float] = {}  # peer -> when it last answered a ping
         self.handlers.update(hello=self.on_hello, join=self.on_join, leave=self.on_leave, ready=self.on_ready,
-                             have=self.on_have, drop=self.on_drop)
+                             have=self.on_have, drop=self.on_drop, pong=self.on_pong)
 
     @property
     def complete_sources(self) -> bool:
@@ -298,6 +311,8 @@ class Leader(SourceBase):
                       members=self._tell(address, [mid for g in groups for mid in g]))
         self.start_fanouts(rnd, groups)
         rnd.next_ping = time.monotonic() + PING_S
+        for address in [rnd.members[mid].address for mid in rnd.routed] + list(self.followers.values()):
+            self.heard[address] = time.monotonic()
         self.progress()
 
     def _tell(self, address: bytes, ids: list[int]) -> list:
@@ -311,6 +326,9 @@ class Leader(SourceBase):
         if rnd is not None and rnd.version == msg["v"] and int(msg["member"]) in rnd.members:
             rnd.have.add(int(msg["member"]))  # a member with nothing to receive has it before routing
             self.progress()
+
+    def on_pong(self, sender, msg) -> None:
+        self.heard[sender] = time.monotonic()
 
     def on_drop(self, sender, msg) -> None:
         if self.current is not None and self.current.version == msg["v"]:
@@ -346,9 +364,22 @@ class Leader(SourceBase):
         for other, address in self.followers.items():
             if other != rank:
                 self.send(address, "failed", v=rnd.version, error=str(error))
-        rnd.future.set_exception(error)
+        for mid in rnd.members:  # they stop waiting for it
+            if mid not in rnd.dropped:
+                self.send(rnd.members[mid].address, "failed", v=rnd.version, error=str(error))
+        # The rank that could not be reached may only be stalled: told again, until it takes the
+        # notice or a push's timeout passed, its push fails once it runs again instead of waiting.
+        self._tell_failed(self.followers[rank], rnd.version, str(error), PING_S, time.monotonic() + self.settings.timeout)
         self.current = None
+        self.failed(rnd, error)
         self._next()
+
+    def _tell_failed(self, address: bytes, version: int, error: str, wait: float, until: float) -> None:
+        def failed(_) -> None:
+            if (when := time.monotonic() + wait) < until:
+                self.retries.append((when, lambda: self._tell_failed(address, version, error, 2 * wait, until)))
+
+        self.send(address, "failed", failed, v=version, error=error)
 
     def progress(self) -> None:
         rnd = self.current
@@ -371,6 +402,11 @@ class Leader(SourceBase):
             self.untold = [u for u in self.untold if u[0] > now]
             for _, until, wait, address, member, version, reason in due:
                 self._tell_dropped(address, member, version, reason, wait, until)
+        resend = [r for r in self.retries if r[0] <= now]
+        if resend:
+            self.retries = [r for r in self.retries if r[0] > now]
+            for _, again in resend:
+                again()
         if rnd is None:
             return
         if rnd.phase is Phase.READY and now > rnd.deadline:
@@ -384,10 +420,18 @@ class Leader(SourceBase):
             # may still need chunks from it): ask every member's engine.
             rnd.next_ping = now + PING_S
             for mid in rnd.routed - set(rnd.dropped):
-                self.send(rnd.members[mid].address, "ping",
-                          lambda e, mid=mid: self._drop(rnd, mid, f"{type(e).__name__}: {e}"))
+                address = rnd.members[mid].address
+                if now - self.heard.get(address, now) > SILENT_S:
+                    self._drop(rnd, mid, f"it answered no ping for {SILENT_S:g} s")
+                else:
+                    self.send(address, "ping", lambda e, mid=mid: self._drop(rnd, mid, f"{type(e).__name__}: {e}"))
             for rank, address in self.followers.items():
-                self.send(address, "ping", lambda e, rank=rank: self._fail(rnd, rank, e))
+                if rnd is not self.current:
+                    break
+                if now - self.heard.get(address, now) > SILENT_S:
+                    self._fail(rnd, rank, f"it answered no ping for {SILENT_S:g} s")
+                else:
+                    self.send(address, "ping", lambda e, rank=rank: self._fail(rnd, rank, e))
 
 
 class Follower(SourceBase):
@@ -398,7 +442,9 @@ class Follower(SourceBase):
         super().__init__(engine, tensors, layout, rank, world, settings)
         self.leader = leader
         self.go: dict[int, dict] = {}
-        self.handlers.update(go=self.on_go, done=self.on_done_msg, failed=self.on_failed)
+        self.failed_early: dict[int, str] = {}  # pushes the leader failed before this rank started them
+        self.handlers.update(go=self.on_go, done=self.on_done_msg, failed=self.on_failed,
+                             ping=lambda sender, msg: self.send(sender, "pong"))
 
     def start(self) -> None:
         super().start()
@@ -414,6 +460,9 @@ class Follower(SourceBase):
         self._next()
 
     def _next(self) -> None:
+        while self.current is None and self.queue and self.queue[0].version in self.failed_early:
+            rnd = self.queue.popleft()
+            self.failed(rnd, PeerError(self.failed_early.pop(rnd.version)))
         if self.current is not None or not self.queue or self.queue[0].version not in self.go:
             return
         rnd = self.current = self.queue.popleft()
@@ -437,13 +486,17 @@ class Follower(SourceBase):
             self.progress()
 
     def on_failed(self, sender, msg) -> None:
-        rnd = self.current
-        if rnd is not None and rnd.version == msg["v"]:
+        rnd, version = self.current, int(msg["v"])
+        if rnd is not None and rnd.version == version:
             for f in rnd.fanouts:
                 f.close()
             self.current = None
-            rnd.future.set_exception(PeerError(str(msg["error"])))
-            self._next()
+            self.failed(rnd, PeerError(str(msg["error"])))
+        elif version > self.last_done:  # not started here yet: it fails when push() comes
+            self.go.pop(version, None)
+            self.early_drops.pop(version, None)
+            self.failed_early[version] = str(msg["error"])
+        self._next()
 
     def child_failed(self, rnd: Round, member: int, reason: str) -> None:
         self.send(self.leader, "drop", v=rnd.version, member=member, reason=reason)
