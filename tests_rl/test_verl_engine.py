@@ -5,6 +5,8 @@ module's), so any one runs alone or in any order."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 import pytest
@@ -140,3 +142,91 @@ def test_trainer_killed_mid_update_fails_receivers(cluster, tmp_path):
     assert all("trainer rank 0 is gone" in e for e in errors), errors[0]
     with pytest.raises(Exception):
         ray.get(trainer_refs, timeout=60)
+
+
+def pid_of(worker) -> int:
+    return ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def set_delay(worker, delay_s: float) -> None:
+    """One trainer rank's delay per tensor (set_delay sets every rank's)."""
+    ray.get(worker.__ray_call__.remote(lambda self, d=delay_s: setattr(self, "delay_s", d)))
+
+
+class Update(threading.Thread):
+    """mgr.update_weights(global_steps=step) on a thread of its own: its result or error."""
+
+    def __init__(self, mgr, step: int):
+        super().__init__(daemon=True)
+        self.mgr, self.step, self.value, self.error = mgr, step, None, None
+        self.start()
+
+    def run(self):
+        try:
+            self.value = self.mgr.update_weights(global_steps=self.step)
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            self.error = e
+
+    def outcome(self, timeout: float):
+        self.join(timeout)
+        assert not self.is_alive(), f"the update of global_steps {self.step} did not end within {timeout} s"
+        return self.error
+
+
+def leader_pushing(trainers, version: int) -> bool:
+    """Whether trainer rank 0 has started pushing `version` (its share is moving)."""
+    return ray.get(trainers.workers[0].__ray_call__.remote(
+        lambda self, v=version: self.checkpoint_engine.source is not None
+        and self.checkpoint_engine.source.version >= v))
+
+
+def stopped_update_fails(mgr, trainers, step: int, pid: int) -> tuple[BaseException, float]:
+    """The update of `step`, trainer rank 1 slow to produce its share (rank 0's moves first),
+    `pid` SIGSTOPped once rank 0 pushes and resumed once the update failed: (its error, seconds
+    from the stop to the failure)."""
+    version = ray.get(trainers.workers[0].__ray_call__.remote(lambda self: self.checkpoint_engine.version)) + 1
+    set_delay(trainers.workers[1], 0.5)  # 21 tensors: 10 s before rank 1's share moves
+    update = Update(mgr, step)
+    assert eventually(lambda: leader_pushing(trainers, version), 60), "the push never started"
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        error = update.outcome(timeout=90)
+        took = time.monotonic() - stopped
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    set_delay(trainers.workers[1], 0.0)
+    assert error is not None, f"the update of global_steps {step} succeeded with a rank stopped"
+    return error, took
+
+
+def retry_and_go_on(mgr, replicas, step: int) -> None:
+    """verl retries the step it lost, then goes on: every rank, the resumed one included, loads
+    both bitwise."""
+    for s in (step, step + 1):
+        assert Update(mgr, s).outcome(timeout=120) is None
+        check_last_update(replicas, s)
+
+
+def test_rollout_rank_stopped_mid_update_fails_it_and_the_retried_step_is_taken(cluster):
+    config, trainers, replicas, mgr = cluster
+    mgr.update_weights(global_steps=1)  # every rollout rank has joined
+    error, took = stopped_update_fails(mgr, trainers, 2, pid_of(replicas[0].workers[1]))
+    assert "dropped during the push" in str(error), error
+    assert 5.0 < took < KILL_BOUND_S + 10, took  # found by its silence, within a bound
+    retry_and_go_on(mgr, replicas, 2)
+
+
+def test_trainer_rank_stopped_mid_update_fails_it_and_the_retried_step_is_taken(cluster):
+    config, trainers, replicas, mgr = cluster
+    mgr.update_weights(global_steps=1)
+    error, took = stopped_update_fails(mgr, trainers, 2, pid_of(trainers.workers[1]))
+    assert took < KILL_BOUND_S + 10, took
+    # The stopped rank's own send_weights ends once it runs again (the manager's call returned on
+    # the first failure): its push fails instead of waiting for a leader that moved on.
+    resumed = time.monotonic()
+    assert eventually(lambda: ray.get(trainers.workers[1].__ray_call__.remote(
+        lambda self: self.checkpoint_engine.source._impl.current is None
+        and not self.checkpoint_engine.source._impl.queue)), 30), "the stopped trainer rank still pushes"
+    assert time.monotonic() - resumed < 30
+    retry_and_go_on(mgr, replicas, 2)

@@ -21,6 +21,9 @@ A replica added between updates joins at its first receive_weights without touch
 others. A replica removed between updates (verl's remove_replicas) leaves the leader's
 membership at the next send_weights: the push neither writes to it nor waits for it; if it is
 added again, it joins again. A dead trainer rank or relay fails the update within a bound (waiting.py).
+A rollout rank dropped from a push (stalled past peer_timeout) joins again at its next
+receive_weights, and the leader's next push waits for it unless its engine is gone. A step
+that failed is pushed again with its version when verl retries it.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ import torch_p2p.weights as pw
 
 from .rendezvous import LayoutService, encode, request_layout
 from .share import TrainerShare
-from .waiting import SEND_TIMEOUT_S, check_alive, settled
+from .waiting import LIVENESS_S, SEND_TIMEOUT_S, check_alive, settled
 
 log = logging.getLogger("torch_p2p.integrations.verl")
 
@@ -111,6 +114,7 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
         self.version = 0               # the last version pushed or received
         self.global_steps: int | None = None  # of the last update
         self.joins = 0                 # times this rollout rank joined the leader
+        self.rejoining: set[bytes] = set()  # the leader's: rollout ranks dropped from a push
 
     # -- verl's topology calls ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -193,6 +197,12 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
             self.service.version = version  # where a rollout rank joining later starts
         expected = {member_name(a) for a in self.rollouts}
         lost = {n: why for n, why in result.dropped.items() if n in expected}
+        if lost and self.rank == 0:
+            # A dropped rank may only have stalled: it joins again at its next receive_weights,
+            # and the next push waits for that unless the rank is dead.
+            dropped = {a for a in self.rollouts if member_name(a) in lost}
+            self.service.forget(dropped)
+            self.rejoining |= dropped
         if lost:
             raise RuntimeError(f"weights version {version} (global_steps {global_steps}): rollout ranks dropped "
                                f"during the push: {lost}")
@@ -220,10 +230,23 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
     async def _wait_for_joins(self) -> None:
         """Until every rollout rank of the topology has joined (a new one joins at its first
         receive_weights, which verl runs beside this call)."""
-        missing = await asyncio.to_thread(self.service.wait_joined, set(self.rollouts), self.join_timeout)
-        if missing:
-            raise torch_p2p.TimeoutError(f"{len(missing)} rollout ranks did not join within "
-                                         f"{self.join_timeout:g} s: {sorted(map(member_name, missing))}")
+        deadline = time.monotonic() + self.join_timeout
+        dead: set[bytes] = set()  # dropped from a push before, and not answering: the push goes without them
+        while True:
+            wanted = set(self.rollouts) - dead
+            missing = await asyncio.to_thread(self.service.wait_joined, wanted,
+                                              min(LIVENESS_S, max(0.0, deadline - time.monotonic())))
+            self.rejoining -= wanted - missing
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                raise torch_p2p.TimeoutError(f"{len(missing)} rollout ranks did not join within "
+                                             f"{self.join_timeout:g} s: {sorted(map(member_name, missing))}")
+            for address in missing & self.rejoining:
+                try:
+                    await check_alive(self.engine, {member_name(address): address})
+                except torch_p2p.PeerError:
+                    dead.add(address)
 
     async def _leader_alive(self) -> None:
         await check_alive(self.engine, {"the leading trainer rank": self.trainers[0]})
