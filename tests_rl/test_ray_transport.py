@@ -182,4 +182,5 @@ def test_owner_stopped_past_the_timeout_fails_the_fetch_and_serves_after_it_resu
     assert ray.get(reader.digests.remote(owner.random.remote(64 << 20, 10)), timeout=60) == \
         ray.get(owner.digests_of.remote(10, 64 << 20))
     assert ray.get(reader.kept_digests.remote()) == kept  # nothing of the failed fetch landed
+    assert ray.get(reader.route_to.remote(ray.get(owner.engine_address.remote()))) == "direct"  # the fabric
     ray.kill(owner)

@@ -240,7 +240,7 @@ class WeightDestination:
 
     def wait_for(self, version: int) -> torch.futures.Future:
         """Completes (with the version) once `version` or a later one has fully arrived; fails
-        with PeerError if the source drops this destination first."""
+        with PeerError if the source drops this destination or that version's push fails first."""
         fut = torch.futures.Future()
         self._impl.call(self._impl.wait_for, int(version), fut)
         return fut
