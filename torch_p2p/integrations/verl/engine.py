@@ -115,6 +115,7 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
         self.global_steps: int | None = None  # of the last update
         self.joins = 0                 # times this rollout rank joined the leader
         self.rejoining: set[bytes] = set()  # the leader's: rollout ranks dropped from a push
+        self.rejoin: asyncio.Future | None = None  # a rollout rank's join after it was dropped
 
     # -- verl's topology calls ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -262,11 +263,29 @@ class TorchP2PCheckpointEngine(CheckpointEngine):
         if self.receiving is not None and not self.receiving.dest.joined:  # removed, and now added again
             self.receiving.close()
             self.receiving = None
+        if self.rejoin is not None and not self.rejoin.done():
+            await self.rejoin
         if self.receiving is None:
             await self._join()
         version = self.version + 1
-        got = await settled(self.receiving.dest.wait_for(version), self.timeout,
-                            f"receiving weights version {version}", self._trainers_alive)
+        receiving = self.receiving
+        try:
+            got = await settled(receiving.dest.wait_for(version), self.timeout,
+                                f"receiving weights version {version}", self._trainers_alive)
+        except torch_p2p.PeerError:
+            if receiving.dest.joined:
+                raise
+            # Dropped from a push while it was stopped, and told only once it ran again (perhaps
+            # after this call began): the leader waits for this rank to join again before its
+            # next push. One join, whichever call (an earlier one verl gave up on) learns it first.
+            if self.receiving is receiving:
+                receiving.close()
+                self.receiving = None
+                self.rejoin = asyncio.ensure_future(self._join())
+            await self.rejoin
+            version = self.version + 1
+            got = await settled(self.receiving.dest.wait_for(version), self.timeout,
+                                f"receiving weights version {version}", self._trainers_alive)
         if got != version:
             raise RuntimeError(f"waited for weights version {version}, but version {got} arrived: this rank "
                                f"missed an update")
