@@ -1,7 +1,8 @@
 """What SGLang's Python needs to import on a machine without its kernels: SGLang's own
 ``maybe_stub_sgl_kernel()`` (as its CPU CI does) and a stand-in for torchvision, whose PyPI
 build does not load against the CPU torch and which SGLang imports only for vision models
-(``configs`` -> ``multimodal/internvl_utils``). Install before the first ``import sglang``."""
+(``configs`` -> ``multimodal/internvl_utils``); on a CUDA host without SGLang's kernel package, a
+stand-in for ``sgl_kernel`` too. Install before the first ``import sglang``."""
 from __future__ import annotations
 
 import importlib.abc
@@ -34,6 +35,13 @@ def install() -> None:
     except Exception:  # noqa: BLE001 - a build that does not load raises RuntimeError, not ImportError
         sys.modules.pop("torchvision", None)
         sys.meta_path.insert(0, _Stub("torchvision"))
+    import torch
+
+    if torch.cuda.is_available():  # SGLang imports sgl_kernel on CUDA before it could stub it
+        try:
+            import sgl_kernel  # noqa: F401  (a real build wins)
+        except ImportError:
+            sys.meta_path.insert(0, _Stub("sgl_kernel"))
     from sglang.test.test_utils import maybe_stub_sgl_kernel
 
     maybe_stub_sgl_kernel()
