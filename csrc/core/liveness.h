@@ -11,7 +11,8 @@
 //  - A HELLO that fails while the connection under it is torn down is sent again after a
 //    growing pause, until the deadline; any other failure is final.
 //  - Dead or Left: final for every call of that contact; a later call or connect() to the peer
-//    begins a new contact (Connecting), unless its process is gone (Peer::closed).
+//    begins a new contact (Connecting), unless its process is gone (Peer::closed); after its
+//    own goodbye (Peer::left_us), only connect() does.
 #pragma once
 
 #include <cstdint>

@@ -42,6 +42,7 @@ struct Peer {
   // Its engine closed (on_bye()), its process exited, or another process took its address:
   // never contact it again.
   bool closed = false;
+  bool left_us = false;  // it said goodbye (its disconnect()): only our connect() contacts it again
   // After it failed: the rail threads' Forget markers still out (its connections are cut once
   // all are back, Peers::cut) and when ops the provider still holds for it are given up on
   // (Worker::peer_failed). 0: nothing of it is draining.

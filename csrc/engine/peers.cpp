@@ -84,7 +84,7 @@ Peer* Peers::find_peer(const std::string& address_bytes, Contact how) {
                 "again once that attempt has ended (within peer_timeout)");
       readdress(p, std::move(a), address_bytes);
       revive(p);
-    } else if (p.failed() && !p.closed) {
+    } else if (p.failed() && !p.closed && (how != Contact::Implicit || !p.left_us)) {
       // A new contact: every call of the old one has failed. Not before the old one's
       // connections are cut and its ops are back (Worker::drain_peer, then drained()).
       if (p.draining())
@@ -110,6 +110,7 @@ void Peers::readdress(Peer& p, EngineAddress a, const std::string& address_bytes
 }
 
 void Peers::revive(Peer& p) {
+  p.left_us = false;
   p.live.connect(now());
   p.failure = Status{};
   send_hello(p);
@@ -192,6 +193,7 @@ void Peers::finish_disconnect(Peer& p) {
 // closed after we disconnected from it.
 void Peers::on_bye(Peer& p, bool closing) {
   p.closed |= closing;
+  p.left_us = !closing;
   const Status left =
       Status::error(ErrorKind::Peer, cat(describe(p), closing ? " left: its engine closed" : " left"));
   if (p.failed())
