@@ -299,6 +299,15 @@ void Peers::cut(Peer& p) {
   for (size_t i = 0; i < p.fi.size(); ++i) {
     const size_t rail = i / remote;
     const fi_addr_t old = p.fi[i];
+    // An address a live peer answers from now (a process restarted there) leads to that process:
+    // its connection is not p's to cut, and p's process is gone.
+    bool shared = false;
+    for (auto& [inc, q] : peers_) {
+      if (q.get() == &p || q->failed()) continue;
+      const size_t r = q->remote_rails();
+      for (size_t k = 0; k < q->fi.size(); ++k) shared |= k / r == rail && q->fi[k] == old;
+    }
+    if (shared) continue;
     const fi_addr_t fresh = rails_->rail(rail).cut(old);
     if (fresh == old) continue;
     for (auto& [inc, q] : peers_) {

@@ -62,8 +62,8 @@ class Peers {
   void op_failed(Peer& p, bool hello, int err, const Status& status);
   void fail(Peer& p, Status why, PeerState state = PeerState::Dead);
   // Tears down the connections to p on every rail (Rail::cut): the provider flushes what is
-  // posted to it, and nothing queued for it goes out later. Peers sharing its addresses (a
-  // process restarted at them) get the new entries.
+  // posted to it, and nothing queued for it goes out later. An address a live peer shares (a
+  // process restarted there) is left alone; failed peers sharing one get the new entries.
   void cut(Peer& p);
   // Nothing of p's failed contact is out any more: a contact asked for meanwhile begins.
   void drained(Peer& p);
