@@ -17,6 +17,20 @@ namespace {
 
 std::string describe(const Peer& p) { return cat("peer ", hex(p.incarnation)); }
 
+// An op's error that says the connection under it went away (tcp fails what its teardown
+// flushed with FI_ECANCELED and a prov_errno that need not name the cause).
+bool connection_lost(int err) {
+  return err == FI_ENOTCONN || err == EPIPE || err == FI_ECONNRESET || err == FI_ECONNABORTED || err == FI_ECANCELED;
+}
+
+// Whether q names `addr` on local rail `rail` (Peer::fi is local-rail-major).
+bool names(const Peer& q, size_t rail, fi_addr_t addr) {
+  const size_t r = q.remote_rails();
+  for (size_t k = rail * r; k < (rail + 1) * r && k < q.fi.size(); ++k)
+    if (q.fi[k] == addr) return true;
+  return false;
+}
+
 // The address a HELLO or its answer carries, which must be its sender's.
 EngineAddress sender_address(const MsgHeader& h, std::string_view address) {
   EngineAddress a = EngineAddress::decode(std::string(address));
@@ -133,8 +147,7 @@ void Peers::check(Peer& p, double deadline) {
 // other failure is final. tcp fails what the teardown flushed with FI_ECANCELED and a
 // prov_errno that need not name the cause (see classify() in worker.cpp).
 void Peers::hello_failed(Peer& p, int err, const Status& status) {
-  const bool transient = err == FI_ENOTCONN || err == EPIPE || err == FI_ECONNRESET || err == FI_ECONNABORTED ||
-                         err == FI_ECANCELED;
+  const bool transient = connection_lost(err);
   const double t = now();
   switch (p.live.hello_failed(t, transient)) {
     case Liveness::Retry::Ignore:
@@ -289,8 +302,7 @@ void Peers::op_failed(Peer& p, bool hello, int err, const Status& status) {
   // A live owner answers the check in milliseconds; a dead one's address refuses connections,
   // which ofi_rxm retries unseen. So such a check is given kLostConnectionCheckS, not
   // peer_timeout: a killed peer on another host is dead in a second, not after its silence.
-  const bool lost = err == FI_ECANCELED || err == FI_ECONNRESET || err == FI_ENOTCONN || err == EPIPE ||
-                    err == FI_ECONNABORTED || err == FI_ECONNREFUSED;
+  const bool lost = connection_lost(err) || err == FI_ECONNREFUSED;
   check(p, now() + (lost ? std::min(config_.peer_timeout_s, kLostConnectionCheckS) : config_.peer_timeout_s));
 }
 
@@ -302,18 +314,14 @@ void Peers::cut(Peer& p) {
     // An address a live peer answers from now (a process restarted there) leads to that process:
     // its connection is not p's to cut, and p's process is gone.
     bool shared = false;
-    for (auto& [inc, q] : peers_) {
-      if (q.get() == &p || q->failed()) continue;
-      const size_t r = q->remote_rails();
-      for (size_t k = 0; k < q->fi.size(); ++k) shared |= k / r == rail && q->fi[k] == old;
-    }
+    for (auto& [inc, q] : peers_) shared |= q.get() != &p && !q->failed() && names(*q, rail, old);
     if (shared) continue;
     const fi_addr_t fresh = rails_->rail(rail).cut(old);
     if (fresh == old) continue;
     for (auto& [inc, q] : peers_) {
       const size_t r = q->remote_rails();
-      for (size_t k = 0; k < q->fi.size(); ++k)
-        if (k / r == rail && q->fi[k] == old) q->fi[k] = fresh;
+      for (size_t k = rail * r; k < (rail + 1) * r && k < q->fi.size(); ++k)
+        if (q->fi[k] == old) q->fi[k] = fresh;
     }
   }
 }
