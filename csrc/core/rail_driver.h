@@ -47,7 +47,8 @@ inline ssize_t post_op(fabric::Rail& rail, Op& op, uint64_t flags) {
 // posting). An op refused with -FI_EAGAIN stays queued, and so do the later ops to its
 // destination, in order; ops to other destinations go on, so a peer that stops taking data
 // (its connection is full) does not stall the others. `usable(op)` may take an op out
-// instead (false); `done(op, rc)` hears of each op that left the queue, rc 0 (posted) or a
+// instead (false), also one queued behind a refused op (an abandoned call's op behind a
+// message to a stopped peer); `done(op, rc)` hears of each op that left the queue, rc 0 (posted) or a
 // libfabric error.
 template <typename Usable, typename Done>
 void post_queue(fabric::Rail& rail, Ring<Op*>& queue, size_t budget, Usable&& usable, Done&& done) {
@@ -59,11 +60,11 @@ void post_queue(fabric::Rail& rail, Ring<Op*>& queue, size_t budget, Usable&& us
   while (posted < budget && !queue.empty() && nkept < kMaxKept) {
     Op* op = queue.front();
     queue.pop_front();
+    if (!usable(*op)) continue;  // also behind a refused op: a call that gave up is told now
     if (std::find(refused, refused + nrefused, op->dest) != refused + nrefused) {
       kept[nkept++] = op;
       continue;
     }
-    if (!usable(*op)) continue;
     const bool more = posted + 1 < budget && !queue.empty();
     const ssize_t rc = post_op(rail, *op, more ? FI_MORE : 0);
     if (rc != -FI_EAGAIN) {
