@@ -15,6 +15,7 @@ import time
 import pytest
 
 import netns
+import torch_p2p as p2p
 from conftest import PEER_TIMEOUT
 from peer import Peer
 
@@ -25,6 +26,11 @@ OLD, NEW, ZERO = 0x11, 0x22, 0x00
 MARGIN = 3.0
 BOUND = PEER_TIMEOUT + 2.0 + MARGIN
 PORT = 24750  # b's: its namespace is new, so nothing else listens there
+RATE = "100mbit"  # the sender's link, throttled: CALLS x NBYTES / CALLS take about 5 s to move
+# libfabric 1.17's tcp provider frees a half-received RMA read response twice when its
+# connection closes (Rail::cuts_reads): the engine leaves such a connection open, and what the
+# frozen owner still sends lands when it resumes (docs/failures.md).
+TCP_CUTS_READS = p2p._C.libfabric_version() >= (1, 18)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,11 +58,15 @@ def _settle(seconds: float = 3.0) -> None:
     time.sleep(seconds)  # bytes still moving would land now; nothing signals their absence
 
 
-@pytest.mark.parametrize("kind", ["write", "read"])
+@pytest.mark.parametrize("kind", ["write", pytest.param("read", marks=pytest.mark.xfail(
+    not TCP_CUTS_READS, strict=True, raises=AssertionError,
+    reason="libfabric < 1.18: tcp cannot close a connection with a read in flight; the reads land late"))])
 def test_a_call_to_a_frozen_host_moves_nothing_after_it_failed(two, kind):
     """b stops mid-stream. a's calls fail; a refills its buffer with NEW; b resumes: no byte of
-    NEW reaches b (write), no byte of b's memory reaches a's refilled buffer (read)."""
-    a, b, _ = two
+    NEW reaches b (write), no byte of b's memory reaches a's refilled buffer (read). The
+    sender's link is throttled, so that the calls are still moving when b stops."""
+    a, b, h = two
+    h.throttle(0 if kind == "write" else 1, RATE)
     remote = b.call(netns.region, "dst", NBYTES, OLD if kind == "read" else ZERO)
     a.call(netns.region, "src", NBYTES, OLD if kind == "write" else ZERO)
     _started(a, kind, remote)
@@ -80,7 +90,10 @@ def test_a_call_to_a_frozen_host_moves_nothing_after_it_failed(two, kind):
 
 
 def test_a_cut_link_fails_the_calls_and_nothing_lands_once_it_is_back(two):
+    """a's link goes down mid-stream (throttled, so that the writes are still moving): the calls
+    fail, a refills its buffer, the link comes back: nothing of the failed calls lands."""
     a, b, h = two
+    h.throttle(0, RATE)
     remote = b.call(netns.region, "dst", NBYTES, ZERO)
     a.call(netns.region, "src", NBYTES, OLD)
     _started(a, "write", remote)
@@ -97,14 +110,16 @@ def test_a_cut_link_fails_the_calls_and_nothing_lands_once_it_is_back(two):
 
 
 def test_an_owner_that_gave_up_on_a_writer_takes_nothing_more_from_it(two):
-    """a writes into b and b reads from a; a stops. b's read fails (b gives up on a) and b's
+    """a writes into b, and b into a; a stops. b's write fails (b gives up on a) and b's
     memory is then left as it is: a's writes, resumed, do not land. a's link is slowed so
-    that its writes are still in flight when it stops."""
+    that its writes are still in flight when it stops; b's write is larger than the sockets'
+    buffers, so that it waits for a. (b writes rather than reads: on libfabric < 1.18 a read in
+    flight keeps the connection open, test_a_call_to_a_frozen_host_moves_nothing_after_it_failed.)"""
     a, b, h = two
     h.throttle(0, "200mbit")
     remote_b = b.call(netns.region, "dst", NBYTES, ZERO)
     remote_a = a.call(netns.region, "src", NBYTES, OLD)
-    b.call(netns.region, "pull", 1 * MB, ZERO)
+    b.call(netns.region, "push", 32 * MB, NEW)
     _started(a, "write", remote_b)
     deadline = time.monotonic() + 30
     while b.call(netns.counts, "dst", [OLD]) == [0]:  # a's writes are on the wire
@@ -112,7 +127,7 @@ def test_an_owner_that_gave_up_on_a_writer_takes_nothing_more_from_it(two):
         time.sleep(0.01)
     os.kill(a.pid, signal.SIGSTOP)
     try:
-        b.call(netns.start_calls, "read", "pull", remote_a, 1)
+        b.call(netns.start_calls, "write", "push", remote_a, 1)
         _failed_in_bound(b.call(netns.outcomes, BOUND + 5, timeout=BOUND + 30))
         b.call(netns.snapshot, "dst")
     finally:
