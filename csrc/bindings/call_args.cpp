@@ -160,7 +160,12 @@ uint32_t tag_arg(py::handle tag, const char* what) {
   return static_cast<uint32_t>(v);
 }
 
-int64_t notify_arg(py::handle notify) { return notify.is_none() ? -1 : tag_arg(notify, "notify"); }
+// Two statements, not `none ? -1 : tag_arg(...)`: that expression's type is uint32_t, in which
+// -1 is tag 2^32 - 1, a notification on every call.
+int64_t notify_arg(py::handle notify) {
+  if (notify.is_none()) return -1;
+  return tag_arg(notify, "notify");
+}
 
 double timeout_arg(py::handle timeout) {
   if (timeout.is_none()) return 0;
