@@ -189,9 +189,9 @@ void bind_parts(py::module_& m) {
   // The paths work took in this process (common/counters.h; tests of the settings that choose them).
   m.def("_counters", [] {
     py::dict d;
-    d["ipc_copy_engine_spans"] = counted(Counter::IpcCopyEngineSpans);
-    d["ipc_kernel_spans"] = counted(Counter::IpcKernelSpans);
-    d["fences"] = counted(Counter::Fences);
+#define P2P_COUNTER_ENTRY(name, key) d[#key] = counted(Counter::name);
+    P2P_COUNTERS(P2P_COUNTER_ENTRY)
+#undef P2P_COUNTER_ENTRY
     return d;
   });
   m.def("_copy_rows", &copy_rows, py::arg("dst"), py::arg("dst_ids"), py::arg("src"), py::arg("src_ids"));
