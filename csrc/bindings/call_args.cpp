@@ -1,6 +1,6 @@
 // NOTE: write_slices' arguments are taken apart here, by hand, not by Python and not by
 // pybind11's casters: a small paged call is bound by its cost per call. `python
-// benchmarks/views.py --pybind11 --page-bytes 4K` (docs/performance.md): for 256 pairs of 4 KiB
+// benchmarks/views.py --pybind11 --page-bytes 4K` (docs/performance_calls.md): for 256 pairs of 4 KiB
 // views the whole parse (taken apart, checked, decomposed) cost 25.2 us a call, while pybind11's
 // casters alone, doing nothing else, took 51.4 us for the list of tensors and 68.1 us for the
 // list of RemoteTensors: 4.7 x the whole parse. The parse stands while that benchmark says so.
