@@ -26,8 +26,8 @@ Building (per view; the lists of the views form, made once per call by the user)
 
 With --pybind11 (compiles a small extension with torch.utils.cpp_extension, about a minute),
 what pybind11's own argument handling costs for the views form's two lists, doing nothing
-else: the hand parse in csrc/bindings.cpp stands only while the whole parse of a call costs less
-than these casters alone:
+else: the hand parse in csrc/bindings/call_args.cpp stands only while the whole parse of a call
+costs less than these casters alone:
   pybind11 tensors   a std::vector<at::Tensor> argument of the local views
   pybind11 remotes   a std::vector<py::object> argument of the RemoteTensors, each one's view
                      attribute read (what a RemoteView caster would have to do first)

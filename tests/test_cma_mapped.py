@@ -172,10 +172,15 @@ def test_close_does_not_wait_for_a_dead_reader(memory):
 def test_small_calls_are_copied_by_the_caller(op, monkeypatch):
     """Once a region is mapped, a call of at most cma_inline_bytes (pages or runs) is copied on
     the calling thread: its future is done when the call returns. Larger calls, and any with
-    TORCH_P2P_CMA_INLINE=0, go to the worker; the bytes are right every way."""
+    TORCH_P2P_CMA_INLINE=0, go to the worker; the bytes are right every way. Which thread copied
+    is told by the count of caller copies (_C._counters()), not by timing."""
     n = 2 << 20
     a = p2p.Engine("cpu", **engine_kwargs("cma"))
     monkeypatch.setenv("TORCH_P2P_CMA_INLINE", "0")
+
+    def copied_by_the_caller() -> int:
+        return p2p._C._counters()["caller_copies"]
+
     with Peer() as b, a, p2p.Engine("cpu", **engine_kwargs("cma")) as off:
         b.call(ph.start_engine, "mapped")
         remote = p2p.RemoteTensor.from_bytes(b.call(ph.target, "t", n))
@@ -186,21 +191,26 @@ def test_small_calls_are_copied_by_the_caller(op, monkeypatch):
             b.call(ph.put, "t", torch.zeros(n, dtype=torch.uint8))
         call = {"write": "write_slices", "read": "read_slices"}[op]
         with a.register(mine), off.register(mine):
+            before = copied_by_the_caller()
             p2p.wait(getattr(a, call)([mine[:64]], [remote[:64]]), 30)  # asks the owner; maps the region
+            assert copied_by_the_caller() == before, "the call that maps the region goes to the worker"
             pages = mine.view(-1, 4096)
             futures = [getattr(a, call)(p2p.pages(pages, [i, i + 3]), p2p.pages(remote.view(-1, 4096), [i, i + 3]))
                        for i in range(0, 256, 8)]
             futures.append(getattr(a, call)([mine[256 << 10:512 << 10]], [remote[256 << 10:512 << 10]]))  # the limit
+            futures.append(getattr(a, call)([mine[:4096]], [remote[:4096]], timeout=30))
             assert all(f.done() for f in futures), [f.done() for f in futures]
+            assert copied_by_the_caller() == before + len(futures)
             assert ph.wait_all(futures, 30) == [None] * len(futures)
-            # The worker's calls: 2 MiB (above the limit), and 4 KiB with the caller's copy off.
-            # A worker's call may rarely be done before the caller looks (the worker and the
-            # dispatcher run first): of 16, not all are; of the caller's copies, every one is.
-            for engine, view in ((a, slice(None)), (off, slice(0, 4096))):
-                worker = [getattr(engine, call)([mine[view]], [remote[view]]) for _ in range(16)]
-                done_at_return = [f.done() for f in worker]
-                assert ph.wait_all(worker, 30) == [None] * len(worker)
-                assert not all(done_at_return), f"calls of {engine} that the worker copies were done on return"
+            # The worker's calls: 2 MiB (above the limit), 4 KiB with a notification, and 4 KiB
+            # with the caller's copy off.
+            before = copied_by_the_caller()
+            worker = [getattr(a, call)([mine], [remote]) for _ in range(4)]
+            if op == "write":
+                worker += [a.write_slices([mine[:4096]], [remote[:4096]], notify=7) for _ in range(4)]
+            worker += [getattr(off, call)([mine[:4096]], [remote[:4096]]) for _ in range(4)]
+            assert ph.wait_all(worker, 30) == [None] * len(worker)
+            assert copied_by_the_caller() == before, "a call that the worker copies was copied by the caller"
         there = b.call(ph.fetch, "t")
         assert torch.equal(mine, src) and torch.equal(there, src)
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _C, errors, topology
-from ._shared import positive, then as _then
+from ._shared import then as _then
 from .remote import RemoteTensor
 
 log = logging.getLogger("torch_p2p")
@@ -62,19 +62,8 @@ class Pages:
 
     __slots__ = ("base", "ids", "dim")
 
-    def __init__(self, base, ids, dim: int = 0):
-        if not isinstance(base, (torch.Tensor, RemoteTensor)):
-            raise TypeError(f"pages() takes a tensor or a RemoteTensor, not {type(base).__name__}")
-        # A KV block table is usually an int64 CPU tensor already: take it as it is (a
-        # conversion costs a microsecond per call, and a call may hold one entry per layer).
-        if not (isinstance(ids, torch.Tensor) and ids.dtype is torch.int64 and ids.is_cpu):
-            ids = torch.as_tensor(ids, dtype=torch.int64, device="cpu")
-        if ids.dim() != 1:
-            raise ValueError(f"page ids must be one-dimensional, not of shape {tuple(ids.shape)}")
-        ndim = base.dim()
-        if not -ndim <= dim < ndim:
-            raise IndexError(f"page dimension {dim} is out of range for a tensor of dimension {ndim}")
-        self.base, self.ids, self.dim = base, ids if ids.is_contiguous() else ids.contiguous(), dim % ndim
+    def __new__(cls, base, ids, dim: int = 0):
+        return _C._pages(base, ids, dim)  # checks every argument (csrc/bindings/pages.cpp)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -86,13 +75,17 @@ class Pages:
 def pages(base, ids, dim: int = 0) -> Pages:
     """``base.select(dim, i)`` for each ``i`` in ``ids`` (a sequence or an integer tensor), as one
     entry of ``write_slices`` / ``read_slices``. Thousands of random pages (KV-cache blocks)
-    cost one call and no Python object per page; consecutive ids merge into one run."""
-    return _C._pages(base, ids, dim)  # Pages(base, ids, dim), made natively where no check fails
+    cost one call and no Python object per page; consecutive ids merge into one run. The ids
+    are taken as they are where they are a 1-d contiguous int64 CPU tensor, else converted."""
+    return _C._pages(base, ids, dim)
 
 
 # write_slices' arguments are taken apart natively (a small call's cost is mostly per call):
-# the native side needs the classes it takes apart.
+# the native side needs the classes it takes apart, and checks that it reads them rightly.
 _C._set_classes(Pages, RemoteTensor, Sequence)
+if not all(_C._fast_paths().values()):
+    log.warning("torch_p2p: this torch or pybind11 breaks an in-place read of the bindings (%s); "
+                "calls take pybind11's slower path", ", ".join(k for k, on in _C._fast_paths().items() if not on))
 
 
 class PreparedCall:
@@ -389,19 +382,17 @@ class Engine:
         peer's new process drops fails with ``PeerError`` instead of passing as sent."""
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"payload must be bytes, not {type(payload).__name__}")
-        return self._call(self._c.send, _address(address), bytes(payload), _worker_timeout(timeout))
+        return self._call(self._c.send, _address(address), bytes(payload), timeout)
 
     def recv(self, *, timeout: float | None = None) -> torch.futures.Future:
         """The next message from any peer, as (sender address, payload). Without a timeout it
         waits until a message arrives, ``cancel()`` or ``close()``."""
-        return self._call(self._c.recv, _worker_timeout(timeout))
+        return self._call(self._c.recv, timeout)
 
     def notification(self, tag: int, *, timeout: float | None = None) -> torch.futures.Future:
         """Completes when a peer's ``write_slices(..., notify=tag)`` has all its bytes here
         (or fails with the sender's error). Arrivals are counted: each call consumes one."""
-        if not 0 <= int(tag) < 1 << 32:
-            raise ValueError(f"tag must be a 32-bit unsigned integer, not {tag}")
-        return self._call(self._c.notification, int(tag), _worker_timeout(timeout))
+        return self._call(self._c.notification, tag, timeout)
 
     def cancel(self, future: torch.futures.Future) -> None:
         """Fails a pending recv, notification or transfer with CancelledError."""
@@ -504,9 +495,3 @@ def _close_all():
             engine.close()
         except Exception:
             pass
-
-
-def _worker_timeout(timeout) -> float:
-    """A timeout as the worker takes it; None is 0: the engine's default for transfers and
-    messages, no deadline for recv() and notification()."""
-    return 0.0 if timeout is None else positive(timeout)

@@ -9,10 +9,17 @@
 
 namespace p2p {
 
+// Every counter: its enum name and the key _C._counters() gives it.
+#define P2P_COUNTERS(X)                                                                          \
+  X(IpcCopyEngineSpans, ipc_copy_engine_spans) /* IPC copy spans given to the copy engines */    \
+  X(IpcKernelSpans, ipc_kernel_spans)          /* IPC copy spans given to the gather kernel */   \
+  X(Fences, fences)                            /* fences confirming a shm CUDA IPC RMA */        \
+  X(CallerCopies, caller_copies)               /* calls copied by the calling thread */
+
 enum class Counter : int {
-  IpcCopyEngineSpans,  // IPC copy spans given to the copy engines (cudaMemcpyAsync)
-  IpcKernelSpans,      // IPC copy spans given to the gather kernel
-  Fences,              // Fences sent to confirm a shm CUDA IPC RMA (routes/fabric)
+#define P2P_COUNTER_ENUM(name, key) name,
+  P2P_COUNTERS(P2P_COUNTER_ENUM)
+#undef P2P_COUNTER_ENUM
   Count
 };
 

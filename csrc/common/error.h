@@ -1,5 +1,5 @@
 // Errors in three tiers:
-//  - p2p::Error is thrown on API and setup paths; bindings.cpp turns it into the Python
+//  - p2p::Error is thrown on API and setup paths; the bindings turn it into the Python
 //    exception its kind names (torch_p2p/errors.py).
 //  - p2p::Status travels inside a completion on worker paths and becomes a Future's exception.
 //  - P2P_ASSERT guards invariants; a failure is a bug in this library, never bad input.
@@ -17,7 +17,7 @@ namespace p2p {
 
 // Every error kind, with its number and the Python exception it becomes (a builtin, or a
 // class of torch_p2p/errors.py). The one table of kinds: the enum below and errors.py's
-// table (through _C.error_kinds), by which bindings.cpp and the futures raise, come from it.
+// table (through _C.error_kinds), by which the bindings and the futures raise, come from it.
 #define P2P_ERROR_KINDS(X)                                                                  \
   X(None, 0, "")                                                                            \
   X(Generic, 1, "P2PError")                                                                 \

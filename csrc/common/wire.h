@@ -26,7 +26,6 @@ class ByteWriter {
     put<uint32_t>(static_cast<uint32_t>(bytes.size()));
     out_.append(bytes);
   }
-  void put_raw(const void* data, size_t len) { out_.append(static_cast<const char*>(data), len); }
   // Appends a CRC32 of everything written so far; ByteReader::check_crc verifies it.
   void seal() { put<uint32_t>(crc32(out_.data(), out_.size())); }
   std::string& str() { return out_; }

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/counters.h"
 #include "common/process.h"
 #include "core/peer.h"
 
@@ -79,7 +80,9 @@ bool CallerCopies::move(const TransferCall& t) {
     std::memcpy(write ? there : local, write ? local : there, len);
     return true;
   });
-  return !exited(owner.pidfd);
+  if (exited(owner.pidfd)) return false;
+  count(Counter::CallerCopies);
+  return true;
 }
 
 }  // namespace p2p::core

@@ -1,7 +1,7 @@
 // Engine: the torch-facing front of one Worker. Python threads call it; it validates tensors
 // and views, decomposes them into byte runs and hands the work to the worker thread, so that
 // bad input raises before anything is queued. It records the caller's CUDA stream position
-// for transfers of GPU memory. bindings.cpp wraps it for Python; torch_p2p/engine.py adds
+// for transfers of GPU memory. csrc/bindings/ wraps it for Python; torch_p2p/engine.py adds
 // futures, the dispatcher thread and the friendly signature.
 #pragma once
 

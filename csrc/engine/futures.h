@@ -1,6 +1,6 @@
 // TorchFutures: the one table of the futures of the operations in flight. An operation's id is
-// its slot here (index and the slot's generation), so a call takes a free slot and stores its
-// future without hashing or allocating; Python keeps no table of its own.
+// its slot here (OperationId, operation_id.h), so a call takes a free slot and stores its future
+// without hashing or allocating; Python keeps no table of its own.
 //
 // Each slot holds the torch future and an opaque handle on its Python object (owned by the
 // bindings, which alone touch it with the GIL). A success without a result is completed here,
@@ -17,6 +17,7 @@
 
 #include "common/log.h"
 #include "engine/completions.h"
+#include "engine/operation_id.h"
 
 namespace p2p::engine {
 
@@ -38,7 +39,7 @@ class TorchFutures {
     s.future = std::move(future);
     s.handle = handle;
     ++in_use_;
-    return (static_cast<uint64_t>(s.generation) << 32) | index;
+    return OperationId::make(s.generation, index);
   }
   // Frees id's slot (its operation did not start); returns its handle, or null.
   Handle drop(uint64_t id) {
@@ -52,7 +53,7 @@ class TorchFutures {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < slots_.size(); ++i)
       if (slots_[i].future.get() == future.get()) {
-        id = (static_cast<uint64_t>(slots_[i].generation) << 32) | i;
+        id = OperationId::make(slots_[i].generation, static_cast<uint32_t>(i));
         return true;
       }
     return false;
@@ -114,10 +115,10 @@ class TorchFutures {
     uint32_t generation = 1;
   };
   Slot* slot(uint64_t id) {  // under mu_
-    const uint64_t index = id & 0xffffffffu;
+    const uint32_t index = OperationId::slot(id);
     if (index >= slots_.size()) return nullptr;
     Slot& s = slots_[index];
-    return s.future && s.generation == (id >> 32) ? &s : nullptr;
+    return s.future && s.generation == OperationId::generation(id) ? &s : nullptr;
   }
   Handle release(Slot& s) {  // under mu_
     Handle h = s.handle;

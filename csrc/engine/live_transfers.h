@@ -1,12 +1,11 @@
-// LiveTransfers: the transfers the worker owns, found by id. An id's low 32 bits are its
-// future's slot in the table of futures (futures.h), so the transfers sit in a vector indexed
-// by slot: found without hashing, added and removed without allocating once the vector has grown
-// to the calls in flight.
+// LiveTransfers: the transfers the worker owns, found by id. A transfer's id is an OperationId
+// (operation_id.h), whose slot indexes a vector here: found without hashing, added and removed
+// without allocating once the vector has grown to the calls in flight.
 //
-// A slot is reused only once its future completed, that is after its transfer was reported. A
-// transfer that outlives its slot (ops still pending) moves to `stale_` and is no longer found
+// A slot is reused only once its transfer was reported (OperationId's rule, asserted in add()).
+// A transfer that outlives its slot (ops still pending) moves to `stale_` and is no longer found
 // by id, nor needs to be: a cancel, an acknowledgement or a stream order of a reported transfer
-// changes nothing.
+// changes nothing. Owned by the worker thread.
 #pragma once
 
 #include <algorithm>
@@ -14,34 +13,37 @@
 #include <memory>
 #include <vector>
 
+#include "common/error.h"
 #include "core/transfer.h"
+#include "engine/operation_id.h"
 
 namespace p2p::engine {
 
 class LiveTransfers {
  public:
   void add(std::unique_ptr<core::Transfer> t) {
-    const size_t slot = t->id & 0xffffffffu;
+    const uint32_t slot = OperationId::slot(t->id);
     if (slot >= by_slot_.size()) by_slot_.resize(slot + 1);
-    if (by_slot_[slot]) stale_.push_back(std::move(by_slot_[slot]));
+    if (std::unique_ptr<core::Transfer>& old = by_slot_[slot]) {
+      P2P_ASSERT(old->reported() && old->id != t->id);
+      stale_.push_back(std::move(old));
+    }
     by_slot_[slot] = std::move(t);
   }
   core::Transfer* find(uint64_t id) const {
-    const size_t slot = id & 0xffffffffu;
+    const uint32_t slot = OperationId::slot(id);
     core::Transfer* t = slot < by_slot_.size() ? by_slot_[slot].get() : nullptr;
     return t && t->id == id ? t : nullptr;
   }
+  // Takes `t` out; it must be here (a transfer is removed once, when it is freed).
   std::unique_ptr<core::Transfer> remove(core::Transfer& t) {
-    std::unique_ptr<core::Transfer> out;
-    const size_t slot = t.id & 0xffffffffu;
-    if (slot < by_slot_.size() && by_slot_[slot].get() == &t) {
-      out = std::move(by_slot_[slot]);
-    } else {
-      auto it = std::find_if(stale_.begin(), stale_.end(), [&](auto& s) { return s.get() == &t; });
-      out = std::move(*it);
-      *it = std::move(stale_.back());
-      stale_.pop_back();
-    }
+    const uint32_t slot = OperationId::slot(t.id);
+    if (slot < by_slot_.size() && by_slot_[slot].get() == &t) return std::move(by_slot_[slot]);
+    auto it = std::find_if(stale_.begin(), stale_.end(), [&](auto& s) { return s.get() == &t; });
+    P2P_ASSERT(it != stale_.end());
+    std::unique_ptr<core::Transfer> out = std::move(*it);
+    *it = std::move(stale_.back());
+    stale_.pop_back();
     return out;
   }
   // Calls fn(Transfer&) for each; fn must not add or remove (collect first, then act).
