@@ -59,8 +59,6 @@ def failed(fut) -> bool:
     return exception_of(fut) is not None
 
 
-
-
 def local(state, name: str, nbytes: int, seed: int | None = None) -> None:
     """Registers a local tensor `name`: zeros, or pattern(seed)."""
     state[name] = torch.zeros(nbytes, dtype=torch.uint8) if seed is None else pattern(seed, nbytes)

@@ -16,10 +16,6 @@ from conftest import FABRIC_PROVIDERS, MARGIN, PEER_TIMEOUT, SHM_1
 from peer import Peer, PeerDied, PeerFailed
 
 
-
-
-
-
 SHM_WEDGE = ("BUG (shm provider, libfabric 1.17): a peer killed while one of our operations to it "
              "is in flight wedges our shm endpoint: completions of later operations to every other "
              "peer never arrive (responses are processed in order and the dead peer's never comes), so "

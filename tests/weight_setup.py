@@ -15,8 +15,6 @@ from conftest import PEER_TIMEOUT, engine_kwargs
 # A transformer layer in miniature: column-parallel (dim 0), row-parallel (dim 1) and replicated
 # tensors, a 0-d one, odd sizes so that shards are uneven.
 SHAPES = {"embed": (97, 64), "layers.0.qkv": (48, 64), "layers.0.o": (64, 48), "layers.0.norm": (64,), "step": ()}
-
-
 TP_DIMS = {"embed": 0, "layers.0.qkv": 0, "layers.0.o": 1, "layers.0.bias": 0}
 
 
