@@ -147,10 +147,10 @@ def test_deregister_retry_still_waits():
 
 @pytest.mark.timeout(120)
 def test_deregister_beside_a_submitting_thread():
-    """One thread registers and deregisters tensors while another submits writes. Regression:
-    the engine dropped its reference to a deregistered tensor under the lock that submit()
-    takes with the GIL held, and PyTorch takes the GIL for that, so the two threads waited for
-    each other forever (within a second, here). Runs in a child: a hang holds the GIL."""
+    """One thread registers and deregisters tensors while another submits writes. The engine
+    must not drop its reference to a deregistered tensor under the lock that submit() takes
+    with the GIL held: PyTorch takes the GIL for that, and the two threads would wait for each
+    other forever (within a second, here). Runs in a child: a hang holds the GIL."""
     with Peer() as host:
         host.call(ph.start_engine, "tcp")
         host.call(hs.start_churn)

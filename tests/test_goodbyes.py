@@ -56,7 +56,7 @@ def test_disconnect_tells_the_peer(provider):
 def test_peer_closed_after_disconnect_is_not_contacted(provider):
     """We disconnect from c, then c closes: c still says goodbye, so a later write to c's
     handle or connect() to it fails at once instead of sending c a HELLO. On shm (libfabric
-    1.17) that HELLO was never answered and stalled our endpoint: b, which was fine, was then
+    1.17) that HELLO goes unanswered and stalls our endpoint: b, which is fine, would then be
     declared dead after peer_timeout."""
     with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=PEER_TIMEOUT)) as a, \
             Peer() as b, Peer() as c:

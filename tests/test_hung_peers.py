@@ -17,7 +17,7 @@ SHM_HOL = ("BUG (shm provider, libfabric 1.17): one hung peer stalls our operati
            "peer: with a delivery-complete operation to a stopped peer outstanding, later operations to "
            "other peers do not complete until the stopped one progresses (responses are processed in "
            "order); after peer_timeout the hung peer is declared dead but the others stay stalled. "
-           "Timing-dependent: the engine no longer holds ops to other peers behind it (post_queue)")
+           "Timing-dependent: the engine holds no op to other peers behind it (post_queue); shm does")
 
 
 @pytest.mark.timeout(60)
