@@ -43,7 +43,7 @@ try:
 except ImportError:  # run from a checkout without installing: use the in-place build
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_p2p as p2p
-from _common import dismiss, exit_on_sigterm, message_from, spawn_with_pipe
+from _processes import dismiss, exit_on_sigterm, message_from, spawn_with_pipe
 
 PAGE = 4096
 BURST = 16

@@ -27,7 +27,8 @@ try:
 except ImportError:  # run from a checkout without installing: use the in-place build
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from torch_p2p import _C
-from _common import exit_on_sigterm, parse_size, reap, spawn
+from _processes import exit_on_sigterm, reap, spawn
+from _table import parse_size
 
 
 def hold(nbytes: int, queue, done) -> None:

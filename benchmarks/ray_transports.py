@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _common import aligned, fmt_size, parse_size  # noqa: E402
+from _table import aligned, fmt_size, parse_size  # noqa: E402
 
 TRANSPORTS = ["TORCH_P2P", "NIXL", "GLOO", "object store"]
 FLOORS = {"no tensor": lambda p: p.give_nothing,

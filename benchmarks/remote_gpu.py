@@ -1,10 +1,10 @@
 """Client host arrays -> a remote GPU -> pairwise sum -> back, against a local GPU.
 
-Reproduces the experiment of "Data Transfer to Remote GPUs Over High-Performance Networks"
-(Marafi, Bocci, CERN) with torch_p2p. The client
-(this process) holds two float32 arrays a and b in host memory. They go to a GPU, which
-computes c = a + b (``--reps-sum K`` times, to emulate heavier compute), and c comes back
-to the client's host memory, which checks it. Methods, one row group each:
+Reproduces the experiment of the paper "Data Transfer to Remote GPUs Over High-Performance
+Networks" (Marafi, Bocci; CERN) with torch_p2p. The client (this process) holds two float32
+arrays a and b in host memory. They go to a GPU, which computes c = a + b (``--reps-sum K``
+times, to emulate heavier compute), and c comes back to the client's host memory, which checks
+it. Methods, one row group each:
 
   local            the client's own GPU: pageable host -> GPU copy, sum, GPU -> pageable host
   local-pinned     the same from and to pinned host memory
@@ -61,14 +61,11 @@ that need CUDA are skipped with a note).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -78,358 +75,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import torch_p2p as p2p  # noqa: E402
-from _common import exit_on_sigterm, reap, spawn_with_pipe  # noqa: E402
+from _processes import exit_on_sigterm  # noqa: E402
+from _remote_gpu_client import Client, HostArrays, measure, progress, run_local, run_remote, summarize  # noqa: E402
+from _remote_gpu_report import fmt_ms, fmt_n, plot, print_table, write_json  # noqa: E402
+from _remote_gpu_server import Unavailable  # noqa: E402
 
 METHODS = ["local", "local-pinned", "remote-pageable", "remote-pinned", "remote-staged", "remote-direct"]
 DEFAULT_SIZES = "1e4,1e5,1e6,1e7,1e8,4e8"
 DRY_RUN_SIZES = "1e4,1e5,1e6,1e7,1e8"  # the default with the server on the CPU
-SERVER_DATA_PATH = {"remote-pageable": None, "remote-pinned": None, "remote-staged": "staged",
-                    "remote-direct": "direct"}
-SAMPLE = 4096  # random indices checked per run above --check-all
-FIELDS = ["input", "ops", "gpu", "output", "latency"]
-_T0 = time.perf_counter()
 
-
-class WrongResult(RuntimeError):
-    """c differs from a + b: the run's time must not be reported."""
-
-
-class ServerError(RuntimeError):
-    """The server process failed, died or did not answer."""
-
-
-class Unavailable(RuntimeError):
-    """The method cannot run with this provider or device: a note, not a failure."""
-
-
-def progress(text: str) -> None:
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {text}", file=sys.stderr, flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_sum(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, reps: int) -> float:
-    """c = a + b, `reps` times; returns the device's time for it in ms (CUDA events on a
-    GPU, the host clock on the CPU). Returns once c is final."""
-    if c.is_cuda:
-        stream = torch.cuda.current_stream(c.device)
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        for _ in range(reps):
-            torch.add(a, b, out=c)
-        stop.record(stream)
-        stop.synchronize()
-        return start.elapsed_time(stop)
-    t = time.perf_counter()
-    for _ in range(reps):
-        torch.add(a, b, out=c)
-    return (time.perf_counter() - t) * 1e3
-
-
-# ---------------------------------------------------------------------------------------------
-# Server: the child process. Thread model: its main thread serves the pipe and runs the GPU
-# work; the engine's own threads move the data.
-
-class Server:
-    """One engine at a time (the current method's data path) and the buffers of one size."""
-
-    def __init__(self, device: str, engine_kwargs: dict):
-        self.device = torch.device(device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.engine_kwargs = engine_kwargs
-        self.engine: p2p.Engine | None = None
-        self.client = b""
-        self.method = ""
-        self.regions: list = []
-        self.host: tuple | None = None  # (a, b, c) host buffers of the part 1 / 2 methods
-        self.dev: tuple | None = None   # (a, b, c) on the device
-
-    def open(self, method: str, client: bytes) -> dict:
-        self.close_engine()
-        self.method, self.client = method, client
-        self.engine = p2p.Engine(self.device, data_path=SERVER_DATA_PATH[method], **self.engine_kwargs)
-        if method == "remote-direct":
-            # NOTE: libfabric 1.17's shm without CUDA support claims FI_HMEM, then refuses to
-            # register GPU memory (FI_ENOSYS): find out before timing anything.
-            try:
-                self.engine.register(torch.empty(1024, device=self.device)).close()
-            except p2p.P2PError as exc:
-                self.close_engine()
-                raise Unavailable(f"the {self.device} engine reports data path 'direct' but cannot register "
-                                  f"GPU memory ({exc}); is this libfabric built with CUDA?") from exc
-        return {"address": self.engine.address, "provider": self.engine.provider,
-                "data_path": self.engine.data_path, "rails": len(self.engine.rails)}
-
-    def alloc(self, n: int) -> list[bytes]:
-        """Buffers for n elements; returns the RemoteTensor bytes of a, b and c."""
-        self.free()
-        self.dev = tuple(torch.empty(n, device=self.device) for _ in range(3))
-        targets = self.dev
-        if self.method in ("remote-pageable", "remote-pinned"):
-            pin = self.method == "remote-pinned"
-            self.host = tuple(torch.empty(n, pin_memory=pin) for _ in range(3))
-            targets = self.host
-        self.regions = [self.engine.register(t) for t in targets]
-        return [r.remote.to_bytes() for r in self.regions]
-
-    def run(self, tag: int, reps: int, timeout: float, conn) -> dict:
-        """One run: wait until a and b arrived, sum, tell the client c is ready."""
-        engine = self.engine
-        arrived = engine.notification(tag, timeout=timeout)
-        conn.send(("armed", None))
-        try:
-            arrived.wait()
-            told = engine.send(self.client, _message("arrived", tag), timeout=timeout)
-            da, db, dc = self.dev
-            stats = {}
-            if self.host is not None:
-                ha, hb, hc = self.host
-                pinned = self.method == "remote-pinned"
-                t = time.perf_counter()
-                da.copy_(ha, non_blocking=pinned)
-                db.copy_(hb, non_blocking=pinned)
-                sync(self.device)
-                stats["copy_in"] = (time.perf_counter() - t) * 1e3
-            gpu_ms = timed_sum(da, db, dc, reps)  # synchronizes: c is final before "done"
-            if self.host is not None:
-                t = time.perf_counter()
-                hc.copy_(dc, non_blocking=pinned)
-                sync(self.device)
-                stats["copy_out"] = (time.perf_counter() - t) * 1e3
-            engine.send(self.client, _message("done", tag, gpu_ms=gpu_ms), timeout=timeout).wait()
-            told.wait()
-            return stats
-        except BaseException as exc:
-            try:  # the client waits on the engine, not on the pipe: wake it
-                engine.send(self.client, _message("error", tag, text=f"{type(exc).__name__}: {exc}"),
-                            timeout=10).wait()
-            except Exception:  # noqa: BLE001 - the original error matters more
-                pass
-            raise
-
-    def free(self) -> None:
-        for region in self.regions:
-            region.close()
-        self.regions, self.host, self.dev = [], None, None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def close_engine(self) -> None:
-        self.free()
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-
-
-def _message(kind: str, tag: int, **fields) -> bytes:
-    return json.dumps({"kind": kind, "tag": tag, **fields}).encode()
-
-
-def _serve(conn, device: str, engine_kwargs: dict) -> None:
-    """The child's loop: (command, args) in, ("ok", result) or ("err", traceback) out; "run"
-    also answers ("armed", None) once it waits for the data."""
-    server = Server(device, engine_kwargs)
-    commands = {"open": server.open, "alloc": server.alloc, "free": server.free,
-                "close_engine": server.close_engine}
-    try:
-        while True:
-            try:
-                msg = conn.recv()
-            except EOFError:
-                break
-            if msg is None:
-                break
-            cmd, args = msg
-            try:
-                result = server.run(*args, conn=conn) if cmd == "run" else commands[cmd](*args)
-                conn.send(("ok", result))
-            except Unavailable as exc:
-                conn.send(("skip", str(exc)))
-            except BaseException as exc:  # noqa: BLE001 - reported to the client
-                conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        server.close_engine()
-
-
-class ServerProcess:
-    """The client's handle on the child: commands over the pipe, every wait bounded."""
-
-    def __init__(self, device: str, engine_kwargs: dict):
-        self._conn, self.proc = spawn_with_pipe(_serve, (device, engine_kwargs), "remote_gpu-server")
-
-    def send(self, cmd: str, *args) -> None:
-        self._conn.send((cmd, args))
-
-    def reply(self, timeout: float, expect: str = "ok"):
-        deadline = time.monotonic() + timeout
-        while not self._conn.poll(0.5):
-            if not self.proc.is_alive():
-                raise ServerError(f"the server process died (exit code {self.proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise ServerError(f"the server did not answer within {timeout:.0f} s")
-        status, value = self._conn.recv()
-        if status == "err":
-            raise ServerError(f"the server failed: {value}")
-        if status == "skip":
-            raise Unavailable(value)
-        if status != expect:
-            raise ServerError(f"the server answered {status!r}, expected {expect!r}")
-        return value
-
-    def call(self, cmd: str, *args, timeout: float = 300):
-        self.send(cmd, *args)
-        return self.reply(timeout)
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self._conn.send(None)
-            except OSError:
-                pass
-        reap([self.proc])
-        self._conn.close()
-
-
-# ---------------------------------------------------------------------------------------------
-# Client
-
-class HostArrays:
-    """The client's a, b (inputs) and c (result) for one size, in host memory. refresh()
-    gives each run fresh inputs, so that a stale or missing byte anywhere on the way to the
-    GPU and back fails check()."""
-
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, check_all: int,
-                 gen: torch.Generator):
-        self.a, self.b, self.c = a, b, c
-        self.n = a.numel()
-        self.full = self.n <= check_all
-        self.gen = gen
-        self.idx: torch.Tensor | None = None
-
-    def refresh(self) -> None:
-        if self.full:
-            self.a.uniform_(-1, 1, generator=self.gen)
-            self.b.uniform_(-1, 1, generator=self.gen)
-            self.c.fill_(math.nan)
-            return
-        picks = torch.randint(self.n, (SAMPLE,), generator=self.gen)
-        self.idx = torch.cat([picks, torch.tensor([0, self.n - 1])])
-        self.a[self.idx] = torch.rand(len(self.idx), generator=self.gen)
-        self.b[self.idx] = torch.rand(len(self.idx), generator=self.gen)
-        self.c[self.idx] = math.nan
-
-    def check(self) -> None:
-        """c == a + b, bit for bit (both sides add float32 once, correctly rounded)."""
-        if self.full:
-            got, want, where = self.c, self.a + self.b, None
-        else:
-            got, want, where = self.c[self.idx], self.a[self.idx] + self.b[self.idx], self.idx
-        if torch.equal(got, want):
-            return
-        bad = (got != want).nonzero().flatten()
-        i = int(bad[0])
-        at = i if where is None else int(where[i])
-        raise WrongResult(f"{len(bad)} of {got.numel()} checked elements are wrong; c[{at}] = "
-                          f"{float(got[i])}, a + b = {float(want[i])}")
-
-
-def run_local(arrays: HostArrays, dev: tuple, pinned: bool, reps: int) -> dict:
-    """One local run: host -> GPU, sum, GPU -> host, timed from the host."""
-    a, b, c = arrays.a, arrays.b, arrays.c
-    da, db, dc = dev
-    t0 = time.perf_counter()
-    da.copy_(a, non_blocking=pinned)
-    db.copy_(b, non_blocking=pinned)
-    sync(da.device)
-    t1 = time.perf_counter()
-    gpu_ms = timed_sum(da, db, dc, reps)
-    t2 = time.perf_counter()
-    c.copy_(dc, non_blocking=pinned)
-    sync(dc.device)
-    t3 = time.perf_counter()
-    return {"input": (t1 - t0) * 1e3, "ops": (t2 - t1) * 1e3, "gpu": gpu_ms, "output": (t3 - t2) * 1e3}
-
-
-def run_remote(engine: p2p.Engine, server: ServerProcess, arrays: HostArrays, remote: list,
-               tag: int, reps: int, timeout: float) -> dict:
-    """One remote run: write a and b (notify), wait for "arrived" and "done", read c."""
-    ra, rb, rc = remote
-    arrived, done = engine.recv(timeout=timeout), engine.recv(timeout=timeout)
-    try:
-        server.send("run", tag, reps, timeout)
-        server.reply(timeout, expect="armed")
-        t0 = time.perf_counter()
-        engine.write_slices([arrays.a, arrays.b], [ra, rb], notify=tag, timeout=timeout).wait()
-        _expect(arrived, "arrived", tag)
-        t1 = time.perf_counter()
-        gpu_ms = _expect(done, "done", tag)["gpu_ms"]
-        t2 = time.perf_counter()
-        engine.read_slices([arrays.c], [rc], timeout=timeout).wait()
-        t3 = time.perf_counter()
-    except BaseException:
-        for fut in (arrived, done):
-            if not fut.done():
-                engine.cancel(fut)
-        raise
-    sample = {"input": (t1 - t0) * 1e3, "ops": (t2 - t1) * 1e3, "gpu": gpu_ms, "output": (t3 - t2) * 1e3}
-    sample.update(server.reply(timeout))  # the server's own copy times, if any
-    return sample
-
-
-def _expect(fut, kind: str, tag: int) -> dict:
-    _, payload = fut.wait()
-    msg = json.loads(payload)
-    if msg.get("kind") == "error":
-        raise ServerError(f"the server failed in run {tag}: {msg.get('text')}")
-    if msg.get("kind") != kind or msg.get("tag") != tag:
-        raise ServerError(f"expected the server's {kind!r} of run {tag}, got {msg}")
-    return msg
-
-
-def measure(run_once, arrays: HostArrays, args, label: str) -> tuple[list[dict], int]:
-    """Warm-up, then rounds of checked runs; returns the samples of the round with the lowest
-    latency standard deviation, and the number of timed runs made."""
-    def checked_run():
-        arrays.refresh()
-        sample = run_once()
-        arrays.check()
-        sample["latency"] = sample["input"] + sample["ops"] + sample["output"] - sample["gpu"]
-        return sample
-
-    for _ in range(args.warmup):
-        checked_run()
-    best, total = None, 0
-    round_budget = args.budget / args.rounds
-    for r in range(args.rounds):
-        samples, start = [], time.perf_counter()
-        while len(samples) < args.repeat:
-            samples.append(checked_run())
-            total += 1
-            if samples[-1]["latency"] > 1000:
-                progress(f"{label}: round {r + 1} run {len(samples)}: latency {samples[-1]['latency']:.0f} ms")
-            if len(samples) >= min(2, args.repeat) and time.perf_counter() - start > round_budget:
-                break
-        if best is None or _std([s["latency"] for s in samples]) < _std([s["latency"] for s in best]):
-            best = samples
-    return best, total
-
-
-def _std(values: list[float]) -> float:
-    return statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def summarize(samples: list[dict]) -> dict:
-    keys = FIELDS + [k for k in ("copy_in", "copy_out") if k in samples[0]]
-    return {k: {"mean": statistics.fmean(s[k] for s in samples), "std": _std([s[k] for s in samples])}
-            for k in keys}
-
-
-# ---------------------------------------------------------------------------------------------
-# Driver
 
 def unavailable(method: str, args, hmem: bool) -> str | None:
     """Why `method` cannot run here, or None."""
@@ -482,78 +136,6 @@ def bench_remote(method: str, n: int, args, master: tuple, gen: torch.Generator,
         arrays, args, f"{method} {fmt_n(n)}")
     server.call("free", timeout=timeout)  # after a failure the caller replaces the server instead
     return samples, runs, args.server_device
-
-
-def fmt_n(n: int) -> str:
-    """1e4, 28e6, 4e8: the paper's way of naming sizes."""
-    if n <= 0:
-        return "-"
-    for exp in range(15, 0, -1):
-        if n % 10 ** exp == 0:
-            return f"{n // 10 ** exp}e{exp}"
-    return str(n)
-
-
-def fmt_ms(x: float) -> str:
-    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}" if x >= 1 else f"{x:.3f}"
-
-
-def print_table(records: list[dict], header: str) -> None:
-    print(header)
-    cols = f"{'method':<16}{'elements':>9}{'input ms':>11}{'ops client ms':>15}{'ops GPU ms':>12}" \
-           f"{'output ms':>11}{'latency ms':>22}{'GB/s':>8}{'runs':>6}"
-    print(cols)
-    print("-" * len(cols))
-    notes = []
-    for r in records:
-        if r["status"] == "skipped":
-            notes.append(f"{r['method']}: skipped: {r['note']}")
-            continue
-        name = f"{r['method']:<16}{fmt_n(r['elements']):>9}"
-        if r["status"] == "failed":
-            print(f"{name}   FAILED (see below)")
-            notes.append(f"{r['method']} {fmt_n(r['elements'])}: FAILED: {r['note']}")
-            continue
-        lat = r["latency_ms"]
-        print(f"{name}{fmt_ms(r['input_ms']['mean']):>11}{fmt_ms(r['ops_client_ms']['mean']):>15}"
-              f"{fmt_ms(r['ops_gpu_ms']['mean']):>12}{fmt_ms(r['output_ms']['mean']):>11}"
-              f"{fmt_ms(lat['mean']) + ' ± ' + fmt_ms(lat['std']):>22}{r['gbps']:>8.2f}{r['runs']:>6}")
-        if r.get("note"):
-            notes.append(f"{r['method']} {fmt_n(r['elements'])}: {r['note']}")
-    print("\nLatency = input + ops client + output - ops GPU; GB/s = 3 x elements x 4 B / latency. "
-          "Means over the kept round (± its std).")
-    for note in notes:
-        print(f"  {note}")
-
-
-def write_json(path: str, config: dict, records: list[dict]) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"config": config, "records": records}, f, indent=1)
-    os.replace(tmp, path)
-
-
-def plot(path: str, records: list[dict], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for method in METHODS:
-        rows = [r for r in records if r["method"] == method and r["status"] == "ok"]
-        if rows:
-            ax.errorbar([r["elements"] for r in rows], [r["latency_ms"]["mean"] for r in rows],
-                        yerr=[r["latency_ms"]["std"] for r in rows], marker="o", capsize=3, label=method)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("buffer size (float32 elements)")
-    ax.set_ylabel("transfer latency (ms)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -642,43 +224,6 @@ def parse_args(argv=None):
         except ImportError:
             p.error("--plot needs matplotlib: pip install matplotlib (or pip install -e .[bench])")
     return args
-
-
-class Client:
-    """The client's engine, with the arrays of every size registered once (views serve the
-    smaller sizes), and the server process, replaced after a failure."""
-
-    def __init__(self, args, engine_kwargs: dict, master: tuple):
-        self.args, self.engine_kwargs = args, engine_kwargs
-        self.engine = p2p.Engine("cpu", **engine_kwargs)
-        for t in master:
-            self.engine.register(t)
-        self.server: ServerProcess | None = None
-        self.server_address = b""
-        self.tags = iter(range(1, 1 << 32))  # one notification tag per run
-
-    def open(self, method: str) -> dict:
-        """Gives the server an engine for `method`; returns what it says of it."""
-        if self.server is None:
-            self.server = ServerProcess(self.args.server_device, self.engine_kwargs)
-        info = self.server.call("open", method, self.engine.address)
-        self.server_address = info["address"]
-        self.engine.connect(self.server_address).wait()
-        return info
-
-    def close_method(self) -> None:
-        self.engine.disconnect(self.server_address).wait()
-        self.server.call("close_engine")
-
-    def drop_server(self) -> None:
-        """After a failure its state is unknown: the next method gets a fresh one."""
-        if self.server is not None:
-            self.server.close()
-            self.server = None
-
-    def close(self) -> None:
-        self.drop_server()
-        self.engine.close()
 
 
 def bench_method(method: str, args, master: tuple, gen: torch.Generator, client: Client | None,

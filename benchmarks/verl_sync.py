@@ -38,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(ROOT, "tests_rl")
 sys.path[:0] = [ROOT, TESTS, HERE]
 
-from _common import aligned  # noqa: E402
+from _table import aligned  # noqa: E402
 
 BACKENDS = {"torch_p2p": ("torch_p2p", "torch_p2p.integrations.verl"),
             "nixl": ("nixl", "_verl_nixl_cpu")}

@@ -53,7 +53,7 @@ try:
 except ImportError:  # run from a checkout without installing: use the in-place build
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_p2p as p2p
-from _common import aligned, parse_size
+from _table import aligned, parse_size
 
 TARGET_US = 0.15  # per view pair, the views form's parse
 

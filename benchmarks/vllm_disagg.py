@@ -40,7 +40,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests_vllm"))
 
 from conftest import Instance  # noqa: E402  (tests_vllm: a vLLM instance in a subprocess)
-from _common import require_vllm  # noqa: E402
+from _processes import require_vllm  # noqa: E402
 from tiny_model import WORDS, make_tiny_llama  # noqa: E402
 
 CONNECTORS = {

@@ -37,7 +37,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests_vllm")]
 
-from _common import require_vllm  # noqa: E402
+from _processes import require_vllm  # noqa: E402
 from tiny_model import make_tiny_llama, prompt  # noqa: E402
 from vllm_server import START_TIMEOUT, Server  # noqa: E402
 

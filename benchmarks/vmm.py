@@ -30,7 +30,8 @@ except ImportError:  # run from a checkout without installing: use the in-place 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_p2p as p2p
 from torch_p2p import _C  # noqa: E402
-from _common import aligned, dismiss, message_from, spawn_with_pipe  # noqa: E402
+from _processes import dismiss, message_from, spawn_with_pipe  # noqa: E402
+from _table import aligned  # noqa: E402
 
 TARGET = 0.95
 PAGES, PAGE = 256, 64 << 10

@@ -32,39 +32,28 @@ by the processes on that device (on CPUs, the host's available memory shared by 
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
-import json
-import math
 import os
 import statistics
 import sys
 import time
-import traceback
 
 import torch
 
 try:
-    import torch_p2p as p2p
+    import torch_p2p.weights as pw
 except ImportError:  # run from a checkout without installing: use the in-place build
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import torch_p2p as p2p
-import torch_p2p.weights as pw
+    import torch_p2p.weights as pw
 
-import _baselines
-from _common import aligned, dismiss, exit_on_sigterm, fmt_bytes, freeze_heap, message_from, parse_size, spawn_with_pipe
+from _dist import dist_unavailable
+from _processes import exit_on_sigterm, freeze_heap
+from _table import aligned, fmt_bytes, parse_size, save_rows
+from _weights_broadcast import broadcast_update, join_group
+from _weights_dests import Peers
+from _weights_state import (DEFAULT_MODELS, DTYPES, HOST_DEFAULT_BYTES, PRESETS, USABLE, checksum, device_of,
+                            fit_layers, open_engine, process_budget, shapes, state_dict)
 
-# (vocab, hidden, layers, heads, kv heads, head dim, intermediate, tied embeddings, qkv bias):
-# the models' published configs.
-PRESETS = {
-    "llama3-8b": (128256, 4096, 32, 32, 8, 128, 14336, False, False),
-    "llama3-70b": (128256, 8192, 80, 64, 8, 128, 28672, False, False),
-    "llama3.2-1b": (128256, 2048, 16, 32, 8, 64, 8192, True, False),
-    "qwen2.5-0.5b": (151936, 896, 24, 14, 2, 64, 4864, True, True),
-    "tiny": (1024, 256, 2, 4, 2, 64, 512, False, False),
-}
-DEFAULT_MODELS = ("llama3-8b", "llama3.2-1b", "qwen2.5-0.5b", "tiny")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LEGEND = """\
 columns:
   s/update      median seconds of one update, push to the last byte at every destination
@@ -74,250 +63,6 @@ columns:
   x N=1         s/update / the N=1 row's of the same chunk, window and fanout: how the time grows
                 with destinations (1.00: not at all)
   ratio         the baseline's s/update at the same N / torch_p2p's (above 1: torch_p2p is faster)"""
-
-
-def shapes(model: str, layers: int | None) -> dict[str, tuple]:
-    vocab, hidden, n_layers, heads, kv, head_dim, inter, tied, _ = PRESETS[model]
-    out = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(n_layers if layers is None else layers):
-        p = f"model.layers.{i}."
-        out.update({p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-                    p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
-                    p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
-                    p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-                    p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                    p + "mlp.down_proj.weight": (hidden, inter),
-                    p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)})
-        if PRESETS[model][8]:
-            out.update({p + "self_attn.q_proj.bias": (heads * head_dim,), p + "self_attn.k_proj.bias": (kv * head_dim,),
-                        p + "self_attn.v_proj.bias": (kv * head_dim,)})
-    out["model.norm.weight"] = (hidden,)
-    if not tied:
-        out["lm_head.weight"] = (vocab, hidden)
-    return out
-
-
-USABLE = 0.8  # of a device's free memory: the rest is for CUDA contexts, NCCL and the engines
-# On host memory time, not memory, bounds a default run: gloo moves about 1.5 GB/s on two cores,
-# and each row pushes four updates to up to three destinations: 2 GiB per process (most of
-# llama3.2-1b) keeps a default run within a couple of minutes.
-HOST_DEFAULT_BYTES = 2 << 30
-CHECK_ELEMS = 1 << 24  # checksum() converts this many elements at a time
-
-
-def free_bytes(device: str) -> int:
-    """A device's free memory, or the host's available memory."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(torch.device(device))[0]
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-
-
-def process_budget(devices: list[str], free=free_bytes) -> int:
-    """Bytes each process may fill: `devices[i]` is process i's device, and the processes on one
-    device (all of them on host memory) share its free memory; the least share of any device.
-    On host memory at most HOST_DEFAULT_BYTES."""
-    share = min(int(free(d) * USABLE) // devices.count(d) for d in set(devices))
-    on_host = all(torch.device(d).type == "cpu" for d in devices)
-    return min(share, HOST_DEFAULT_BYTES) if on_host else share
-
-
-def process_bytes(spec: dict, elem: int, bucket: int) -> int:
-    """What one process holds at its peak: its tensors, the baseline's bucket and checksum()'s
-    int64 copy of one slice."""
-    return sum(math.prod(s) for s in spec.values()) * elem + bucket + CHECK_ELEMS * 8
-
-
-def fit_layers(args, model: str, budget: int) -> int | None:
-    """The most decoder layers of `model` that fit in `budget` bytes per process: None when the
-    whole model fits, 0 when not even one layer does."""
-    elem = max(DTYPES[args.dtype].itemsize, DTYPES[args.source_dtype or args.dtype].itemsize)
-    full = PRESETS[model][2]
-    fits = [n for n in range(1, full + 1) if process_bytes(shapes(model, n), elem, args.bucket) <= budget]
-    if full in fits:
-        return None
-    return max(fits, default=0)
-
-
-def state_dict(spec: dict, dtype, device, fill: bool) -> dict[str, torch.Tensor]:
-    """Host tensors go to shared memory, which the cma route maps between processes of one
-    host (its memcpy path; private memory takes the kernel's cross-memory copies)."""
-    out = {}
-    for name, shape in spec.items():
-        t = torch.empty(shape, dtype=dtype, device=device)
-        t.normal_(0, 0.02) if fill else t.zero_()
-        out[name] = t.share_memory_() if t.device.type == "cpu" else t
-    return out
-
-
-def checksum(tensors, dtype) -> int:
-    """Order-independent sum of the bits of every tensor as `dtype` (bitwise check), a slice of
-    CHECK_ELEMS at a time (bounded memory)."""
-    ints = {2: torch.int16, 4: torch.int32}[torch.empty((), dtype=dtype).element_size()]
-    total = 0
-    for t in tensors:
-        flat = t.reshape(-1)
-        for at in range(0, flat.numel(), CHECK_ELEMS):
-            total += int(flat[at:at + CHECK_ELEMS].to(dtype).view(ints).to(torch.int64).sum())
-    return total
-
-
-def buckets(tensors: list, elem: int, bucket_bytes: int) -> list[list[int]]:
-    """Consecutive tensors packed into buckets of at most bucket_bytes (at `elem` bytes each)."""
-    out, cur, size = [], [], 0
-    for i, t in enumerate(tensors):
-        n = t.numel() * elem
-        if cur and size + n > bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += n
-    return out + [cur] if cur else out
-
-
-def broadcast_update(tensors: list, dtype, bucket_bytes: int, group, source: bool, buf: torch.Tensor) -> None:
-    """One update as frameworks do it: pack a bucket, broadcast it, unpack it."""
-    import torch.distributed as dist
-
-    for idx in buckets(tensors, dtype.itemsize, bucket_bytes):
-        if len(idx) == 1:  # alone in its bucket: broadcast as it is (converted first at the source)
-            t = tensors[idx[0]]
-            dist.broadcast(t.to(dtype) if source else t, 0, group=group)
-            continue
-        parts, at = [], 0
-        for i in idx:
-            n = tensors[i].numel()
-            parts.append((i, buf[at:at + n]))
-            at += n
-        if source:
-            for i, view in parts:
-                view.copy_(tensors[i].reshape(-1))
-        dist.broadcast(buf[:at], 0, group=group)
-        if not source:
-            for i, view in parts:
-                tensors[i].view(-1).copy_(view)
-    dist.barrier(group=group)
-    if tensors[0].is_cuda:
-        torch.cuda.synchronize(tensors[0].device)
-
-
-def open_engine(args, device: str) -> p2p.Engine:
-    """On loopback: tcp stays on "lo"; --no-ipc sends GPU memory over the provider."""
-    return p2p.Engine(device, args.provider, args.rails, domains=["lo"] if args.provider == "tcp" else None,
-                      ipc=False if args.no_ipc else None)
-
-
-def device_of(base: str, i: int) -> str:
-    dev = torch.device(base)
-    if dev.type != "cuda":
-        return "cpu"
-    return f"cuda:{((dev.index or 0) + i) % torch.cuda.device_count()}"
-
-
-# -- destination processes -------------------------------------------------------------------------
-def destination(conn, rank: int, args) -> None:
-    """Rank `rank` (1..): answers the source's commands until "bye"."""
-    try:
-        device = device_of(args.device, rank)
-        dtype = DTYPES[args.dtype]
-        tensors = state_dict(shapes(args.model, args.layers), dtype, device, fill=False)
-        engine = open_engine(args, device)
-        freeze_heap(not args.no_freeze)
-        dest, groups, buf = None, {}, None
-        conn.send(("ok", engine.address))
-        while True:
-            cmd, *rest = conn.recv()
-            if cmd == "bye":
-                break
-            if cmd == "join":
-                dest = pw.WeightDestination(engine, pw.whole(tensors), rest[0], name=f"dest{rank}",
-                                            window=rest[1])
-                dest.join().wait()
-                conn.send(("ok", None))
-            elif cmd == "leave":
-                dest.close()
-                dest = None
-                conn.send(("ok", None))
-            elif cmd == "checksum":
-                conn.send(("ok", checksum(tensors.values(), dtype)))
-            elif cmd == "dist":
-                _dist_init(args, rank, device)
-                conn.send(("ok", None))
-            elif cmd == "group":
-                import torch.distributed as dist
-
-                n = rest[0]
-                groups[n] = dist.new_group(list(range(n + 1)))
-            elif cmd == "broadcast":
-                n, count = rest  # the warm-ups and the timed updates
-                if buf is None:
-                    buf = torch.empty(args.bucket // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
-                                      device=device)
-                for _ in range(count):
-                    broadcast_update(list(tensors.values()), dtype, args.bucket, groups[n], False, buf)
-                conn.send(("ok", None))
-            elif cmd == "undist":  # every rank at once: NCCL's teardown waits for its peers
-                import torch.distributed as dist
-
-                dist.destroy_process_group()
-                conn.send(("ok", None))
-        if dest is not None:
-            dest.close()
-        engine.close()
-        import torch.distributed as dist
-
-        if dist.is_initialized():  # the source said bye before "undist": the teardown is out of order
-            raise RuntimeError("told to leave while still in the baseline's process group")
-    except BaseException as e:  # noqa: BLE001 - reported to the source
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        sys.exit(1)
-
-
-def _dist_init(args, rank: int, device: str) -> None:
-    import torch.distributed as dist
-
-    _baselines.dist_env(True, nvlink=not args.nccl_sockets)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-    store = dist.FileStore(args.store, max(args.dests) + 1)
-    dist.init_process_group(args.baseline, store=store, rank=rank, world_size=max(args.dests) + 1,
-                            timeout=datetime.timedelta(seconds=_baselines.TIMEOUT_S))
-
-
-class Peers:
-    def __init__(self, args):
-        self.conns, self.procs = [], []
-        for rank in range(1, max(args.dests) + 1):
-            conn, proc = spawn_with_pipe(destination, (rank, args), f"weights-dest{rank}")
-            self.conns.append(conn)
-            self.procs.append(proc)
-
-    def ask(self, ranks, *cmd) -> list:
-        for r in ranks:
-            self.conns[r - 1].send(cmd)
-        return [self.answer(r) for r in ranks]
-
-    def answer(self, rank: int):
-        if not self.conns[rank - 1].poll(_baselines.TIMEOUT_S * 5):
-            raise RuntimeError(f"destination {rank} did not answer")
-        status, value = message_from(self.conns[rank - 1], self.procs[rank - 1], f"weights.py: destination {rank}")
-        if status != "ok":
-            raise RuntimeError(f"destination {rank} failed: {value}")
-        return value
-
-    def close(self) -> list[str]:
-        """Says bye to every destination; what went wrong in any of them on the way out."""
-        dismiss(self.conns, self.procs, ("bye",))
-        errors = []
-        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), 1):
-            if proc.exitcode:
-                try:
-                    said = conn.recv()[1] if conn.poll() else f"exit code {proc.exitcode}"
-                except (EOFError, OSError):  # it died before its reason was whole: the code is all there is
-                    said = f"exit code {proc.exitcode}"
-                errors.append(f"destination {rank} failed on the way out: {said}")
-        return errors
 
 
 WARM_SPREAD = 0.05  # see timed_updates
@@ -416,7 +161,7 @@ def baseline_rows(args, peers, tensors, dtype, rows) -> None:
     backend = args.baseline
     if backend == "none":
         return
-    why = _baselines.dist_unavailable(backend, torch.device(device_of(args.device, 0)))
+    why = dist_unavailable(backend, torch.device(device_of(args.device, 0)))
     if not why and backend == "nccl" and torch.cuda.device_count() < max(args.dests) + 1:
         why = f"NCCL needs a GPU per process: {max(args.dests) + 1} processes, {torch.cuda.device_count()} GPUs"
     if why:
@@ -427,7 +172,7 @@ def baseline_rows(args, peers, tensors, dtype, rows) -> None:
     everyone = range(1, max(args.dests) + 1)
     for r in everyone:
         peers.conns[r - 1].send(("dist",))
-    _dist_init(args, 0, device_of(args.device, 0))
+    join_group(args, 0, device_of(args.device, 0))
     for r in everyone:
         peers.answer(r)
     elem = dtype.itemsize
@@ -585,11 +330,7 @@ def main(argv=None) -> int:
     print("# torch_p2p.weights: " + title)
     print(table(rows))
     print(LEGEND)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    if args.plot:
-        plot(rows, args.plot, title)
+    save_rows(args, rows, plot, title)
     for error in errors:
         print(f"! {error}")
     return 0 if all(r["ok"] for r in rows) and not errors else 1

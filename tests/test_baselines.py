@@ -11,7 +11,7 @@ from checkout import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import _baselines  # noqa: E402
+import _peer_library  # noqa: E402
 import bw  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,10 +29,10 @@ def missing(request, monkeypatch):
 def test_reason_names_the_package_and_the_extra(missing):
     import torch
 
-    why = _baselines.peer_library_unavailable(missing, torch.device("cpu"))
+    why = _peer_library.peer_library_unavailable(missing, torch.device("cpu"))
     assert why and "cannot be imported" in why and f"torch_p2p[{missing}]" in why and "\n" not in why
-    with pytest.raises(_baselines.PeerLibraryError, match="cannot be imported"):
-        _baselines.open_peer_library(missing, torch.device("cpu"), "127.0.0.1")
+    with pytest.raises(_peer_library.PeerLibraryError, match="cannot be imported"):
+        _peer_library.open_peer_library(missing, torch.device("cpu"), "127.0.0.1")
 
 
 def test_bw_skips_it_and_measures_the_row(missing, capsys):

@@ -14,7 +14,7 @@ from checkout import ROOT, checkout_env
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import bw  # noqa: E402
+from _bw_report import small_call_note  # noqa: E402
 import weights  # noqa: E402
 
 
@@ -94,12 +94,12 @@ def test_bw_says_why_small_calls_trail_memcpy():
     of more than 1 MiB a call, get none."""
     row = dict(ok=True, op="write", layout="paged", page_bytes=4096, pages=16, seconds=1.0, calls=8000,
                baselines={"memcpy": 20.0}, ratios={"memcpy": 0.2})
-    note = bw.small_call_note(argparse.Namespace(window=8), [row])
+    note = small_call_note(argparse.Namespace(window=8), [row])
     assert note.startswith("note: 1 row(s) of at most 1MiB a call are under 0.5 x memcpy"), note
     assert "write paged 4KiB x16: 125.0 us a call (8 in flight) where memcpy copies its 64KiB in 26.2 us" in note
     assert "fixed cost per call" in note
     big = dict(row, page_bytes=1 << 20, pages=256)
-    assert bw.small_call_note(argparse.Namespace(window=8), [dict(row, ratios={"memcpy": 0.6}), big]) is None
+    assert small_call_note(argparse.Namespace(window=8), [dict(row, ratios={"memcpy": 0.6}), big]) is None
 
 
 def test_help_explains_the_columns():

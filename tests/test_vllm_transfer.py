@@ -42,7 +42,7 @@ def vllm_caches(device: str, token_major: bool, seed: int | None) -> dict:
 def prefill_worker(state, device: str, layout: str, token_major: bool, with_holds: bool = True) -> int:
     state["caches"] = vllm_caches(device, token_major, seed=1)
     state["holds"] = torch.zeros(SLOTS, 1, dtype=torch.int64) if with_holds else None
-    state["transfer"] = KVTransfer(state["caches"], layout, engine_id="prefill", port=0, holds=state["holds"],
+    state["transfer"] = KVTransfer(state["caches"], layout, engine_id="prefill", port=0, hold_table=state["holds"],
                                    compat=COMPAT)
     return state["transfer"].side_channel.port
 
@@ -51,7 +51,7 @@ def hold(state, request_id: str, lease: float, slot: int = 0, token: int = 0) ->
     """What vLLM's scheduler and worker do for a finished prefill request: a hold slot and
     token, then the lease."""
     state["holds"][slot] = token
-    state["transfer"].hold(request_id, lease)
+    state["transfer"].start_lease(request_id, lease)
     return slot, token
 
 
@@ -291,7 +291,7 @@ def prefill_rank(state, lo: int, hi: int) -> int:
     state["caches"] = {n: t[:, lo:hi].contiguous() for n, t in vllm_caches("cpu", False, seed=1).items()}
     state["holds"] = torch.zeros(SLOTS, 1, dtype=torch.int64)
     state["transfer"] = KVTransfer(state["caches"], "cpu", engine_id="prefill", first_head=lo, port=0, share=True,
-                                   holds=state["holds"], tp_size=2 if hi - lo < HEADS else 1)
+                                   hold_table=state["holds"], tp_size=2 if hi - lo < HEADS else 1)
     return state["transfer"].side_channel.port
 
 

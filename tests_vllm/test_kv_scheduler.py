@@ -100,7 +100,7 @@ def test_a_hold_lives_in_the_table_until_vllm_frees_the_blocks():
         assert params["pp_size"] == params["dcp_size"] == params["tp_size"] == 1
         assert before + 7.0 <= params["remote_blocks_expiry_time"] <= time.time() + 7.0
         slot, token = params["torch_p2p_hold"]
-        assert int(table[slot]) == token != 0 and s.build_connector_meta(None).holds == {"p-1": 7.0}
+        assert int(table[slot]) == token != 0 and s.build_connector_meta(None).leases == {"p-1": 7.0}
         # vLLM reports the blocks done (pulled, or the lease ended), then frees them: the hold ends first.
         s.update_connector_output(SimpleNamespace(finished_sending={"p-1"}))
         assert int(table[slot]) == 0

@@ -125,7 +125,7 @@ def routes(gpus: int, peer_access: Callable[[int, int], bool], offer: dict[str, 
     return rows
 
 
-# How each provider stops a failed call (docs/design.md, "A failed call has stopped").
+# How each provider stops a failed call (docs/failures.md, "A failed call has stopped").
 FAILED_CALLS = {
     "efa": "the NIC completes or fails what was posted; an owner cannot revoke the keys a peer it gave up "
            "on holds (connectionless), so RMA a stopped peer posted before it stopped can land when it resumes",

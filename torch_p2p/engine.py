@@ -177,7 +177,7 @@ class Engine:
             readv), without the fabric (default on; ``TORCH_P2P_CMA=0`` turns it off); a peer's
             tensor in shared memory (``share_memory_()`` before ``register``) is mapped and
             copied with memcpy instead (``TORCH_P2P_CMA_MAP=0`` turns that off). See
-            ``route()`` and docs/design.md, "The cma route".
+            ``route()`` and docs/routes.md, "Same-host host memory (the cma route)".
         data_path: None (auto), "direct" (GPUDirect RDMA; error if the provider has no FI_HMEM)
             or "staged" (through pinned host slots, also for host memory).
         timeout: default deadline of one operation, seconds.

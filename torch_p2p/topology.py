@@ -124,8 +124,8 @@ def line_rate_bps(rails: list[Nic]) -> int | None:
 def default_tcp_rails(cores: int | None = None) -> int:
     """Rails for a tcp engine that is not told: one per 4 cores this process may use, 1 to 8.
     NOTE: tcp moves every byte through the kernel on the rail's own threads (the provider's
-    progress thread and the engine's posting thread), so rails scale with cores (see
-    docs/performance.md); on 2 cores one rail is all the cores can drive."""
+    progress thread and the engine's posting thread), so rails scale with cores (the tcp rows
+    of docs/performance_host.md); on 2 cores one rail is all the cores can drive."""
     cores = len(os.sched_getaffinity(0)) if cores is None else cores
     return max(1, min(8, cores // 4))
 

@@ -2,7 +2,7 @@
 // a peer's shared-memory file), which a small call copies with memcpy on the thread that
 // makes it. The call then skips the hand-overs that cost more than its bytes on a busy host:
 // to the worker, to a copy thread, back to the worker and through the dispatcher to its future
-// (docs/performance.md, "Calls copied by the caller").
+// (docs/performance_calls.md, "Calls copied by the caller").
 //
 // The worker adds a region once its owner's answer is mapped (Grants), and removes it before
 // the region's release goes back to its owner and when the peer fails or leaves: a removal

@@ -92,7 +92,7 @@ void apply_provider_defaults(Config& config, const std::string& provider);
 // Throws a ValueError-kind Error for settings no engine can run with.
 void validate(const Config& config);
 
-// TORCH_P2P_LOG: error, warn (default), info or debug. Process-wide, read at the first log line.
+// TORCH_P2P_LOG: error, warn (default), info or debug. Process-wide, read when the module loads.
 LogLevel log_level_from_environment();
 
 // What set-up decides before the worker starts: the settings, and the provider's offer,

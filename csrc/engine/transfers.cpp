@@ -309,7 +309,7 @@ void Worker::peer_failed(const PeerFailure& f) {
 // While p drains: done once nothing posted to it is out; past its margin, what the provider
 // still holds is orphaned (its owners hear now, its regions stay pinned until it comes back).
 // NOTE: tcp and verbs (ofi_rxm) flush at once when cut; shm cannot cancel an op its peer has
-// not served, so a frozen shm peer's ops are orphaned: its failure says so (docs/design.md).
+// not served, so a frozen shm peer's ops are orphaned: its failure says so (docs/failures.md).
 void Worker::drain_peer(Peer& p, double t) {
   auto held = [&](const Op& op) { return op.peer == &p; };
   const size_t out = posted_ops(held);

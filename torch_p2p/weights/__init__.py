@@ -33,7 +33,9 @@ from .._shared import wait
 from ..engine import Engine
 from ._dest import Receiver
 from ._plan import Layout, Plan, PlanError, TensorSpec, dtype_name, make_plan, parse_dtype
-from ._source import Follower, Leader, PushResult
+from ._follower import Follower
+from ._leader import Leader
+from ._push import PushResult
 
 __all__ = ["Shard", "whole", "split", "plan", "Plan", "PlanError", "Layout", "WeightSource", "WeightDestination",
            "ReceiveBuffers", "PushResult", "dtype_name", "parse_dtype", "positive_seconds", "CHUNK_BYTES", "WINDOW",

@@ -15,7 +15,7 @@ from ._actor import Actor, error_of, log
 from ._memory import TargetViews, register_targets
 from ._plan import Layout, PlanError, make_plan
 from ._relay import Fanout
-from ._source import Member
+from ._push import Member
 from ..errors import PeerError
 
 # How long a destination absorbs a second arrival of a chunk it asked an adopting parent for

@@ -51,7 +51,7 @@ std::shared_ptr<uint8_t> map_file(int fd, const SharedFile& file, uint64_t nbyte
 // Faults the pages of new mappings in, a few MiB at a time, on a thread of its own at a lower
 // priority, so that a copy need not fault in each page it touches first.
 // NOTE: such a fault costs about 1 us a 4 KiB page on the 2-core VM here, 0.25 ms a MiB: more
-// than the MiB's copy, paid by every block a cache has not read before (docs/performance.md).
+// than the MiB's copy, paid by every block a cache has not read before (docs/performance_host.md).
 // A mapping released meanwhile is dropped at its next chunk; where the kernel cannot populate
 // (before Linux 5.14) pages fault in as they are first copied, as without this.
 // Thread model: add() from the worker; the destructor stops and joins the thread.

@@ -1,9 +1,9 @@
-"""The prefill side's hold table: what lets a decode worker tell, after its pull, whether the
+"""The prefill side's hold tables: what lets a decode worker tell, after its pull, whether the
 blocks it read were still held for its request (free of vLLM).
 
-A hold is a finished prefill request whose blocks wait for a decode engine's pull. The
-scheduler, the one process that decides when blocks are freed, gives each hold a slot of the
-table and a token never used before, writes the token into the slot before the request's
+A hold is a slot of the table and a token never used before, given to a finished prefill
+request whose blocks wait for a decode engine's pull. The scheduler, the one process that
+decides when blocks are freed, writes the token into the slot before the request's
 kv_transfer_params leave the engine, and writes 0 there before it frees the blocks (vLLM calls
 ``update_connector_output`` before it frees the blocks its workers report done). Each worker
 maps the table (a file in /dev/shm named by its side-channel port and its process id) and
@@ -68,9 +68,9 @@ def remove(port: int) -> None:
         os.unlink(table_path(port))
 
 
-class Holds:
+class HoldTables:
     """The scheduler's side: the tables of an engine's workers (one per tensor-parallel rank,
-    all written alike), their free slots, and the tokens given out."""
+    all written alike), their free slots, and the holds given out."""
 
     def __init__(self, ports: list[int]):
         self.ports = ports
@@ -97,9 +97,9 @@ class Holds:
             self._free = list(range(min(t.numel() for t in tables) - 1, -1, -1))
         return self._tables
 
-    def hold(self, request_id: str) -> tuple[int, int] | None:
-        """(slot, token) of a new hold, written into every worker's table; None when every
-        slot is taken (the request then offers no remote decode)."""
+    def begin(self, request_id: str) -> tuple[int, int] | None:
+        """The (slot, token) of a new hold for `request_id`, written into every worker's
+        table; None when every slot is taken (the request then offers no remote decode)."""
         tables = self._open()
         if not self._free:
             return None
@@ -110,9 +110,9 @@ class Holds:
         self._slot[request_id] = slot
         return slot, token
 
-    def release(self, request_id: str) -> None:
-        """Ends a hold: after this, a decode worker that reads its slot fails its load. Called
-        before vLLM frees the request's blocks."""
+    def end(self, request_id: str) -> None:
+        """Ends the request's hold: after this, a decode worker that reads its slot fails its
+        load. Called before vLLM frees the request's blocks."""
         slot = self._slot.pop(request_id, None)
         if slot is None:
             return
@@ -121,5 +121,6 @@ class Holds:
         self._free.append(slot)
 
     @property
-    def held(self) -> int:
+    def active(self) -> int:
+        """How many holds are given out and not ended."""
         return len(self._slot)

@@ -25,4 +25,4 @@ class Load:
 class TorchP2PConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
     # Finished prefill requests whose blocks wait for a decode worker's pull: id -> lease (s).
-    holds: dict[str, float] = field(default_factory=dict)
+    leases: dict[str, float] = field(default_factory=dict)

@@ -1,5 +1,5 @@
 """TorchP2PConnector's scheduler half: which requests load KV from a prefill engine, which
-finished prefill requests hold their blocks for a decode engine, and the kv_transfer_params
+finished prefill requests keep their blocks for a decode engine, and the kv_transfer_params
 that link the two (NixlConnector's keys, so vLLM's disaggregation proxy works unchanged, plus
 the hold's slot and token that a decode worker checks after its pull: holds.py)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from .config import engine_port, setting
-from .holds import Holds
+from .holds import HoldTables
 from .metadata import Load, TorchP2PConnectorMetadata
 
 logger = init_logger("vllm.torch_p2p")  # under "vllm": the logger vLLM configures
@@ -30,7 +30,7 @@ class Scheduler:
         self.tp_size = parallel.tensor_parallel_size
         self.pp_size = parallel.pipeline_parallel_size
         self.dcp_size = parallel.decode_context_parallel_size
-        self.holds = Holds([self.port + r for r in range(self.tp_size)]) if config.is_kv_producer else None
+        self.hold_tables = HoldTables([self.port + r for r in range(self.tp_size)]) if config.is_kv_producer else None
         self._meta = TorchP2PConnectorMetadata()
         self._loads: dict[str, Load | None] = {}  # decode requests: the load their params ask for
 
@@ -67,9 +67,9 @@ class Scheduler:
     def update_connector_output(self, connector_output) -> None:
         """vLLM calls this before it frees the blocks of the requests in finished_sending: their
         holds end first, so no decode worker keeps what it reads of those blocks from now on."""
-        if self.holds is not None:
+        if self.hold_tables is not None:
             for request_id in connector_output.finished_sending or ():
-                self.holds.release(request_id)
+                self.hold_tables.end(request_id)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
@@ -83,22 +83,22 @@ class Scheduler:
                 self._meta.loads.append(load)
             return False, None
         self._loads.pop(request.request_id, None)
-        if not params.get("do_remote_decode") or self.holds is None:
+        if not params.get("do_remote_decode") or self.hold_tables is None:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted: nothing for a decode engine to pull
         if not block_ids:
             return False, None
         try:
-            hold = self.holds.hold(request.request_id)
+            hold = self.hold_tables.begin(request.request_id)
         except RuntimeError as e:
             logger.error("TorchP2PConnector: request %s offers no remote decode: %s", request.request_id, e)
             return False, None
         if hold is None:
-            logger.warning("TorchP2PConnector: %d requests hold blocks already, every slot of the hold table: "
-                           "request %s offers no remote decode", self.holds.held, request.request_id)
+            logger.warning("TorchP2PConnector: %d holds are given out already, every slot of the hold table: "
+                           "request %s offers no remote decode", self.hold_tables.active, request.request_id)
             return False, None
-        self._meta.holds[request.request_id] = self.lease
+        self._meta.leases[request.request_id] = self.lease
         return True, dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=[list(block_ids)],
                           remote_engine_id=self.engine_id, remote_request_id=request.request_id,
                           remote_host=self.host, remote_port=self.port, tp_size=self.tp_size,

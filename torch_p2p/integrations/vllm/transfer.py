@@ -1,8 +1,8 @@
 """What a TorchP2PConnector worker moves, free of vLLM so that it runs (and is tested) where
 vLLM is not installed: a worker's KV caches registered once as a ``kv.KVCache`` (their layout:
-cache_layout.py), served to decode workers over the side channel (side_channel.py), the decode
-side's pulls (each telling the prefill side it may free the blocks) and the prefill side's
-leases on blocks awaiting a pull.
+cache_layout.py), served to decode workers over the side channel (side_channel.py), and the
+decode side's pulls, each checked against the request's hold and followed by a release notice;
+the prefill side keeps the blocks under a lease until the notices arrive (leases.py).
 
 A decode worker keeps what it pulled only if the prefill side still held the blocks for its
 request once the data had landed: it then reads the request's slot of the prefill worker's hold
@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ... import Engine, _shared, kv, pages
-from ...errors import ClosedError
-from ...errors import TimeoutError as P2PTimeout
 from ...remote import RemoteTensor
 from .cache_layout import CACHE_LAYOUTS, layer_order, layer_view, share_in_place
+from .leases import Leases, release_notice
 from .side_channel import SideChannel, fetch
 
 _log = logging.getLogger("vllm.torch_p2p")  # the logger the connector's worker half uses
@@ -76,7 +75,7 @@ class _Peer:
     hold table into one of our scratch slots, prepared once (run on the request's two)."""
     engine_id: str
     cache: kv.KVCacheHandle
-    holds: RemoteTensor | None
+    hold_table: RemoteTensor | None
     tp_size: int
     check: object = None
 
@@ -103,23 +102,24 @@ def _warn_if_untold(told: torch.futures.Future, request_id: str) -> None:
 class KVTransfer:
     """One worker's caches and transfers.
 
-    `caches`: layer name -> cache tensor (see the module's docstring); `layout`: "cpu" or
-    "cuda"; `first_head`: the model's KV head this worker's caches start at (tensor
-    parallelism). With `port`, a side channel at host:port serves the handle (the prefill
-    side), and release notices arrive in the engine's inbox (give it an engine of its own).
-    `holds`: the prefill side's hold table (holds.create), served read-only with the handle.
-    `compat`: what a peer must share (model, dtype, block size, ...): a handshake with a peer
-    whose facts differ fails, naming them. `tp_size`: this engine's tensor parallelism, which a
-    load's `remote_tp` must name. `timeout` bounds a handshake and a pull; `lease` is how long
-    blocks awaiting a pull are held before they are freed anyway. `share`: move host caches
-    into shared memory, in place, before registering them, so that same-host peers map them
-    and copy with memcpy instead of the kernel's cross-memory copy (the engine's cma route; the
-    move copies the caches once and holds twice their memory meanwhile).
+    `caches`: layer name -> cache tensor ([blocks, heads, tokens, 2 x head dim]:
+    cache_layout.py); `layout`: "cpu" or "cuda", a key of CACHE_LAYOUTS; `first_head`: the
+    model's KV head this worker's caches start at (tensor parallelism). With `port`, a side
+    channel at host:port serves the handle (the prefill side), and release notices arrive in
+    the engine's inbox (give it an engine of its own). `hold_table`: the prefill side's hold
+    table (holds.create), served read-only with the handle. `compat`: what a peer must share
+    (model, dtype, block size, ...): a handshake with a peer whose facts differ fails, naming
+    them. `tp_size`: this engine's tensor parallelism, which a load's `remote_tp` must name.
+    `timeout` bounds a handshake and a pull; `lease`: the seconds blocks awaiting a pull are
+    kept before they are freed anyway (the default of ``start_lease``). `share`: move host
+    caches into shared memory, in place, before registering them, so that same-host peers map
+    them and copy with memcpy instead of the kernel's cross-memory copy (the engine's cma
+    route; the move copies the caches once and holds twice their memory meanwhile).
     """
 
     def __init__(self, caches: dict[str, torch.Tensor], layout: str, *, engine_id: str, first_head: int = 0,
                  host: str = "127.0.0.1", port: int | None = None, timeout: float = 10.0, lease: float = 30.0,
-                 engine: Engine | None = None, share: bool = False, holds: torch.Tensor | None = None,
+                 engine: Engine | None = None, share: bool = False, hold_table: torch.Tensor | None = None,
                  compat: dict | None = None, tp_size: int = 1):
         if not caches:
             raise ValueError("no KV caches to register")
@@ -129,7 +129,7 @@ class KVTransfer:
             share_in_place(caches.values())
         self.engine = engine or Engine(str(first.device))
         self._own_engine = engine is None
-        self.engine_id, self.timeout, self.lease, self.compat = engine_id, timeout, lease, dict(compat or {})
+        self.engine_id, self.timeout, self.compat = engine_id, timeout, dict(compat or {})
         self._regions = []
         self.cache = None
         try:
@@ -143,15 +143,15 @@ class KVTransfer:
             self._hold_ids = torch.zeros(_CHECKS, dtype=torch.int64)
             self._hold_slots = self._hold_ids.numpy()  # set without a torch op, as _slots
             self._regions.append(self.engine.register(self._scratch))
-            served = None
-            if holds is not None:
-                self._regions.append(self.engine.register(holds, "r"))
-                served = _shared.b64(self._regions[-1].remote.to_bytes())
+            table = None
+            if hold_table is not None:
+                self._regions.append(self.engine.register(hold_table, "r"))
+                table = _shared.b64(self._regions[-1].remote.to_bytes())
             self._block_bytes = self.cache.block_bytes
-            self.info = json.dumps(dict(engine_id=engine_id, layers=self.names, compat=self.compat, tp_size=tp_size,
-                                        holds=served, handle=_shared.b64(self.cache.handle.to_bytes()))).encode()
+            served = json.dumps(dict(engine_id=engine_id, layers=self.names, compat=self.compat, tp_size=tp_size,
+                                     hold_table=table, handle=_shared.b64(self.cache.handle.to_bytes()))).encode()
             try:
-                self.side_channel = SideChannel(host, port, self.info) if port is not None else None
+                self.side_channel = SideChannel(host, port, served) if port is not None else None
             except OSError as e:
                 raise OSError(e.errno, f"TorchP2PConnector's side channel cannot listen on {host}:{port} "
                                        f"({e.strerror}): give each instance of a host its own side_channel_port") from e
@@ -168,16 +168,7 @@ class KVTransfer:
         self._lock = threading.Lock()
         self._free_checks = list(range(_CHECKS))
         self._failed_early: queue.SimpleQueue[Pulled] = queue.SimpleQueue()
-        # The prefill side: request -> when its lease ends (time.monotonic()), and the release
-        # notices heard so far: request -> [notices, readers they announced, first heard].
-        self._leases: dict[str, float] = {}
-        self._released: dict[str, list] = {}
-        self._lease_lock = threading.Lock()
-        self._closing = threading.Event()
-        self._inbox = None
-        if port is not None:
-            self._inbox = threading.Thread(target=self._receive, name="torch_p2p-kv-inbox", daemon=True)
-            self._inbox.start()
+        self._leases = Leases(self.engine, lease) if port is not None else None  # the prefill side
 
     # -- decode side -----------------------------------------------------------------------------
     def load(self, request_id: str, remote_request_id: str, sources: list[tuple[str, int]], remote_engine_id: str,
@@ -242,12 +233,12 @@ class KVTransfer:
             raise ValueError(f"request {load.request_id} names a prefill engine of tensor parallelism {load.remote_tp}; "
                              f"engine {peer.engine_id} runs {peer.tp_size}: nothing was read")
         if load.hold is not None and load.local_blocks:
-            if peer.holds is None:
+            if peer.hold_table is None:
                 raise ValueError(f"prefill engine {peer.engine_id} serves no hold table: what a pull reads could not "
                                  "be checked, so nothing was read")
-            if not 0 <= load.hold[0] < peer.holds.shape[0]:
+            if not 0 <= load.hold[0] < peer.hold_table.shape[0]:
                 raise ValueError(f"request {load.request_id}: hold slot {load.hold[0]} is outside engine "
-                                 f"{peer.engine_id}'s table of {peer.holds.shape[0]}")
+                                 f"{peer.engine_id}'s table of {peer.hold_table.shape[0]}")
 
     def _then_check(self, load: "_Load", peer: _Peer, data: torch.futures.Future) -> torch.futures.Future:
         """`data`, then (issued once it has completed) the read of the request's hold slot."""
@@ -275,14 +266,14 @@ class KVTransfer:
         try:
             for f in load.futures:
                 f.value()
-            self._check_holds(load)
+            self._check_hold(load)
         except BaseException as e:
             return self._pulled(load, e)
         self._releases = [job for job in self._releases if not job.done()]
         self._releases.append(self._pool.submit(self._release, load))
         return self._pulled(load, None)
 
-    def _check_holds(self, load: "_Load") -> None:
+    def _check_hold(self, load: "_Load") -> None:
         if not load.checks:
             return
         slot, token = load.hold
@@ -294,7 +285,7 @@ class KVTransfer:
                                   "ended or it restarted); what was read is discarded")
 
     def _release(self, load: "_Load") -> None:
-        notice = json.dumps(dict(release=load.remote_request_id, readers=load.readers)).encode()
+        notice = release_notice(load.remote_request_id, load.readers)
         for peer in load.peers:
             try:
                 told = self.engine.send(peer.cache.owner, notice, timeout=self.timeout)
@@ -324,11 +315,11 @@ class KVTransfer:
         if differ:
             raise ValueError(f"prefill engine {remote_engine_id} at {where[0]}:{where[1]} is incompatible with this "
                              f"one: {'; '.join(differ)}. Nothing was read")
-        holds = info.get("holds")
+        table = info.get("hold_table")
         peer = _Peer(remote_engine_id, kv.KVCacheHandle.from_bytes(_shared.unb64(info["handle"])),
-                     None if holds is None else RemoteTensor.from_bytes(_shared.unb64(holds)), int(info["tp_size"]))
-        if peer.holds is not None:
-            peer.check = self.engine.prepare_read([pages(self._scratch, [0])], [pages(peer.holds, [0])],
+                     None if table is None else RemoteTensor.from_bytes(_shared.unb64(table)), int(info["tp_size"]))
+        if peer.hold_table is not None:
+            peer.check = self.engine.prepare_read([pages(self._scratch, [0])], [pages(peer.hold_table, [0])],
                                                   timeout=self.timeout)
         self._peers[where] = peer
         return peer
@@ -349,55 +340,18 @@ class KVTransfer:
         _shared.wait_all(pending, max(0.0, deadline - time.monotonic()))
 
     # -- prefill side ----------------------------------------------------------------------------
-    def hold(self, request_id: str, lease: float | None = None) -> None:
-        """Holds a finished request's blocks until every decode worker that reads them has said
-        so (each release notice says how many read this worker), or `lease` (default: the
-        object's) passes."""
-        lease = self.lease if lease is None else lease
-        with self._lease_lock:
-            self._leases[request_id] = time.monotonic() + lease
-
-    def _receive(self) -> None:
-        """The prefill side's inbox: the decode workers' release notices, counted by request."""
-        while not self._closing.is_set():
-            try:
-                _, payload = self.engine.recv(timeout=0.5).wait()
-            except P2PTimeout:
-                continue
-            except Exception as e:  # noqa: BLE001 - closed, or a peer's error: logged, not raised
-                if self._closing.is_set() or isinstance(e, ClosedError):
-                    return
-                _log.warning("TorchP2PConnector: receiving a release notice failed (%s: %s)", type(e).__name__, e)
-                continue
-            try:
-                notice = json.loads(payload)
-                request_id, readers = str(notice["release"]), max(1, int(notice["readers"]))
-            except (ValueError, KeyError, TypeError):
-                _log.warning("TorchP2PConnector: ignored a message that is no release notice (%d bytes)", len(payload))
-                continue
-            with self._lease_lock:
-                seen = self._released.setdefault(request_id, [0, readers, time.monotonic()])
-                seen[0], seen[1] = seen[0] + 1, max(seen[1], readers)
+    def start_lease(self, request_id: str, seconds: float | None = None) -> None:
+        """Keeps a finished request's blocks until every decode worker that reads them has
+        released them, or `seconds` (default: the object's `lease`) pass (leases.py)."""
+        if self._leases is None:
+            raise RuntimeError("a KVTransfer without a port serves no blocks: it keeps no leases")
+        self._leases.start(request_id, seconds)
 
     # -- both ------------------------------------------------------------------------------------
     def poll(self) -> tuple[dict[str, bool], list[Pulled]]:
         """(requests whose blocks may be freed -> whether a pull released them (False: the lease
         ran out), loads finished since the last call)."""
-        freed, now = {}, time.monotonic()
-        with self._lease_lock:
-            for rid, deadline in list(self._leases.items()):
-                seen = self._released.get(rid)
-                if seen is not None and seen[0] >= seen[1]:
-                    freed[rid] = True
-                elif now >= deadline:
-                    freed[rid] = False
-                else:
-                    continue
-                del self._leases[rid]
-                self._released.pop(rid, None)
-            # A notice for a request never held here (aborted before its hold began) is dropped.
-            for rid in [r for r, s in self._released.items() if r not in self._leases and now - s[2] > self.lease]:
-                del self._released[rid]
+        freed = self._leases.freed() if self._leases is not None else {}
         done, pending = [], []
         with self._lock:
             for p in self._pulls:
@@ -411,13 +365,12 @@ class KVTransfer:
                 return freed, loaded
 
     def close(self) -> None:
-        self._closing.set()
         if self.side_channel is not None:
             self.side_channel.close()
         wait_for_jobs(self._releases, timeout=self.timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._inbox is not None:
-            self._inbox.join(timeout=2)
+        if self._leases is not None:
+            self._leases.close()
         self._close_memory()
 
     def _close_memory(self) -> None:

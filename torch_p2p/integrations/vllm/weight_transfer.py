@@ -3,10 +3,11 @@
 
 Inference side (``TorchP2PWeightTransferEngine``, one per vLLM worker): at
 ``init_weight_transfer_engine`` the worker allocates one receive buffer per trainer tensor (HF
-names and shapes, in the model's dtype), registers them once and joins the trainer's leader,
+names and shapes; floating tensors in the model's dtype), registers them once and joins the trainer's leader,
 whose address rides the init info; the plan is computed then, once. Pushes land in those
 buffers, never in the model. ``update_weights`` waits until the version asked for has fully
-arrived, then loads it with vLLM's own ``load_weights`` inside a layerwise reload that it opens
+arrived (RuntimeError, the model untouched, if the buffers hold another or a later push is
+arriving), then loads it with vLLM's own ``load_weights`` inside a layerwise reload that it opens
 and closes itself: vLLM fuses q/k/v and gate/up, pads vocabularies, slices for tensor
 parallelism and (on CPU) prepacks the linear weights after loading, so its loader is the one
 exact way into the parameters. ``start_weight_update`` and ``finish_weight_update`` touch

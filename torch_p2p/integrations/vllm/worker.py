@@ -1,5 +1,5 @@
 """TorchP2PConnector's worker half: registers the worker's caches (transfer.KVTransfer), starts
-the step's loads and holds, and reports what finished or failed to vLLM."""
+the step's loads and leases, and reports what finished or failed to vLLM."""
 from __future__ import annotations
 
 from vllm.logger import init_logger
@@ -55,7 +55,7 @@ class Worker:
             kv_caches, layout, engine_id=self.engine_id, first_head=self.tp_rank * heads,
             host=setting(self.config, "side_channel_host"), port=self.port if serve else None,
             timeout=setting(self.config, "transfer_timeout"), lease=setting(self.config, "kv_lease_duration"),
-            share=serve and setting(self.config, "share_cpu_cache"), holds=table,
+            share=serve and setting(self.config, "share_cpu_cache"), hold_table=table,
             compat=dict(self.compat, layout=layout), tp_size=self.tp_size)
         logger.info("TorchP2PConnector: %d layers registered (%s, %s)%s", len(kv_caches), self.transfer.cache,
                     self.transfer.engine.provider, f", side channel on port {self.port}" if serve else "")
@@ -76,8 +76,8 @@ class Worker:
                                    hold=load.hold, remote_tp=load.remote_tp_size)
             except Exception as e:
                 self._fail(load.request_id, e)
-        for request_id, lease in meta.holds.items():
-            self.transfer.hold(request_id, lease)
+        for request_id, seconds in meta.leases.items():
+            self.transfer.start_lease(request_id, seconds)
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(prefill requests whose blocks may be freed, decode requests whose load ended, those of
