@@ -18,6 +18,7 @@ Each compares its logits on a fixed input with the trainer's for the same versio
 import argparse
 import copy
 import multiprocessing as mp
+from multiprocessing import forkserver
 
 import torch
 
@@ -116,18 +117,19 @@ def main() -> None:
     def device(i: int) -> str:
         return f"cuda:{i % gpus}" if gpus else "cpu"
 
+    # Every inference process needs torch and transformers, several seconds of CPU to import
+    # each: a fork server (a fresh process, none of this one's engine threads) imports them
+    # once, while this process builds its model, and forks every inference process from itself.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers.models.llama.modeling_llama", "torch_p2p.weights"])
+    forkserver.ensure_running()
+
     torch.set_num_threads(1)
     model = build_model().to(device(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = engine_for(args, device(0))
     source = pw.WeightSource(engine, pw.whole(model.state_dict()))
     args.leader = source.address
-
-    # Every inference process needs torch and transformers, several seconds of CPU to import
-    # each: a fork server (a fresh process, none of this one's engine threads) imports them
-    # once and forks every inference process from itself.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers.models.llama.modeling_llama", "torch_p2p.weights"])
     procs, conns = {}, {}
 
     def start(name: str, i: int, rank_pipe=None) -> None:

@@ -1,5 +1,3 @@
-import os
-
 import pytest
 import torch
 
@@ -24,19 +22,13 @@ PEER_GPU = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 
 # The peer_timeout of tests whose peers die or fall silent: short, so that they end soon.
 PEER_TIMEOUT = 2.0
+MARGIN = 3.0  # seconds of slack on top of a bound (peer_timeout, a timeout) on a loaded machine
+
+# The providers whose RMA moves host memory itself (the cma route off).
+FABRIC_PROVIDERS = ["tcp", "shm"]
 
 # The route a host engine of each provider takes to a peer of the same provider on this host.
 ROUTES = {"tcp": "direct", "shm": "direct", "cma": "cma", "mapped": "cma"}
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
-
-
-def checkout_env(**extra: str) -> dict:
-    """This process's environment for a child that must import this checkout's torch_p2p (and
-    what it had on PYTHONPATH after it), plus `extra`."""
-    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, PYTHONPATH=path, **extra)
 
 
 def engine_kwargs(provider: str, **extra) -> dict:
@@ -85,6 +77,15 @@ def peer():
 
     with Peer() as b:
         yield b
+
+
+@pytest.fixture(scope="module")
+def peers():
+    """Three peer processes per test module."""
+    from peer import Peer
+
+    with Peer() as a, Peer() as b, Peer() as c:
+        yield [a, b, c]
 
 
 @pytest.fixture(scope="module", params=[(p, d) for p in sorted(PROVIDERS) for d in DATA_PATHS],

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from checkout import ROOT
+
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import _peer_library  # noqa: E402

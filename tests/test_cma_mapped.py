@@ -3,7 +3,7 @@ lives in a shared-memory file (torch's share_memory_()), the initiator maps that
 region and copies with memcpy instead of the kernel's cross-memory attach, under the same
 owner's answer (routes/host_cma/route.cpp). The "mapped" provider of conftest runs the suites
 that take every provider (test_transfers, test_views, test_api_errors) this way; a peer killed
-mid-copy: tests/test_failures.py.
+mid-copy: tests/test_dead_peers.py.
 
 The first mapping with a peer logs "the cma route maps the shared memory of peer" at info
 level, which tells the two copies apart. Calls of at most cma_inline_bytes to mapped regions
@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+import host_steps as hs
 import peer_helpers as ph
 import torch_p2p as p2p
 from conftest import engine_kwargs
@@ -35,7 +36,7 @@ def test_shared_memory_is_mapped(capfd, memory):
         b.call(ph.start_engine, "mapped" if memory.startswith("shared") else "cma")
         a.call(ph.start_engine, "cma")
         remote = b.call(ph.target, "t", ROWS * ROW)
-        assert a.call(ph.route_to, remote) == "cma"
+        assert a.call(hs.route_to, remote) == "cma"
         assert a.call(ph.round_trips, remote, 5, ROWS, ROW) == []
         assert torch.equal(b.call(ph.fetch, "t"), ph.after_round_trips(5, ROWS, ROW))
         second = b.call(ph.target, "u", ROWS * ROW)  # a second region of the same peer

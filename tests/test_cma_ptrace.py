@@ -13,6 +13,7 @@ import errno
 import pytest
 import torch
 
+import host_steps as hs
 import peer_helpers as ph
 from peer import Peer
 from torch_p2p import doctor
@@ -35,8 +36,8 @@ def _writes_private(owner: Peer, private: bytes, *initiators: Peer) -> None:
     then holds them."""
     for seed, x in enumerate(initiators, 3):
         x.call(ph.start_engine, "cma")
-        x.call(ph.local, "src", 1 << 20, seed)
-        x.call(ph.write, "src", private, 20)
+        x.call(hs.local, "src", 1 << 20, seed)
+        x.call(hs.write, "src", private, 20)
         assert owner.call(ph.checksum, "t") == x.call(ph.checksum, "src")
 
 
@@ -55,7 +56,7 @@ def test_shared_memory_needs_no_ptrace(capfd):
         remote = b.call(ph.target, "t", ROWS * ROW)
         assert a.call(ph.round_trips, remote, 5, ROWS, ROW) == []
         assert torch.equal(b.call(_fetch, "t"), ph.after_round_trips(5, ROWS, ROW))
-        assert a.call(ph.route_to, remote) == "cma"
+        assert a.call(hs.route_to, remote) == "cma"
     err = capfd.readouterr().err
     assert err.count(MAPS) == 1 and "is not allowed" not in err, err
 
@@ -69,7 +70,7 @@ def test_private_memory_to_two_peers():
         b.call(ph.start_engine, "cma")
         private = b.call(ph.target, "t", 1 << 20)
         _writes_private(b, private, a, c)
-        assert a.call(ph.route_to, private) == "cma" and c.call(ph.route_to, private) == "cma"
+        assert a.call(hs.route_to, private) == "cma" and c.call(hs.route_to, private) == "cma"
 
 
 @pytest.mark.timeout(180)
@@ -89,12 +90,12 @@ def test_yama_consent_goes_to_one_peer(capfd):
         private = b.call(ph.target, "t", 1 << 20)
         shared = b.call(_shared_target, "s", 1 << 20)
         _writes_private(b, private, a, c)
-        assert a.call(ph.route_to, private) == "cma"
+        assert a.call(hs.route_to, private) == "cma"
         assert a.call(ph.ptrace_errno, b.pid) == errno.EFAULT  # access: only the address is bad
-        assert c.call(ph.route_to, private) == "direct"
-        c.call(ph.write, "src", shared, 20)
+        assert c.call(hs.route_to, private) == "direct"
+        c.call(hs.write, "src", shared, 20)
         assert b.call(ph.checksum, "s") == c.call(ph.checksum, "src")
-        assert c.call(ph.route_to, shared) == "cma"
+        assert c.call(hs.route_to, shared) == "cma"
         assert d.call(ph.ptrace_errno, b.pid) == errno.EPERM
         assert c.call(ph.ptrace_errno, b.pid) == errno.EPERM
     err = capfd.readouterr().err

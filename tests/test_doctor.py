@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, checkout_env
+from checkout import ROOT, checkout_env
 from torch_p2p import doctor
 from topologies import FakeSysfs, efa, p4d, p5, p5en
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, checkout_env
+from checkout import ROOT, checkout_env
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import peer_helpers as ph
 import torch_p2p as p2p
 from torch_p2p import _C
+from checkout import free_port
 from conftest import SHM_2_CRASH, engine_kwargs
 from peer import Peer
 
@@ -432,7 +433,7 @@ def test_connect_survives_mutated_addresses(provider):
 def connect_fuzz(state, provider: str, n: int, seed: int, peer_timeout: float = 2.0) -> dict:
     """(In a child.) Gives `n` mutated addresses to connect(); returns what happened."""
     rng = random.Random(seed)
-    FREE_PORTS[:] = [1] + [ph.free_port() for _ in range(3)]
+    FREE_PORTS[:] = [1] + [free_port() for _ in range(3)]
     sync, results, futures, decoded = {}, {}, [], 0
     with p2p.Engine("cpu", **engine_kwargs(provider, peer_timeout=peer_timeout)) as e, \
             p2p.Engine("cpu", **engine_kwargs(provider)) as other:

@@ -1,12 +1,10 @@
-"""Pages (p2p.pages) on every provider, route choice, and the same-host CUDA IPC route
-(csrc/routes/cuda_ipc). The GPU tests run one process per GPU where there are two (both on cuda:0
-otherwise), with whatever libfabric is installed: the IPC route needs none of its CUDA support."""
-import contextlib
-import errno
+"""The same-host CUDA IPC route (csrc/routes/cuda_ipc): pages, views, calls in flight together,
+stream order, access checks, block reuse, a peer killed mid-transfer, two processes on one GPU.
+The tests run one process per GPU where there are two (both on cuda:0 otherwise), with whatever
+libfabric is installed: the IPC route needs none of its CUDA support. When CUDA fails it:
+tests/test_ipc_faults.py; route choice: tests/test_route_choice.py."""
 import os
-import shutil
 import signal
-import subprocess
 import time
 
 import pytest
@@ -16,206 +14,12 @@ import helpers
 import peer_helpers as ph
 import torch_p2p as p2p
 from torch_p2p import _C
-from conftest import PEER_GPU, ROUTES, engine_kwargs, shares_memory
+from conftest import PEER_GPU, engine_kwargs
+from ipc_targets import check_guards, check_landed, fetch_whole, gpu_random, guards_whole, make_cuda_target
 from peer import Peer
+
 cuda = pytest.mark.cuda
 
-
-# -- Host identity and route choice (no GPU needed) -------------------------------------------
-
-def test_address_names_the_host_and_process():
-    with p2p.Engine("cpu", **engine_kwargs("tcp")) as e:
-        a = _C._decode_address(e.address)
-        assert a["pid"] == os.getpid()
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
-        assert a["host"].decode().startswith(boot + "/")
-        assert a["routes"] & 1 == 0  # a host engine maps nothing (route 0 is the IPC route)
-
-
-def test_host_engines_take_the_fabric_or_cma(provider):
-    """Host memory never takes the IPC route: the fabric, or on one host the cma route where it
-    is on; data_path="staged" keeps the staged path."""
-    expected = ROUTES[provider]
-    with p2p.Engine("cpu", **engine_kwargs(provider)) as a, p2p.Engine("cpu", **engine_kwargs(provider)) as b:
-        t = torch.zeros(16)
-        if shares_memory(provider):
-            t.share_memory_()
-        region = b.register(t)
-        assert a.route(b.address) == expected
-        assert a.route(region.remote) == expected
-        with p2p.Engine("cpu", **engine_kwargs(provider, data_path="staged")) as c:
-            assert c.route(b.address) == "staged"
-        with pytest.raises(ValueError, match="invalid engine address"):
-            a.route(b"x" * 40)
-        with pytest.raises(TypeError):
-            a.route(7)
-
-
-def test_cma_copies_past_the_kernels_limit_per_call():
-    """The kernel moves at most about 2 GiB per process_vm_writev / readv and returns a short
-    count past that: the cma route's copy goes on where a call stopped. Five spans of the same
-    512 MiB (2.5 GiB in all, into this process) move every byte; a span that runs past the end
-    of a mapping is a fault, not a hang."""
-    src = torch.arange(1 << 27, dtype=torch.int32)  # 512 MiB
-    dst = torch.zeros_like(src)
-    nbytes = src.numel() * 4
-    spans = [(src.data_ptr(), dst.data_ptr(), nbytes)] * 5
-    assert _C._cma_copy(os.getpid(), spans, True) == 0
-    assert torch.equal(dst, src)
-    dst.zero_()
-    assert _C._cma_copy(os.getpid(), [(dst.data_ptr(), src.data_ptr(), 0)] + spans, False) == 0
-    assert torch.equal(dst, src)
-    small = torch.zeros(1024, dtype=torch.uint8)
-    assert _C._cma_copy(os.getpid(), [(small.data_ptr(), 4096, 1024)], True) == errno.EFAULT
-
-
-def test_ipc_setting_is_checked(monkeypatch):
-    monkeypatch.setenv("TORCH_P2P_IPC", "yes")
-    with pytest.raises(ValueError, match="TORCH_P2P_IPC must be 0 or 1"):
-        p2p.Engine("cpu", **engine_kwargs("tcp"))
-
-
-# -- Pages on the fabric (CPU CI) --------------------------------------------------------------
-
-def test_random_pages_both_sides(link):
-    """Random block tables on both sides, write and read; pages not named keep their poison."""
-    pages, page = 64, (4, 33)  # odd sizes: runs that are no multiple of 16 bytes
-    name, remote = link.remote((pages, *page))
-    src = helpers.random_tensor((pages, *page), torch.float32, 1)
-    link.engine.register(src)
-    g = torch.Generator().manual_seed(2)
-
-    def table(run: range) -> torch.Tensor:  # 40 distinct ids, with `run` at positions 5 to 8
-        rest = [i for i in torch.randperm(pages, generator=g).tolist() if i not in run]
-        return torch.tensor(rest[:5] + list(run) + rest[5:36])
-
-    sids, dids = table(range(3, 7)), table(range(20, 24))  # the runs merge on both sides
-    p2p.wait(link.engine.write_slices(p2p.pages(src, sids), p2p.pages(remote, dids)), 60)
-    expected = helpers.poisoned((pages, *page), torch.float32)
-    expected[dids] = src[sids]
-    helpers.assert_same_bits(link.fetch(name), expected)
-
-    back = helpers.poisoned((pages, *page), torch.float32)
-    link.engine.register(back)
-    p2p.wait(link.engine.read_slices([p2p.pages(back, sids)], [p2p.pages(remote, dids)]), 60)
-    want = helpers.poisoned((pages, *page), torch.float32)
-    want[sids] = src[sids]
-    helpers.assert_same_bits(back, want)
-
-
-def test_pages_of_strided_views_and_other_dims(link):
-    """Pages along dim 1 of a [2, blocks, block] K/V layout, of a strided view; mixed with a
-    plain view in one call."""
-    name, remote = link.remote((2, 16, 8, 6))
-    src = helpers.random_tensor((2, 16, 8, 12), torch.float32, 3)[..., ::2]  # non-contiguous pages
-    link.engine.register(src)
-    ids_s, ids_d = [7, 1, 12], [0, 15, 4]
-    extra = helpers.random_tensor((6,), torch.float32, 4)
-    link.engine.register(extra)
-    p2p.wait(link.engine.write_slices([p2p.pages(src, ids_s, dim=1), extra], [p2p.pages(remote, ids_d, dim=1),
-                                                                               remote[1, 2, 3]]), 60)
-    expected = helpers.poisoned((2, 16, 8, 6), torch.float32)
-    expected[:, ids_d] = src[:, ids_s]
-    expected[1, 2, 3] = extra
-    helpers.assert_same_bits(link.fetch(name), expected)
-
-
-def test_bad_pages_raise_before_anything_moves(link):
-    name, remote = link.remote((8, 16))
-    src = helpers.random_tensor((8, 16), torch.float32, 5)
-    link.engine.register(src)
-    e = link.engine
-    cases = [
-        (IndexError, "local page 8 of 8", lambda: e.write_slices(p2p.pages(src, [0, 8]), p2p.pages(remote, [0, 1]))),
-        (IndexError, "remote page -1", lambda: e.write_slices(p2p.pages(src, [0]), p2p.pages(remote, [-1]))),
-        (ValueError, "named twice", lambda: e.write_slices(p2p.pages(src, [0, 1]), p2p.pages(remote, [3, 3]))),
-        # The same ids again in a smaller tensor: a repeated entry is checked against its own bounds.
-        (IndexError, "source view 1: page 1 pairs local page 1 of 8 with remote page 4 of 4",
-         lambda: e.write_slices([p2p.pages(src, [0, 1]), p2p.pages(src, [0, 1])],
-                                [p2p.pages(remote, [3, 4]), p2p.pages(remote[:4], [3, 4])])),
-        (ValueError, "has 2 pages but its RemoteTensor has 1",
-         lambda: e.write_slices(p2p.pages(src, [0, 1]), p2p.pages(remote, [3]))),
-        (ValueError, "pages pair with pages", lambda: e.write_slices(p2p.pages(src, [0]), [remote[0]])),
-        (ValueError, "pages pair with pages", lambda: e.write_slices(p2p.pages(src, [0]), remote)),
-        (ValueError, "a page has shape", lambda: e.write_slices(p2p.pages(src, [0]), p2p.pages(remote[:, :8], [0]))),
-        (ValueError, "one-dimensional", lambda: p2p.pages(src, [[0, 1]])),
-        (IndexError, "out of range", lambda: p2p.pages(src, [0], dim=2)),
-        (TypeError, r"pages\(\) takes a tensor", lambda: p2p.pages([1, 2], [0])),
-    ]
-    for kind, text, call in cases:
-        with pytest.raises(kind, match=text):
-            call()
-    # A read may name a source page twice (it is the destination that must not repeat).
-    back = torch.zeros(2, 16)
-    e.register(back)
-    p2p.wait(e.read_slices(p2p.pages(back, [0, 1]), p2p.pages(remote, [2, 2])), 60)
-    assert (link.fetch(name) == link.fetch(name)[0, 0]).all()  # untouched by the bad calls
-    helpers.assert_same_bits(back, torch.stack([link.fetch(name)[2]] * 2))
-
-
-def test_page_ids_of_a_huge_tensor_are_checked_without_a_huge_table(link):
-    """A few pages of a tensor of millions: repeated destinations are found by sorting (no
-    table of a byte per page), the same way for the engine and for KV block tables."""
-    count = 3 << 20
-    name, remote = link.remote((count,), torch.uint8)
-    src = torch.arange(1, 5, dtype=torch.uint8)
-    link.engine.register(src)
-    with pytest.raises(ValueError, match="destination page 5 is named twice"):
-        link.engine.write_slices(p2p.pages(src, [0, 1, 2]), p2p.pages(remote, [5, 2 << 20, 5]))
-    p2p.wait(link.engine.write_slices(p2p.pages(src, [0, 1, 2]), p2p.pages(remote, [5, 2 << 20, 7])), 60)
-    got = link.fetch(name)
-    assert got[[5, 2 << 20, 7]].tolist() == [1, 2, 3]
-    assert int((got != helpers.POISON).sum()) == 3
-    assert _C.checked_ids([5, 2 << 20, 5], count, True) is None
-    assert _C.checked_ids([5, 2 << 20, 5], count, False).tolist() == [5, 2 << 20, 5]
-    assert _C.checked_ids((5, 2 << 20, 7), count, True).tolist() == [5, 2 << 20, 7]
-    assert _C.checked_ids([1, 1], 8, True) is None  # the table's way
-    assert _C.checked_ids([0, count], count, False) is None
-
-
-def test_prepared_calls_run_again_and_again(link):
-    """prepare_write / prepare_read check and decompose a call once. Each run moves what the
-    views hold at that moment (many may be in flight), ids changed after prepare change
-    nothing, bad calls fail at prepare as the call itself would, and a run after a local region
-    of it was deregistered fails with ClosedError."""
-    pages, page = 32, (4, 9)
-    name, remote = link.remote((pages, *page))
-    src = helpers.random_tensor((pages, *page), torch.float32, 1)
-    region = link.engine.register(src)
-    e, g = link.engine, torch.Generator().manual_seed(4)
-    sids, dids = torch.randperm(pages, generator=g)[:12], torch.randperm(pages, generator=g)[:12]
-    free = next(i for i in range(pages) if i not in dids.tolist())  # a plain view's destination row
-    call = e.prepare_write([p2p.pages(src, sids), src[0, 1]], [p2p.pages(remote, dids), remote[free, 2]])
-    kept = sids.clone()
-    sids.zero_()  # the ids were copied at prepare
-    for seed in (2, 3):
-        src.copy_(helpers.random_tensor(src.shape, torch.float32, seed))
-        for fut in [call.run() for _ in range(20)]:
-            p2p.wait(fut, 60)
-        expected = helpers.poisoned((pages, *page), torch.float32)
-        expected[dids] = src[kept]
-        expected[free, 2] = src[0, 1]
-        helpers.assert_same_bits(link.fetch(name), expected)
-
-    back = helpers.poisoned((pages, *page), torch.float32)
-    link.engine.register(back)
-    read = e.prepare_read(p2p.pages(back, kept), p2p.pages(remote, dids))
-    p2p.wait(read.run(), 60)
-    want = helpers.poisoned((pages, *page), torch.float32)
-    want[kept] = src[kept]
-    helpers.assert_same_bits(back, want)
-
-    with pytest.raises(IndexError, match="local page 99 of 32"):
-        e.prepare_write(p2p.pages(src, [99]), p2p.pages(remote, [0]))
-    with pytest.raises(ValueError, match="notify must be a 32-bit"):
-        e.prepare_write(src, remote, notify=-3)
-    region.close()
-    with pytest.raises(p2p.ClosedError, match="of this prepared call is deregistered"):
-        call.run()
-    p2p.wait(read.run(), 60)  # its regions are still there
-
-
-# -- The IPC route (GPU machine) -----------------------------------------------------------------
 
 @pytest.fixture
 def ipc_pair():
@@ -226,48 +30,12 @@ def ipc_pair():
         yield a, b, address
 
 
-def make_cuda_target(state, name: str, shape, dtype=torch.uint8, access: str = "rw") -> bytes:
-    """A poisoned CUDA tensor registered under `name`, with 4 KiB of guard bytes on each side
-    (unregistered, in the same allocation); returns the handle of the middle."""
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    whole = torch.full((n + 8192,), helpers.POISON, dtype=torch.uint8, device=PEER_GPU)
-    state[name + ".whole"] = whole
-    t = whole[4096:4096 + n].view(dtype).view(shape)
-    state[name] = t
-    state[f"{name}.region"] = state["engine"].register(t, access=access)
-    return state[f"{name}.region"].remote.to_bytes()
-
-
-def fetch_whole(state, name: str) -> torch.Tensor:
-    return state[name + ".whole"].cpu()
-
-
-def gpu_random(shape, dtype, seed):
-    return helpers.random_tensor(shape, dtype, seed).to("cuda:0")
-
-
 def source_and_target(a, b, n: int, seed: int):
     """(b's n-byte target "t", a registered random source of n bytes here, its bytes on the host)."""
     remote = p2p.RemoteTensor.from_bytes(b.call(make_cuda_target, "t", (n,)))
     src = gpu_random((n,), torch.uint8, seed)
     a.register(src)
     return remote, src, src.cpu()
-
-
-def guards_whole(whole: torch.Tensor) -> bool:
-    return bool((whole[:4096] == helpers.POISON).all() and (whole[-4096:] == helpers.POISON).all())
-
-
-def check_guards(whole: torch.Tensor):
-    assert guards_whole(whole), "guard bytes hit"
-
-
-def check_landed(b, want: torch.Tensor, name: str = "t"):
-    """Peer b's target `name` (make_cuda_target) holds exactly the bytes of `want` (uint8, in
-    its shape), its guard bytes untouched."""
-    whole = b.call(fetch_whole, name)
-    check_guards(whole)
-    assert torch.equal(whole[4096:-4096].view(want.shape), want)
 
 
 @cuda
@@ -655,155 +423,6 @@ def test_ipc_peer_killed_mid_transfer():
         assert torch.equal(c.call(fetch_whole, "t")[4096:-4096], src[: 1 << 20].cpu())
 
 
-@pytest.fixture(scope="module")
-def cuda_faults(tmp_path_factory) -> str:
-    """cuda_faults.c built as a library to preload: cudaHostAlloc fails while
-    P2P_TEST_FAIL_HOST_ALLOC is set, cudaEventRecord off the default stream while
-    P2P_TEST_FAIL_EVENT_RECORD is."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build cuda_faults.c")
-    so = tmp_path_factory.mktemp("preload") / "cuda_faults.so"
-    source = os.path.join(os.path.dirname(__file__), "cuda_faults.c")
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(so), source, "-ldl"], check=True)
-    return str(so)
-
-
-def route_to(state, address: bytes) -> str:
-    return state["engine"].route(address)
-
-
-@contextlib.contextmanager
-def faulty_initiator(cuda_faults: str, pages: int):
-    """Peer b with a poisoned target "t" of `pages` 4 KiB pages, and peer c, with cuda_faults
-    preloaded, whose engine reaches it by IPC: yields (b, c, the target's handle)."""
-    with Peer() as b, Peer(env={"LD_PRELOAD": cuda_faults}) as c:
-        address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
-        remote = b.call(make_cuda_target, "t", (pages, 4096))
-        c.call(helpers.start_engine, "tcp", device="cuda:0")
-        assert c.call(route_to, address) == "ipc"
-        yield b, c, remote
-
-
-def registered_source(state, remote_bytes: bytes, pages: int, seed: int):
-    """In faulty_initiator's peer c: its engine, the target, and a registered random source of
-    `pages` 4 KiB pages (kept in the peer's state)."""
-    e = state["engine"]
-    src = gpu_random((pages, 4096), torch.uint8, seed)
-    state["src"] = src
-    e.register(src)
-    return e, p2p.RemoteTensor.from_bytes(remote_bytes), src
-
-
-def error_of(call) -> str | None:
-    """None if call() raises nothing, else the exception as "Type: message"."""
-    try:
-        call()
-    except Exception as ex:  # noqa: BLE001 - reported to the test
-        return f"{type(ex).__name__}: {ex}"
-    return None
-
-
-def write_with_and_without_pinned_memory(state, remote_bytes: bytes, pages: int):
-    """Runs in faulty_initiator's peer c: a contiguous and a paged write of 4 KiB pages while no
-    pinned memory can be had (the first descriptor blocks are taken then), and again after.
-    Returns (name, failing, error or None, seconds) per write, and the source."""
-    e, remote, src = registered_source(state, remote_bytes, pages, 11)
-    ids = torch.randperm(pages, generator=torch.Generator().manual_seed(3))
-    calls = {"contiguous": lambda: e.write_slices([src[:256]], [remote[:256]]),
-             "paged": lambda: e.write_slices(p2p.pages(src, ids), p2p.pages(remote, ids))}
-    out = []
-    for failing in (True, False):
-        os.environ["P2P_TEST_FAIL_HOST_ALLOC"] = "1" if failing else ""
-        for name, call in calls.items():
-            start = time.monotonic()
-            error = error_of(lambda: p2p.wait(call(), 30))
-            out.append((name, failing, error, time.monotonic() - start))
-    return out, src.cpu()
-
-
-@cuda
-def test_ipc_no_pinned_memory_fails_the_batch_at_once(cuda_faults):
-    """A copy whose descriptors find no pinned memory fails its future at once (not at the
-    transfer timeout), and the route works again once memory can be had."""
-    pages = 8192  # their packed ids (64 KiB) need a pinned block of their own
-    with faulty_initiator(cuda_faults, pages) as (b, c, remote):
-        outcomes, src = c.call(write_with_and_without_pinned_memory, remote, pages)
-        for name, failing, error, seconds in outcomes:
-            if failing:
-                assert error and "allocating pinned memory" in error, (name, error)
-                assert seconds < 10, f"{name}: failed after {seconds:.1f} s"
-            else:
-                assert error is None, (name, error)
-        check_landed(b, src)
-
-
-def write_behind_a_sleep_without_events(state, remote_bytes: bytes, pages: int):
-    """Runs in faulty_initiator's peer c: a contiguous write large enough for the copy engines
-    (so its batch ends with an event, not the kernel's flag), queued behind a second of sleep
-    on the caller's stream while no event can be recorded on the IPC stream. Returns (error or
-    None, whether the sleep was over when the future completed, seconds), for it and for the
-    same write once events work, and the source."""
-    e, remote, src = registered_source(state, remote_bytes, pages, 12)
-    out = []
-    for failing in (True, False):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock
-        slept = torch.cuda.Event()
-        slept.record()
-        os.environ["P2P_TEST_FAIL_EVENT_RECORD"] = "1" if failing else ""
-        start = time.monotonic()
-        error = error_of(lambda: p2p.wait(e.write_slices([src], [remote]), 30))
-        out.append((error, slept.query(), time.monotonic() - start))
-        os.environ["P2P_TEST_FAIL_EVENT_RECORD"] = ""
-    return out, src.cpu()
-
-
-@cuda
-def test_ipc_batch_without_its_event_completes_after_its_copy(cuda_faults):
-    """A batch whose closing event cannot be recorded completes when its copy has (the stream
-    says so), not at once: an event never recorded reads as done."""
-    pages = 8192  # 32 MiB, above the copy engines' threshold (16 MiB)
-    with faulty_initiator(cuda_faults, pages) as (b, c, remote):
-        outcomes, src = c.call(write_behind_a_sleep_without_events, remote, pages)
-        for failing, (error, after_sleep, seconds) in zip((True, False), outcomes):
-            assert after_sleep, f"completed after {seconds:.3f} s, before the copy it waited for ({failing=}, {error=})"
-            assert error is None, (failing, error)
-        check_landed(b, src)
-
-
-def write_from_a_busy_side_stream(state, remote_bytes: bytes, pages: int):
-    """Runs in faulty_initiator's peer c: a write from a busy side stream whose event cannot be
-    recorded, then a torch kernel on that stream, then the write again with events working.
-    Returns (the write's error, the kernel's error or None), and the source."""
-    e, remote, src = registered_source(state, remote_bytes, pages, 13)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)  # busy: the call must record an event on `side`
-        os.environ["P2P_TEST_FAIL_EVENT_RECORD"] = "1"
-        error = error_of(lambda: e.write_slices([src], [remote]))
-        os.environ["P2P_TEST_FAIL_EVENT_RECORD"] = ""
-
-        def torch_kernel():
-            torch.cuda._sleep(1)  # torch's launch check reads CUDA's last error
-            torch.cuda.synchronize()
-
-        later = error_of(torch_kernel)
-        p2p.wait(e.write_slices([src], [remote]), 30)
-    return error, later, src.cpu()
-
-
-@cuda
-def test_ipc_failed_stream_event_raises_and_leaves_no_cuda_error(cuda_faults):
-    """A call whose stream event cannot be recorded raises, and leaves CUDA's last error clear
-    (else the caller's next torch kernel would fail with it); the engine goes on working."""
-    with faulty_initiator(cuda_faults, 256) as (b, c, remote):
-        error, later, src = c.call(write_from_a_busy_side_stream, remote, 256)
-        assert error and "cudaEventRecord" in error, error
-        assert later is None, later
-        check_landed(b, src)
-
-
 def engine_cpu(state):
     return state["engine"].plan.cpu
 
@@ -822,13 +441,3 @@ def test_ipc_same_gpu_two_processes():
         got = b.call(helpers.fetch, "t")
         assert torch.equal(helpers.bits(got[1::2]), helpers.bits(src[::2].cpu()))
         assert (got[::2] == -1.0).all()
-
-
-@cuda
-def test_ipc_off_takes_the_fabric():
-    with Peer() as b, p2p.Engine("cuda:0", **engine_kwargs("tcp", ipc=False)) as a:
-        address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
-        assert a.route(address) == "staged"
-    with Peer(env={"TORCH_P2P_IPC": "0"}) as b, p2p.Engine("cuda:0", **engine_kwargs("tcp")) as a:
-        address = b.call(helpers.start_engine, "tcp", device=PEER_GPU)
-        assert a.route(address) == "staged"  # the peer maps nothing, so exports nothing either

@@ -13,6 +13,7 @@ import torch
 import peer_helpers as ph
 import torch_p2p as p2p
 from torch_p2p import _C
+from checkout import free_port
 from conftest import SHM_1, SHM_2_CRASH_REASON, engine_kwargs
 from peer import Peer
 
@@ -228,7 +229,7 @@ def test_restart_on_same_address_is_a_new_incarnation():
     """tcp only (shm addresses name a process). b1 listens on a fixed port and dies; b2 starts
     on the same port. Handles of b2 work; handles of b1 then fail with PeerError naming the
     restart; a third peer keeps transferring to us throughout, its data verified."""
-    port = ph.free_port()
+    port = free_port()
     with p2p.Engine("cpu", **engine_kwargs("tcp", peer_timeout=3)) as a, \
             Peer() as b1, Peer() as b2, Peer() as c:
         mine = torch.zeros(1 << 20, dtype=torch.uint8)
@@ -270,7 +271,7 @@ def test_restart_old_handle_used_first():
     who is there before reporting, so the error names the restart, and the new incarnation's
     first transfer is not caught in the teardown (it was, about 1 run in 6, before HELLOs lost
     to it were sent again)."""
-    port = ph.free_port()
+    port = free_port()
     with p2p.Engine("cpu", **engine_kwargs("tcp", peer_timeout=3)) as a, Peer() as b1, Peer() as b2:
         b1.call(ph.start_engine, "tcp", **_restartable(port))
         old = p2p.RemoteTensor.from_bytes(b1.call(ph.target, "t", 4096))
@@ -291,7 +292,7 @@ def test_restart_message_to_old_incarnation_fails():
     """The new process drops a message meant for its predecessor; the send's future waits for
     the receiver's answer, so it fails naming the restart instead of reporting a message sent
     that nobody got."""
-    port = ph.free_port()
+    port = free_port()
     with p2p.Engine("cpu", **engine_kwargs("tcp", peer_timeout=3)) as a, Peer() as b1, Peer() as b2:
         old_address = b1.call(ph.start_engine, "tcp", **_restartable(port))
         p2p.wait(a.connect(old_address), 10)
@@ -308,7 +309,7 @@ def test_restart_message_to_old_incarnation_fails():
 SHM_KILL = ("BUG (shm provider, libfabric 1.17): after a peer is killed with one of our operations to it "
             "in flight, our shm endpoint is wedged (later operations to other peers never complete, so "
             "they are declared dead) or our worker spins forever on the dead peer's region lock; see "
-            "test_failures.py")
+            "test_dead_peers.py")
 
 
 @pytest.mark.timeout(240)

@@ -18,6 +18,7 @@ import torch
 import peer_helpers as ph
 import torch_p2p as p2p
 from torch_p2p import _C
+from checkout import free_port
 from conftest import PEER_TIMEOUT, SHM_1, engine_kwargs
 from peer import Peer
 
@@ -305,7 +306,7 @@ def test_forged_address_of_a_known_incarnation_does_not_hijack_the_peer(provider
         fields = _C._decode_address(address)
         if engine_kwargs(provider)["provider"] == "tcp":
             rail = bytearray(fields["rails"][0])
-            rail[2:4] = ph.free_port().to_bytes(2, "big")  # loopback, nobody listens
+            rail[2:4] = free_port().to_bytes(2, "big")  # loopback, nobody listens
             fields["rails"] = [bytes(rail)]
         else:
             fields["rails"] = [b"fi_shm://999999999:0:0\x00"]

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import checkout_env
+from checkout import checkout_env
 
 
 def run(code: str) -> subprocess.CompletedProcess:

@@ -6,11 +6,12 @@ run on any machine.
 Two shapes of the hop: the initiator's slots into a directly registered region of the owner
 (RmaRuns: only the initiator staged), and the owner's slot to the requester's (RmaSlot: the
 owner staged). The first copy with a peer logs "the cma route reaches peer" at info level,
-which tells the two hops apart. Peer deaths mid-transfer: tests/test_failures.py.
+which tells the two hops apart. Peer deaths mid-transfer: tests/test_dead_peers.py.
 """
 import pytest
 import torch
 
+import host_steps as hs
 import peer_helpers as ph
 import torch_p2p as p2p
 from conftest import STAGED, engine_kwargs
@@ -37,7 +38,7 @@ def test_bytes_right_over_either_hop(capfd, hop, owner):
         b.call(_start, hop, owner == "staged")
         a.call(_start, hop, True)
         remote = b.call(ph.target, "t", ROWS * ROW)
-        assert a.call(ph.route_to, remote) == "staged"
+        assert a.call(hs.route_to, remote) == "staged"
         assert a.call(ph.round_trips, remote, 7, ROWS, ROW) == []
         assert torch.equal(b.call(ph.fetch, "t"), ph.after_round_trips(7, ROWS, ROW))
     said = capfd.readouterr().err.count(REACHES)

@@ -270,7 +270,7 @@ def test_settings(monkeypatch):
 
 def test_side_channel_refused():
     with pytest.raises(OSError):
-        from peer_helpers import free_port
+        from checkout import free_port
         fetch("127.0.0.1", free_port(), timeout=2)
 
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import time
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))
+from checkout import pythonpath  # noqa: E402  (tests/checkout.py: what every suite shares)
 
 
 def _installed(name: str) -> bool:
@@ -25,7 +27,7 @@ def worker_env(**extra: str) -> dict:
     """The environment of the cluster's workers: they import this checkout's torch_p2p and the
     modules next to this file (the actor classes the tests use). An actor given a runtime_env
     of its own takes this one plus `extra`."""
-    path = os.pathsep.join([ROOT, HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    path = pythonpath(HERE, os.environ.get("PYTHONPATH", ""))
     return {"env_vars": dict(PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)}
 
 

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="tests_sglang needs SGLang (see .ci/run)")
 
-from harness import Rank, free_port  # noqa: E402,F401  (tests import free_port from here)
+from harness import Rank  # noqa: E402  (and tests/ on sys.path, for checkout.py)
 
 
 @pytest.fixture

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 
 HERE = os.path.dirname(__file__)
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(HERE)), "tests"))
+from checkout import checkout_env, free_port  # noqa: E402,F401  (tests/checkout.py; benchmarks/sglang.py takes free_port here)
+
 # SGLang's timeouts, short enough for a test: heartbeats every 2 s (its minimum), a prefill
 # missing 2 of them is dead; a room waits 20 s at most for its KV.
 ENV = dict(SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="2", SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="2",
@@ -24,8 +26,8 @@ class Rank:
         argv += [] if role is None else [role, "--port", str(port)]
         for k, v in opts.items():
             argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
-        env = dict(os.environ, **ENV, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=checkout_env(**ENV))
         try:
             ready = self._line(300).get("ready")  # SGLang imports for a minute on a busy box
         except BaseException:
@@ -56,8 +58,3 @@ class Rank:
             self.proc.kill()
         self.proc.wait(timeout=30)
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

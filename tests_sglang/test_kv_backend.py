@@ -8,7 +8,8 @@ import os
 import signal
 import time
 
-from conftest import device, free_port
+from checkout import free_port
+from conftest import device
 
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
 SRC, DST = [3, 4, 5, 9, 17, 40], [60, 2, 11, 12, 13, 30]  # pages: runs and gaps on both sides

@@ -9,8 +9,9 @@ import subprocess
 import sys
 import tomllib
 
+from checkout import ROOT, checkout_env  # tests/ is on sys.path (conftest, harness.py)
+
 HERE = os.path.dirname(__file__)
-ROOT = os.path.dirname(HERE)
 
 SCRIPT = """
 import sys; sys.path.insert(0, %r)
@@ -44,8 +45,7 @@ def test_entry_point_is_declared():
 
 
 def test_backend_reaches_sglang():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", SCRIPT % HERE], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", SCRIPT % HERE], env=checkout_env(), capture_output=True,
                          text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] in ("declared", "registered")

@@ -28,6 +28,8 @@ if not _vllm_installed():
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)  # the checkout
 sys.path.insert(0, ROOT)  # the tests import this checkout's torch_p2p, as the instances do
+sys.path.append(os.path.join(ROOT, "tests"))
+from checkout import checkout_env  # noqa: E402  (tests/checkout.py: what every suite shares)
 START_TIMEOUT = 400
 
 
@@ -38,9 +40,8 @@ class Instance:
     shutdown); `log` holds every line it printed."""
 
     def __init__(self, model: str, env: dict | None = None, **llm_kwargs):
-        env = dict(os.environ, **(env or {}))
         # Spawned engine processes import this checkout's torch_p2p (and its entry point).
-        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        env = checkout_env(**(env or {}))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -23,10 +23,10 @@ import pytest
 pytest.importorskip("vllm.distributed.weight_transfer.base")
 
 from tiny_model import make_tiny_llama, prompt  # noqa: E402
+from checkout import checkout_env  # noqa: E402
 from vllm_server import START_TIMEOUT, Server  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHECKOUT = os.path.dirname(HERE)
 PROMPTS = [prompt(5), prompt(23, offset=3), prompt(60, offset=11)]
 MAX_TOKENS = 16
 # The trainer-side engine's peer_timeout: how long a destination closed before its engine
@@ -156,9 +156,8 @@ def test_a_trainer_killed_inside_an_update(point, servers, weight_sets):
     served, expected = servers
     old = served.state
     new, after = (s for s in (0, 1, 2) if s != old)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [CHECKOUT, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "trainer_process.py"), served.server.url,
-                           weight_sets[new], point], env=env, capture_output=True, text=True, timeout=300)
+                           weight_sets[new], point], env=checkout_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     served.server.resume()  # the dead trainer had paused it
     assert served.server.generate(PROMPTS, MAX_TOKENS) == expected[new if point == "update" else old]

@@ -7,22 +7,17 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import requests
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from checkout import checkout_env, free_port  # noqa: E402  (tests/checkout.py: what every suite shares)
+
 # Two servers starting together take about 40 s on 2 idle cores; minutes on busy ones.
 START_TIMEOUT = 480.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -40,9 +35,8 @@ class Server:
                 "--max-model-len", "512", "--block-size", "32", "--max-num-seqs", "8"]
         if weight_backend is not None:
             args += ["--weight-transfer-config", json.dumps({"backend": weight_backend})]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-                   VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   OMP_NUM_THREADS="1")
+        env = checkout_env(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                           OMP_NUM_THREADS="1")
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
