@@ -399,7 +399,7 @@ def test_error_text_that_is_not_utf8_does_not_kill_the_dispatcher():
     """An address whose provider field is not UTF-8 makes connect() fail with ValueError (the
     message names the provider), and the engine keeps completing futures afterwards. It used
     to raise UnicodeDecodeError in the dispatcher thread, which died with the batch it held:
-    no future of the engine completed again. Fixed in csrc/bindings.cpp."""
+    no future of the engine completed again. Fixed in csrc/bindings/objects.cpp (text(): messages decoded leniently)."""
     with p2p.Engine("cpu", **engine_kwargs("shm")) as a, p2p.Engine("cpu", **engine_kwargs("shm")) as other:
         forged = _C._decode_address(other.address)
         forged.update(provider=b"\xff\xfe provider", incarnation=12345)
