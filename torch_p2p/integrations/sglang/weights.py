@@ -49,41 +49,27 @@ def command(op: str, **fields) -> list[tuple[str, torch.Tensor]]:
 
 
 class _Receiver:
-    """One worker's destination: its engine, buffers and the version last loaded."""
+    """One worker's destination (torch_p2p.weights.ReceiveBuffers, as vLLM's backend has)."""
 
-    def __init__(self, model, leader: str, names: list, dtype_names: list, shapes: list, timeout: float = 60.0,
-                 provider: str | None = None):
+    def __init__(self, model, leader: str, layout: list, timeout: float = 60.0, provider: str | None = None):
         """The fields of WeightTrainer.init_info."""
         param = next(model.parameters())
         # Floating tensors arrive in the model's dtype: the source converts on the way.
-        dtypes = [getattr(torch, d) for d in dtype_names]
-        self.buffers = {name: torch.empty(shape, dtype=param.dtype if dtype.is_floating_point else dtype,
-                                          device=param.device)
-                        for name, dtype, shape in zip(names, dtypes, shapes)}
-        self.engine = torch_p2p.Engine(str(param.device), provider=provider)
-        self.dest = pw.WeightDestination(self.engine, pw.whole(self.buffers), bytes.fromhex(leader),
-                                         name=f"sglang-{os.getpid()}")
-        self.loaded_version: int | None = None
+        self.receiving = pw.ReceiveBuffers(pw.Layout.from_json(layout), bytes.fromhex(leader), device=param.device,
+                                           provider=provider, name=f"sglang-{os.getpid()}", floating_dtype=param.dtype)
         try:
-            torch_p2p.wait(self.dest.join(), timeout)
+            torch_p2p.wait(self.receiving.join(), timeout)
         except BaseException:
             self.close()
             raise
 
     def load(self, model, version: int, timeout: float = 120.0) -> None:
         # Until every byte of the version is here the model is not touched.
-        wanted, version = version, torch_p2p.wait(self.dest.wait_for(version), timeout)
-        arriving, _, _ = self.dest.progress
-        if version != wanted or arriving != version:
-            raise RuntimeError(f"asked to load weights version {wanted}, but the receive buffers hold "
-                               f"version {version} and version {arriving} is arriving")
-        model.load_weights(list(self.buffers.items()))
-        self.loaded_version = version
+        self.receiving.version_ready(version, timeout)
+        model.load_weights(list(self.receiving.buffers.items()))
 
     def close(self) -> None:
-        # The engine first, as vLLM's backend does (weight_transfer.py says why).
-        self.engine.close()
-        self.dest.close(timeout=0)
+        self.receiving.close()
 
 
 _receiver: _Receiver | None = None
