@@ -144,8 +144,8 @@ def failed_calls(provider: str | None, env: dict[str, str]) -> str | None:
         return "not stopped: FI_AV_REMOVE_CLEANUP is off, so a dead peer's connections stay"
     how = FAILED_CALLS.get(provider.split(";")[0])
     if provider.startswith("tcp") and _C.libfabric_version() < (1, 18):
-        how += (f"; except while reads to the peer are posted: libfabric {'.'.join(map(str, _C.libfabric_version()))}'s "
-                "tcp cannot close such a connection (fixed in 1.18), so they are given up as on shm")
+        how += (f"; libfabric {'.'.join(map(str, _C.libfabric_version()))}'s tcp may crash cutting a connection with a "
+                "read response half received (fixed in 1.18)")
     return how
 
 

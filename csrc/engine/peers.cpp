@@ -315,7 +315,7 @@ void Peers::cut(Peer& p) {
     // its connection is not p's to cut, and p's process is gone.
     bool shared = false;
     for (auto& [inc, q] : peers_) shared |= q.get() != &p && !q->failed() && names(*q, rail, old);
-    if (shared || !can_cut(p, rail)) continue;
+    if (shared) continue;
     const fi_addr_t fresh = rails_->rail(rail).cut(old);
     if (fresh == old) continue;
     for (auto& [inc, q] : peers_) {
@@ -324,22 +324,6 @@ void Peers::cut(Peer& p) {
         if (q->fi[k] == old) q->fi[k] = fresh;
     }
   }
-}
-
-// Where the provider cannot cut a connection with a read in flight (Rail::cuts_reads), p's
-// connections on that rail stay: what is posted on them is orphaned after the drain margin
-// (Worker::drain_peer), its bytes may still move, and the failure says so.
-bool Peers::can_cut(Peer& p, size_t rail) {
-  if (rails_->rail(rail).cuts_reads()) return true;
-  size_t reads = 0;
-  rails_->pool().for_each_in_use([&](const Op& op) {
-    reads += op.posted && !op.orphaned && op.kind == OpKind::Read && op.peer == &p && op.rail == rail;
-  });
-  if (reads == 0) return true;
-  P2P_LOG(Warn, "peer ", hex(p.incarnation), "'s connections on ", rails_->rail(rail).domain_name(),
-          " stay open: libfabric ", FI_MAJOR(fi_version()), ".", FI_MINOR(fi_version()),
-          "'s tcp provider cannot close one with ", reads, " RMA reads in flight (it frees a read twice; fixed in 1.18)");
-  return false;
 }
 
 void Peers::drained(Peer& p) {

@@ -63,8 +63,7 @@ class Peers {
   void fail(Peer& p, Status why, PeerState state = PeerState::Dead);
   // Tears down the connections to p on every rail (Rail::cut): the provider flushes what is
   // posted to it, and nothing queued for it goes out later. An address a live peer shares (a
-  // process restarted there) is left alone; failed peers sharing one get the new entries, and
-  // so is a rail whose provider cannot cut reads in flight (can_cut()).
+  // process restarted there) is left alone; failed peers sharing one get the new entries.
   void cut(Peer& p);
   // Nothing of p's failed contact is out any more: a contact asked for meanwhile begins.
   void drained(Peer& p);
@@ -92,7 +91,6 @@ class Peers {
   }
 
  private:
-  bool can_cut(Peer& p, size_t rail);
   Peer* find_peer(const std::string& address_bytes, Contact how);  // peer_for without its cache
   void readdress(Peer& p, EngineAddress a, const std::string& address_bytes);
   void revive(Peer& p);

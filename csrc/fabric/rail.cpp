@@ -183,7 +183,6 @@ Rail::Rail(const fi_info* info, size_t cq_size, uint16_t port, const QueryOption
   max_iov_ = shm_fast ? 1 : std::max<size_t>(1, std::min(info_->tx_attr->iov_limit, info_->tx_attr->rma_iov_limit));
   efa_shaped_ = options.efa_shaped;
   if (efa_shaped_) max_iov_ = EfaShape::kRmaIov;
-  cuts_reads_ = prov.rfind("tcp", 0) != 0 || fi_version() >= FI_VERSION(1, 18);
   shares_own_endpoints_ = profile(prov).shares_own_endpoints;
   if (shares_own_endpoints_) own_endpoints().opened();
 }

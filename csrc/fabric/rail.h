@@ -53,11 +53,6 @@ class Rail {
   // and flushes what was posted on them (FI_AV_REMOVE_CLEANUP, info.cpp); the next op to the
   // address connects anew. Returns the entry's new fi_addr (the same one, on most providers).
   fi_addr_t cut(fi_addr_t addr);
-  // False where a cut with an RMA read in flight corrupts the provider: libfabric 1.17's tcp
-  // (tcpx_ep_flush_all_queues) reports and frees a half-received read response twice, once
-  // from its read queue and once as the current receive; rxm then reads freed memory (SIGSEGV
-  // seen in rxm_handle_comp_error). From 1.18 (xnet) the response leaves the queue first.
-  bool cuts_reads() const { return cuts_reads_; }
 
   // access: FI_READ/FI_WRITE/FI_SEND/FI_RECV/FI_REMOTE_READ/FI_REMOTE_WRITE bits.
   // cuda_device < 0 registers host memory.
@@ -119,7 +114,6 @@ class Rail {
   bool peers_must_release_ = false;
   bool target_progress_ = false;
   bool cuda_ipc_ = false;
-  bool cuts_reads_ = true;
   bool shares_own_endpoints_ = false;  // Profile::shares_own_endpoints: see OwnEndpoints
   std::string address_;
   struct AvEntry {
