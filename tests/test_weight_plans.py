@@ -67,3 +67,11 @@ def test_plan_reports_every_unmatched_name_and_shape():
         pw.plan([{"embed": pw.split(full["embed"], 0, 0, 2)}], {"embed": pw.Shard(torch.zeros(97, 64))})
     plan = pw.plan([source], pw.whole(full))
     assert plan.unused == ["value_head"]
+
+
+def test_a_layout_that_names_a_tensor_twice_is_refused():
+    """Layout.from_json (what every receiver reads from the trainer) refuses a name given twice."""
+    entry = ["w", [4], [[0, 4]], "float32"]
+    assert list(pw.Layout.from_json([entry]).specs) == ["w"]
+    with pytest.raises(ValueError, match="names tensor 'w' twice"):
+        pw.Layout.from_json([entry, entry])

@@ -70,6 +70,8 @@ class Layout:
         specs = {}
         try:
             for name, shape, box, dtype in data:
+                if str(name) in specs:
+                    raise ValueError(f"the layout names tensor {str(name)!r} twice")
                 specs[str(name)] = TensorSpec(tuple(int(x) for x in shape), tuple((int(a), int(b)) for a, b in box),
                                               parse_dtype(dtype))
         except (TypeError, ValueError) as e:

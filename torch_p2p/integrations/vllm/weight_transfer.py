@@ -54,8 +54,6 @@ class TorchP2PInitInfo(WeightTransferInitInfo):
         except (TypeError, ValueError):
             raise ValueError(f"leader must be the hex of the trainer's engine address, not {self.leader!r}") from None
         self.tensors = pw.Layout.from_json(self.layout)
-        if len(self.tensors.specs) != len(self.layout):
-            raise ValueError("the layout names a tensor twice")
         if not self.tensors.whole():
             raise ValueError("the trainer's layout must hold whole tensors")
         self.timeout = pw.positive_seconds(self.timeout, "timeout")
